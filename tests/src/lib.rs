@@ -1,0 +1,1 @@
+//! Workspace-level end-to-end and parity tests live in `tests/`.

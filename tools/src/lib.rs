@@ -1,0 +1,1 @@
+//! Shared plumbing for the command-line tools.
