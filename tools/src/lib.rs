@@ -1,1 +1,3 @@
 //! Shared plumbing for the command-line tools.
+
+pub mod synth;

@@ -1,0 +1,1 @@
+//! Synthetic checkpoints (make-model): (in progress)
