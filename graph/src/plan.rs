@@ -1,0 +1,257 @@
+//! A graph bound to a bucket: its topological schedule and its arena layout.
+
+use std::fmt::Write as _;
+
+use petgraph::algo::toposort;
+use petgraph::graph::DiGraph;
+
+use crate::GraphError;
+use crate::builder::{Graph, ValueId, ValueKind};
+
+/// Byte alignment of every arena slot (a cache line is 64; 256 suits the GPU too).
+pub const SLOT_ALIGN: usize = 256;
+
+/// The shape a step is planned for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bucket {
+    /// `batch` tokens, one a sequence, attending over `kv` cache rows.
+    Decode { batch: usize, kv: usize },
+    /// A chunk of `chunk` consecutive tokens of one sequence over `kv` cache rows.
+    Prefill { chunk: usize, kv: usize },
+}
+
+impl Bucket {
+    pub fn n_tokens(&self) -> usize {
+        match *self {
+            Bucket::Decode { batch, .. } => batch,
+            Bucket::Prefill { chunk, .. } => chunk,
+        }
+    }
+
+    pub fn kv(&self) -> usize {
+        match *self {
+            Bucket::Decode { kv, .. } | Bucket::Prefill { kv, .. } => kv,
+        }
+    }
+
+    /// The decode bucket serving a context of `len` rows: the power of two at or above it.
+    pub fn kv_bucket_for(len: usize, min: usize) -> usize {
+        len.max(min).max(1).next_power_of_two()
+    }
+}
+
+/// Which rows of the step get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LogitRows {
+    /// Only the last token's (generation).
+    Last,
+    /// Every token's (scoring, `--dump-logits`).
+    All,
+}
+
+/// What a declaration is asked to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StepShape {
+    pub bucket: Bucket,
+    pub logits: LogitRows,
+}
+
+/// Arena placement of one value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub offset: usize,
+    pub bytes: usize,
+}
+
+/// A schedule and memory layout for one step shape.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub shape: StepShape,
+    pub graph: Graph,
+    /// Node indices in execution order.
+    pub schedule: Vec<usize>,
+    /// Arena slot of every Input and Intermediate value (None for weights and state).
+    pub slots: Vec<Option<Slot>>,
+    pub arena_bytes: usize,
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(SLOT_ALIGN) * SLOT_ALIGN
+}
+
+impl Plan {
+    pub fn new(graph: Graph, shape: StepShape) -> Result<Plan, GraphError> {
+        // The DAG: an edge from the producer of each value to each consumer.
+        let mut dag = DiGraph::<usize, ()>::new();
+        let idx: Vec<_> = (0..graph.nodes.len()).map(|i| dag.add_node(i)).collect();
+        let mut producer = vec![None; graph.values.len()];
+        for (n, node) in graph.nodes.iter().enumerate() {
+            for o in &node.outputs {
+                producer[o.0] = Some(n);
+            }
+        }
+        for (n, node) in graph.nodes.iter().enumerate() {
+            for i in &node.inputs {
+                if let Some(p) = producer[i.0] {
+                    dag.add_edge(idx[p], idx[n], ());
+                }
+            }
+        }
+        let schedule: Vec<usize> = toposort(&dag, None)
+            .map_err(|c| GraphError::Cycle(graph.nodes[dag[c.node_id()]].name.clone()))?
+            .into_iter()
+            .map(|ix| dag[ix])
+            .collect();
+
+        // Lifetimes in schedule steps: [first, last] inclusive.
+        let end = schedule.len();
+        let mut first = vec![usize::MAX; graph.values.len()];
+        let mut last = vec![0usize; graph.values.len()];
+        for (step, &n) in schedule.iter().enumerate() {
+            let node = &graph.nodes[n];
+            for o in &node.outputs {
+                first[o.0] = first[o.0].min(step);
+                last[o.0] = last[o.0].max(step);
+            }
+            for i in &node.inputs {
+                last[i.0] = last[i.0].max(step);
+            }
+        }
+        for (id, v) in graph.values.iter().enumerate() {
+            if v.kind == ValueKind::Input {
+                first[id] = 0;
+            }
+        }
+        for (_, v) in &graph.outputs {
+            last[v.0] = end;
+        }
+
+        // Greedy first-fit, largest values first, among values whose lifetimes overlap.
+        let mut order: Vec<usize> = (0..graph.values.len())
+            .filter(|&i| {
+                let v = &graph.values[i];
+                v.alias_of.is_none() && matches!(v.kind, ValueKind::Input | ValueKind::Intermediate)
+            })
+            .collect();
+        let bytes_of = |i: usize| -> Result<usize, GraphError> {
+            graph.values[i]
+                .meta
+                .bytes()
+                .map(align)
+                .ok_or_else(|| GraphError::Unsized(graph.values[i].name.clone()))
+        };
+        let mut sizes = vec![0usize; graph.values.len()];
+        for &i in &order {
+            sizes[i] = bytes_of(i)?;
+        }
+        order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
+        let mut slots: Vec<Option<Slot>> = vec![None; graph.values.len()];
+        let mut placed: Vec<usize> = Vec::new();
+        let mut arena_bytes = 0;
+        for &i in &order {
+            if first[i] == usize::MAX {
+                // Declared but never produced nor consumed: an unused input still gets room.
+                first[i] = 0;
+            }
+            let mut busy: Vec<(usize, usize)> = placed
+                .iter()
+                .filter(|&&j| first[j] <= last[i] && first[i] <= last[j])
+                .filter_map(|&j| slots[j].map(|s| (s.offset, s.offset + s.bytes)))
+                .collect();
+            busy.sort();
+            let mut offset = 0;
+            for (s, e) in busy {
+                if offset + sizes[i] <= s {
+                    break;
+                }
+                offset = offset.max(e);
+            }
+            slots[i] = Some(Slot {
+                offset,
+                bytes: sizes[i],
+            });
+            arena_bytes = arena_bytes.max(offset + sizes[i]);
+            placed.push(i);
+        }
+        Ok(Plan {
+            shape,
+            graph,
+            schedule,
+            slots,
+            arena_bytes,
+        })
+    }
+
+    /// The arena slot of a value, following aliases to the storage they share.
+    pub fn slot(&self, v: ValueId) -> Option<Slot> {
+        self.slots[v.0]
+    }
+
+    /// The value whose storage `v` uses (itself unless it aliases an input).
+    pub fn storage_of(&self, mut v: ValueId) -> ValueId {
+        while let Some(src) = self.graph.values[v.0].alias_of {
+            v = src;
+        }
+        v
+    }
+
+    /// A readable listing: one line per op with shapes, dtypes and arena offsets.
+    pub fn render(&self) -> String {
+        let g = &self.graph;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "plan {:?} logits={:?}: {} ops, arena {} bytes",
+            self.shape.bucket,
+            self.shape.logits,
+            self.schedule.len(),
+            self.arena_bytes
+        );
+        let weights: Vec<_> = g.of_kind(ValueKind::Weight).collect();
+        let weight_bytes: usize = weights.iter().filter_map(|(_, v)| v.meta.bytes()).sum();
+        let _ = writeln!(
+            s,
+            "weights: {} tensors, {} bytes",
+            weights.len(),
+            weight_bytes
+        );
+        for (_, v) in g.of_kind(ValueKind::State) {
+            let _ = writeln!(s, "state {} {}", v.name, v.meta);
+        }
+        let place = |id: ValueId| -> String {
+            let v = g.value(id);
+            match v.kind {
+                ValueKind::Weight => format!("{} {}", v.name, v.meta),
+                ValueKind::State => format!("{} {} (state)", v.name, v.meta),
+                _ => {
+                    let st = self.storage_of(id);
+                    match (st != id, self.slots[st.0]) {
+                        (false, Some(sl)) => format!("{} {} @{}", v.name, v.meta, sl.offset),
+                        (true, _) => format!("{} {} (= {})", v.name, v.meta, g.value(st).name),
+                        (false, None) => format!("{} {}", v.name, v.meta),
+                    }
+                }
+            }
+        };
+        for (_, v) in g.of_kind(ValueKind::Input) {
+            let id = g.find(&v.name).unwrap_or(ValueId(0));
+            let _ = writeln!(s, "input {}", place(id));
+        }
+        for (step, &n) in self.schedule.iter().enumerate() {
+            let node = &g.nodes[n];
+            let ins: Vec<String> = node.inputs.iter().map(|&i| place(i)).collect();
+            let outs: Vec<String> = node.outputs.iter().map(|&o| place(o)).collect();
+            let _ = writeln!(
+                s,
+                "{step:4} {}\n       in:  {}\n       out: {}",
+                node.op.describe(),
+                ins.join(", "),
+                outs.join(", ")
+            );
+        }
+        for (name, v) in &g.outputs {
+            let _ = writeln!(s, "output {name} = {}", g.value(*v).name);
+        }
+        s
+    }
+}
