@@ -1,1 +1,730 @@
-//! (in progress)
+//! Routed experts (spec §3.7) with reproducible sums (seed §4).
+//!
+//! `Router` picks each token's experts, `RoutePlan` sorts the `n·top_k` routes by expert into
+//! a static-size CSR table, `ExpertSwiGlu` and `ExpertDown` run every route of an expert
+//! together (its weight rows are read once per chunk) and write one row per route, and
+//! `TopKSum` adds each token's routes in slot order. No output element has two writers and
+//! no sum depends on scheduling, so a chunk gives the same bits on every run and thread count.
+
+use std::fmt;
+
+use rayon::prelude::*;
+
+use crate::cpu::{dot, matmul};
+use crate::mla::{check_views, expect, expect_inputs, expect_weight, nonzero, weight_bytes};
+use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
+use crate::{Op, OpError};
+
+/// llama.cpp's floor for the sum the top-k weights are normalised by: 6.103515625e-5 = 2⁻¹⁴,
+/// the smallest normal f16.
+pub const NORM_GUARD: f32 = 1.0 / 16384.0;
+
+/// `σ(z)` in f32, as ggml's sigmoid.
+#[inline]
+fn sigmoid(z: f32) -> f32 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+/// `silu(z) = z·σ(z)` in f32, as ggml's `ggml_silu_f32`.
+#[inline]
+fn silu(z: f32) -> f32 {
+    z / (1.0 + (-z).exp())
+}
+
+fn too_big(op: &'static str, what: &str, v: usize) -> Result<(), OpError> {
+    if v > i32::MAX as usize {
+        return Err(OpError::shape(
+            op,
+            format!("{what} {v} does not fit an I32 index"),
+        ));
+    }
+    Ok(())
+}
+
+// ---- Router --------------------------------------------------------------------------
+
+/// How router logits become expert scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    Sigmoid,
+    Softmax,
+}
+
+impl fmt::Display for Gating {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Gating::Sigmoid => "sigmoid",
+            Gating::Softmax => "softmax",
+        })
+    }
+}
+
+/// Top-k expert selection (spec §3.7, llama.cpp `build_moe_ffn`).
+///
+/// Scores `p = gating(W·z)` in f32; the `top_k` largest `p + bias` are chosen in descending
+/// order (ties: lower expert id first); the weights are the *unbiased* `p` of those experts,
+/// divided by `max(Σ, 6.103515625e-5)` when `norm_topk`, then multiplied by `scale`.
+///
+/// Inputs: z F32 `[n, D]`, W F32 `[n_expert, D]`, optional bias F32 `[n_expert]`.
+/// Outputs: ids I32 `[n, top_k]`, weights F32 `[n, top_k]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Router {
+    pub n_expert: usize,
+    pub top_k: usize,
+    pub gating: Gating,
+    pub norm_topk: bool,
+    pub scale: f32,
+}
+
+impl Router {
+    /// Slice-level form: `z` is `n × d`, `w` is `n_expert × d`, `ids`/`weights` are `n × top_k`.
+    pub fn compute(
+        &self,
+        z: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        d: usize,
+        ids: &mut [i32],
+        weights: &mut [f32],
+    ) -> Result<(), OpError> {
+        let (ne, k) = (self.n_expert, self.top_k);
+        if k == 0 || k > ne || d == 0 {
+            return Err(OpError::Type(format!(
+                "router: top_k {k} must be in 1..={ne} and D {d} > 0"
+            )));
+        }
+        let n = ids.len() / k;
+        if z.len() < n * d
+            || w.len() < ne * d
+            || weights.len() < n * k
+            || bias.is_some_and(|b| b.len() < ne)
+        {
+            return Err(OpError::Type(format!(
+                "router buffers too small for {n} tokens: z {}, W {}, weights {}",
+                z.len(),
+                w.len(),
+                weights.len()
+            )));
+        }
+        ids[..n * k]
+            .par_chunks_mut(k)
+            .zip(weights[..n * k].par_chunks_mut(k))
+            .zip(z[..n * d].par_chunks(d))
+            .for_each(|((ids, wts), zt)| {
+                let mut p: Vec<f32> = w[..ne * d].chunks_exact(d).map(|r| dot(r, zt)).collect();
+                match self.gating {
+                    Gating::Sigmoid => p.iter_mut().for_each(|x| *x = sigmoid(*x)),
+                    Gating::Softmax => {
+                        let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                        let mut sum = 0f32;
+                        for x in p.iter_mut() {
+                            *x = (*x - max).exp();
+                            sum += *x;
+                        }
+                        let inv = 1.0 / sum;
+                        p.iter_mut().for_each(|x| *x *= inv);
+                    }
+                }
+                let sel: Vec<f32> = match bias {
+                    Some(b) => p.iter().zip(b).map(|(&x, &b)| x + b).collect(),
+                    None => p.clone(),
+                };
+                let mut order: Vec<usize> = (0..ne).collect();
+                order.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
+                for (j, &e) in order[..k].iter().enumerate() {
+                    ids[j] = e as i32;
+                    wts[j] = p[e];
+                }
+                if self.norm_topk {
+                    let sum = wts.iter().fold(0f32, |s, &x| s + x).max(NORM_GUARD);
+                    wts.iter_mut().for_each(|x| *x /= sum);
+                }
+                wts.iter_mut().for_each(|x| *x *= self.scale);
+            });
+        Ok(())
+    }
+}
+
+impl Op for Router {
+    fn name(&self) -> &'static str {
+        "router"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("n_expert", self.n_expert), ("top_k", self.top_k)])?;
+        if self.top_k > self.n_expert {
+            return Err(OpError::shape(
+                op,
+                format!("top_k {} exceeds n_expert {}", self.top_k, self.n_expert),
+            ));
+        }
+        if !(2..=3).contains(&inputs.len()) {
+            return Err(OpError::shape(
+                op,
+                format!("takes 2 or 3 inputs (z, W, bias), got {}", inputs.len()),
+            ));
+        }
+        let z = inputs[0];
+        if z.dtype != DType::F32 || z.shape.len() != 2 || z.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("z must be F32[n, D] with D > 0, found {z}"),
+            ));
+        }
+        let (n, d) = (z.shape[0], z.shape[1]);
+        expect(op, "W", inputs[1], DType::F32, &[self.n_expert, d])?;
+        if let Some(b) = inputs.get(2) {
+            expect(op, "bias", b, DType::F32, &[self.n_expert])?;
+        }
+        Ok(vec![
+            TensorMeta::i32([n, self.top_k]),
+            TensorMeta::f32([n, self.top_k]),
+        ])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_views(self, inputs, outputs)?;
+        let d = inputs[0].meta.inner();
+        let z = inputs[0].f32()?;
+        let w = inputs[1].f32()?;
+        let bias = inputs.get(2).map(|b| b.f32()).transpose()?;
+        let (ids, wts) = outputs.split_at_mut(1);
+        self.compute(z, w, bias, d, ids[0].i32_mut()?, wts[0].f32_mut()?)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "router n_expert={} top_k={} gating={} norm_topk={} scale={:?}",
+            self.n_expert, self.top_k, self.gating, self.norm_topk, self.scale
+        )
+    }
+}
+
+// ---- RoutePlan -----------------------------------------------------------------------
+
+/// Sorts the routes by expert (ties in slot order, slot = `t·top_k + j`) into a CSR table.
+///
+/// Input: ids I32 `[n, top_k]`. Outputs: offsets I32 `[n_expert+1]` (expert `e`'s routes are
+/// `offsets[e]..offsets[e+1]`), route_token I32 `[n·top_k]`, route_slot I32 `[n·top_k]`.
+/// Every size is static; an id outside `[0, n_expert)` is an `OpError::Data`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoutePlan {
+    pub n_expert: usize,
+    pub top_k: usize,
+}
+
+impl RoutePlan {
+    /// Slice-level form: a stable counting sort of the slots by expert.
+    pub fn compute(
+        &self,
+        ids: &[i32],
+        offsets: &mut [i32],
+        route_token: &mut [i32],
+        route_slot: &mut [i32],
+    ) -> Result<(), OpError> {
+        let (ne, k) = (self.n_expert, self.top_k);
+        let r = ids.len();
+        if k == 0
+            || offsets.len() < ne + 1
+            || route_token.len() < r
+            || route_slot.len() < r
+            || r > i32::MAX as usize
+        {
+            return Err(OpError::Type(format!(
+                "route_plan buffers do not fit {r} routes of {ne} experts (top_k {k})"
+            )));
+        }
+        let mut count = vec![0usize; ne + 1];
+        for (s, &e) in ids.iter().enumerate() {
+            if e < 0 || e as usize >= ne {
+                return Err(OpError::data(
+                    "route_plan",
+                    format!(
+                        "expert id {e} of token {} slot {} is outside [0, {ne})",
+                        s / k,
+                        s % k
+                    ),
+                ));
+            }
+            count[e as usize + 1] += 1;
+        }
+        for e in 0..ne {
+            count[e + 1] += count[e];
+        }
+        for (o, &c) in offsets.iter_mut().zip(&count) {
+            *o = c as i32;
+        }
+        let mut cursor = count;
+        for (s, &e) in ids.iter().enumerate() {
+            let at = &mut cursor[e as usize];
+            route_token[*at] = (s / k) as i32;
+            route_slot[*at] = s as i32;
+            *at += 1;
+        }
+        Ok(())
+    }
+}
+
+impl Op for RoutePlan {
+    fn name(&self) -> &'static str {
+        "route_plan"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("n_expert", self.n_expert), ("top_k", self.top_k)])?;
+        expect_inputs(op, inputs, 1)?;
+        let n = inputs[0].shape.first().copied().unwrap_or(0);
+        expect(op, "ids", inputs[0], DType::I32, &[n, self.top_k])?;
+        let r = n * self.top_k;
+        too_big(op, "route count", r)?;
+        too_big(op, "n_expert", self.n_expert)?;
+        Ok(vec![
+            TensorMeta::i32([self.n_expert + 1]),
+            TensorMeta::i32([r]),
+            TensorMeta::i32([r]),
+        ])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_views(self, inputs, outputs)?;
+        let ids = inputs[0].i32()?;
+        let [off, tok, slot] = outputs else {
+            return Err(OpError::Type("route_plan writes 3 outputs".into()));
+        };
+        self.compute(ids, off.i32_mut()?, tok.i32_mut()?, slot.i32_mut()?)
+    }
+
+    fn describe(&self) -> String {
+        format!("route_plan n_expert={} top_k={}", self.n_expert, self.top_k)
+    }
+}
+
+// ---- grouped experts -----------------------------------------------------------------
+
+/// A stacked `[n_expert, n_out, n_in]` expert weight as stored (expert `e` outermost).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertStack<'a> {
+    pub data: &'a [u8],
+    pub dtype: DType,
+    pub n_in: usize,
+}
+
+impl<'a> ExpertStack<'a> {
+    /// The stack a weight view holds, rows of `n_in` values.
+    pub fn of(t: &HostTensor<'a>, n_in: usize) -> Result<Self, OpError> {
+        Ok(ExpertStack {
+            data: weight_bytes(t)?,
+            dtype: t.meta.dtype,
+            n_in,
+        })
+    }
+
+    /// Expert `e`'s `n_out` rows.
+    fn expert(&self, e: usize, n_out: usize) -> Result<&'a [u8], OpError> {
+        let row = self.dtype.row_bytes(self.n_in).ok_or_else(|| {
+            OpError::Type(format!(
+                "{} rows of {} are not whole blocks",
+                self.dtype, self.n_in
+            ))
+        })?;
+        let size = row * n_out;
+        self.data.get(e * size..(e + 1) * size).ok_or_else(|| {
+            OpError::Type(format!(
+                "expert {e} lies past the {} bytes of its stacked weight",
+                self.data.len()
+            ))
+        })
+    }
+}
+
+/// Checks a CSR table against `n_expert` and `r` routes and returns it as `usize` bounds.
+fn csr(
+    op: &'static str,
+    offsets: &[i32],
+    n_expert: usize,
+    r: usize,
+) -> Result<Vec<usize>, OpError> {
+    if offsets.len() < n_expert + 1 {
+        return Err(OpError::Type(format!(
+            "{op}: offsets has {} entries, {} needed",
+            offsets.len(),
+            n_expert + 1
+        )));
+    }
+    let off = &offsets[..n_expert + 1];
+    let bad =
+        off[0] != 0 || off[n_expert] as i64 != r as i64 || off.windows(2).any(|p| p[1] < p[0]);
+    if bad {
+        return Err(OpError::data(
+            op,
+            format!("offsets must rise from 0 to the route count {r}, found {off:?}"),
+        ));
+    }
+    Ok(off.iter().map(|&o| o as usize).collect())
+}
+
+/// Splits `buf` into each non-empty expert's rows (`width` values a route).
+fn per_expert<'b>(
+    buf: &'b mut [f32],
+    off: &[usize],
+    width: usize,
+) -> Vec<(usize, std::ops::Range<usize>, &'b mut [f32])> {
+    let mut rest = buf;
+    let mut parts = Vec::new();
+    for e in 0..off.len() - 1 {
+        let (a, b) = std::mem::take(&mut rest).split_at_mut((off[e + 1] - off[e]) * width);
+        rest = b;
+        if !a.is_empty() {
+            parts.push((e, off[e]..off[e + 1], a));
+        }
+    }
+    parts
+}
+
+/// `act[r] = silu(Wg_e·z[tok_r]) ⊙ (Wu_e·z[tok_r])` for every route `r` of every expert `e`,
+/// in sorted route order, kept f32 (this product is what overflows f16; seed §2).
+///
+/// Inputs: z F32 `[n, D]`, gate_exps and up_exps `[n_expert, n_ff, D]` (any weight type),
+/// offsets I32 `[n_expert+1]`, route_token I32 `[R]`. Output: act F32 `[R, n_ff]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertSwiGlu {
+    pub n_expert: usize,
+    pub n_ff: usize,
+}
+
+impl ExpertSwiGlu {
+    /// Slice-level form: `z` is `n × gate.n_in`; `act` is `route_token.len() × n_ff`.
+    pub fn compute(
+        &self,
+        z: &[f32],
+        gate: ExpertStack<'_>,
+        up: ExpertStack<'_>,
+        offsets: &[i32],
+        route_token: &[i32],
+        act: &mut [f32],
+    ) -> Result<(), OpError> {
+        let op = "expert_swiglu";
+        let (d, nf, r) = (gate.n_in, self.n_ff, route_token.len());
+        if d == 0 || up.n_in != d || act.len() < r * nf {
+            return Err(OpError::Type(format!(
+                "{op}: D {d} (up {}), act {} values for {r} routes of {nf}",
+                up.n_in,
+                act.len()
+            )));
+        }
+        let n = z.len() / d;
+        let off = csr(op, offsets, self.n_expert, r)?;
+        if let Some((r, &t)) = route_token
+            .iter()
+            .enumerate()
+            .find(|&(_, &t)| t < 0 || t as usize >= n)
+        {
+            return Err(OpError::data(
+                op,
+                format!("route {r} names token {t}, outside [0, {n})"),
+            ));
+        }
+        per_expert(&mut act[..r * nf], &off, nf)
+            .into_par_iter()
+            .try_for_each(|(e, routes, a)| {
+                let m = routes.len();
+                let mut x = Vec::with_capacity(m * d);
+                for &t in &route_token[routes] {
+                    let t = t as usize;
+                    x.extend_from_slice(&z[t * d..(t + 1) * d]);
+                }
+                let mut g = vec![0f32; m * nf];
+                matmul(gate.expert(e, nf)?, gate.dtype, nf, d, &x, m, &mut g)?;
+                matmul(up.expert(e, nf)?, up.dtype, nf, d, &x, m, a)?;
+                for (a, &g) in a.iter_mut().zip(&g) {
+                    *a *= silu(g);
+                }
+                Ok(())
+            })
+    }
+}
+
+impl Op for ExpertSwiGlu {
+    fn name(&self) -> &'static str {
+        "expert_swiglu"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("n_expert", self.n_expert), ("n_ff", self.n_ff)])?;
+        expect_inputs(op, inputs, 5)?;
+        let z = inputs[0];
+        if z.dtype != DType::F32 || z.shape.len() != 2 || z.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("z must be F32[n, D] with D > 0, found {z}"),
+            ));
+        }
+        let d = z.shape[1];
+        let shape = [self.n_expert, self.n_ff, d];
+        expect_weight(op, "gate_exps", inputs[1], &shape)?;
+        expect_weight(op, "up_exps", inputs[2], &shape)?;
+        expect(op, "offsets", inputs[3], DType::I32, &[self.n_expert + 1])?;
+        let r = inputs[4].shape.first().copied().unwrap_or(0);
+        expect(op, "route_token", inputs[4], DType::I32, &[r])?;
+        Ok(vec![TensorMeta::f32([r, self.n_ff])])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_views(self, inputs, outputs)?;
+        let d = inputs[0].meta.inner();
+        self.compute(
+            inputs[0].f32()?,
+            ExpertStack::of(&inputs[1], d)?,
+            ExpertStack::of(&inputs[2], d)?,
+            inputs[3].i32()?,
+            inputs[4].i32()?,
+            outputs[0].f32_mut()?,
+        )
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "expert_swiglu n_expert={} n_ff={}",
+            self.n_expert, self.n_ff
+        )
+    }
+}
+
+/// `out[r] = Wd_e · act[r]` for every route `r` of every expert `e`: one row per route.
+///
+/// Inputs: act F32 `[R, n_ff]`, down_exps `[n_expert, n_embd, n_ff]` (any weight type),
+/// offsets I32 `[n_expert+1]`. Output: F32 `[R, n_embd]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertDown {
+    pub n_expert: usize,
+    pub n_embd: usize,
+}
+
+impl ExpertDown {
+    /// Slice-level form: `act` is `R × down.n_in`, `out` is `R × n_embd` with `R = offsets[n_expert]`.
+    pub fn compute(
+        &self,
+        act: &[f32],
+        down: ExpertStack<'_>,
+        offsets: &[i32],
+        out: &mut [f32],
+    ) -> Result<(), OpError> {
+        let op = "expert_down";
+        let (nf, ne) = (down.n_in, self.n_embd);
+        let r = offsets.get(self.n_expert).map_or(0, |&o| o.max(0) as usize);
+        if nf == 0 || act.len() < r * nf || out.len() < r * ne {
+            return Err(OpError::Type(format!(
+                "{op}: act {} values, out {} values for {r} routes ({nf} → {ne})",
+                act.len(),
+                out.len()
+            )));
+        }
+        let off = csr(op, offsets, self.n_expert, r)?;
+        per_expert(&mut out[..r * ne], &off, ne)
+            .into_par_iter()
+            .try_for_each(|(e, routes, y)| {
+                let m = routes.len();
+                let x = &act[routes.start * nf..routes.end * nf];
+                matmul(down.expert(e, ne)?, down.dtype, ne, nf, x, m, y)
+            })
+    }
+}
+
+impl Op for ExpertDown {
+    fn name(&self) -> &'static str {
+        "expert_down"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("n_expert", self.n_expert), ("n_embd", self.n_embd)])?;
+        expect_inputs(op, inputs, 3)?;
+        let act = inputs[0];
+        if act.dtype != DType::F32 || act.shape.len() != 2 || act.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("act must be F32[R, n_ff] with n_ff > 0, found {act}"),
+            ));
+        }
+        let (r, nf) = (act.shape[0], act.shape[1]);
+        expect_weight(
+            op,
+            "down_exps",
+            inputs[1],
+            &[self.n_expert, self.n_embd, nf],
+        )?;
+        expect(op, "offsets", inputs[2], DType::I32, &[self.n_expert + 1])?;
+        Ok(vec![TensorMeta::f32([r, self.n_embd])])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_views(self, inputs, outputs)?;
+        let r = inputs[0].meta.shape[0];
+        let down = ExpertStack::of(&inputs[1], inputs[0].meta.inner())?;
+        let offsets = inputs[2].i32()?;
+        // The table must cover exactly the routes the activation holds.
+        if offsets
+            .get(self.n_expert)
+            .is_some_and(|&o| o as i64 != r as i64)
+        {
+            return Err(OpError::data(
+                "expert_down",
+                format!(
+                    "offsets end at {:?}, the activation has {r} routes",
+                    offsets.get(self.n_expert)
+                ),
+            ));
+        }
+        self.compute(inputs[0].f32()?, down, offsets, outputs[0].f32_mut()?)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "expert_down n_expert={} n_embd={}",
+            self.n_expert, self.n_embd
+        )
+    }
+}
+
+// ---- TopKSum -------------------------------------------------------------------------
+
+/// `out[t] = Σ_{j=0..top_k} weights[t][j] · route_out[route of slot t·top_k+j]`, summed in
+/// slot order starting from the first term (as llama.cpp's chain of adds).
+///
+/// Inputs: route_out F32 `[R, D]`, route_slot I32 `[R]` (a permutation of `0..R`), weights
+/// F32 `[n, top_k]` with `R = n·top_k`. Output: F32 `[n, D]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopKSum {
+    pub top_k: usize,
+}
+
+impl TopKSum {
+    /// Slice-level form: `route_out` is `R × d`, `weights` is `n × top_k`, `out` is `n × d`.
+    pub fn compute(
+        &self,
+        route_out: &[f32],
+        d: usize,
+        route_slot: &[i32],
+        weights: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), OpError> {
+        let op = "topk_sum";
+        let k = self.top_k;
+        let r = route_slot.len();
+        if k == 0 || d == 0 || !r.is_multiple_of(k) {
+            return Err(OpError::Type(format!(
+                "{op}: {r} routes are not whole tokens of top_k {k} (D {d})"
+            )));
+        }
+        let n = r / k;
+        if route_out.len() < r * d || weights.len() < r || out.len() < n * d {
+            return Err(OpError::Type(format!(
+                "{op} buffers too small for {n} tokens: route_out {}, weights {}, out {}",
+                route_out.len(),
+                weights.len(),
+                out.len()
+            )));
+        }
+        let mut route_of = vec![usize::MAX; r];
+        for (route, &s) in route_slot.iter().enumerate() {
+            let slot = usize::try_from(s).ok().filter(|&s| s < r);
+            match slot.map(|s| &mut route_of[s]) {
+                Some(at) if *at == usize::MAX => *at = route,
+                _ => {
+                    return Err(OpError::data(
+                        op,
+                        format!("route {route} names slot {s}: out of [0, {r}) or taken twice"),
+                    ));
+                }
+            }
+        }
+        out[..n * d]
+            .par_chunks_mut(d)
+            .enumerate()
+            .for_each(|(t, o)| {
+                for j in 0..k {
+                    let w = weights[t * k + j];
+                    let ro = route_of[t * k + j];
+                    let src = &route_out[ro * d..(ro + 1) * d];
+                    if j == 0 {
+                        o.iter_mut().zip(src).for_each(|(o, &x)| *o = w * x);
+                    } else {
+                        o.iter_mut().zip(src).for_each(|(o, &x)| *o += w * x);
+                    }
+                }
+            });
+        Ok(())
+    }
+}
+
+impl Op for TopKSum {
+    fn name(&self) -> &'static str {
+        "topk_sum"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("top_k", self.top_k)])?;
+        expect_inputs(op, inputs, 3)?;
+        let ro = inputs[0];
+        if ro.dtype != DType::F32 || ro.shape.len() != 2 || ro.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("route_out must be F32[R, D] with D > 0, found {ro}"),
+            ));
+        }
+        let (r, d) = (ro.shape[0], ro.shape[1]);
+        expect(op, "route_slot", inputs[1], DType::I32, &[r])?;
+        let n = inputs[2].shape.first().copied().unwrap_or(0);
+        expect(op, "weights", inputs[2], DType::F32, &[n, self.top_k])?;
+        if n * self.top_k != r {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "route_out has {r} routes, weights {n} tokens × top_k {}",
+                    self.top_k
+                ),
+            ));
+        }
+        Ok(vec![TensorMeta::f32([n, d])])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_views(self, inputs, outputs)?;
+        let d = inputs[0].meta.inner();
+        self.compute(
+            inputs[0].f32()?,
+            d,
+            inputs[1].i32()?,
+            inputs[2].f32()?,
+            outputs[0].f32_mut()?,
+        )
+    }
+
+    fn describe(&self) -> String {
+        format!("topk_sum top_k={}", self.top_k)
+    }
+}

@@ -1,0 +1,562 @@
+//! Absorbed MLA (spec §3.5, §5): the five ops chained against the expanded HF form in f64,
+//! causal masking, decode against chunked prefill, and cache-write errors.
+
+use half::bf16;
+use ops::mla::{KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut};
+use ops::rope::{RopeParams, Yarn, kq_scale};
+use ops::{DType, HostTensor, HostTensorMut, Op, OpError, TensorMeta};
+use proptest::prelude::*;
+
+// ---- harness: tensors in 4-byte-aligned storage, ops run through the `Op` trait ----------
+
+#[derive(Clone, Debug)]
+struct Buf {
+    meta: TensorMeta,
+    words: Vec<u32>,
+}
+
+impl Buf {
+    fn f32(shape: &[usize], v: &[f32]) -> Buf {
+        assert_eq!(shape.iter().product::<usize>(), v.len());
+        Buf {
+            meta: TensorMeta::f32(shape),
+            words: v.iter().map(|x| x.to_bits()).collect(),
+        }
+    }
+
+    fn i32(shape: &[usize], v: &[i32]) -> Buf {
+        Buf {
+            meta: TensorMeta::i32(shape),
+            words: v.iter().map(|&x| x as u32).collect(),
+        }
+    }
+
+    fn raw(meta: TensorMeta, bytes: &[u8]) -> Buf {
+        let words = bytes
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                u32::from_le_bytes(w)
+            })
+            .collect();
+        Buf { meta, words }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: u32 storage viewed as its bytes; u8 has no alignment or validity needs.
+        unsafe {
+            std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.words.len() * 4)
+        }
+    }
+
+    fn f32s(&self) -> Vec<f32> {
+        self.words.iter().map(|&w| f32::from_bits(w)).collect()
+    }
+}
+
+fn bytes_mut(w: &mut [u32]) -> &mut [u8] {
+    // SAFETY: as `Buf::bytes`, exclusively borrowed.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr() as *mut u8, w.len() * 4) }
+}
+
+/// Runs `op` into the given output buffers.
+fn run_into(op: &dyn Op, inputs: &[&Buf], mut outs: Vec<Buf>) -> Result<Vec<Buf>, OpError> {
+    let ins: Vec<HostTensor<'_>> = inputs
+        .iter()
+        .map(|b| HostTensor::new(&b.meta, b.bytes()))
+        .collect();
+    let mut views: Vec<HostTensorMut<'_>> = outs
+        .iter_mut()
+        .map(|b| HostTensorMut::new(&b.meta, bytes_mut(&mut b.words)))
+        .collect();
+    op.cpu(&ins, &mut views)?;
+    drop(views);
+    Ok(outs)
+}
+
+/// Runs `op` into fresh outputs poisoned with NaN, so an unwritten element shows.
+fn run(op: &dyn Op, inputs: &[&Buf]) -> Result<Vec<Buf>, OpError> {
+    let metas: Vec<&TensorMeta> = inputs.iter().map(|b| &b.meta).collect();
+    let outs = op
+        .infer(&metas)?
+        .into_iter()
+        .map(|m| Buf {
+            words: vec![f32::NAN.to_bits(); m.numel()],
+            meta: m,
+        })
+        .collect();
+    run_into(op, inputs, outs)
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.unit()).collect()
+    }
+}
+
+// ---- the model under test ----------------------------------------------------------------
+
+const FACTOR: f64 = 4.0;
+
+struct Mla {
+    h: usize,
+    nope: usize,
+    rope: usize,
+    lora: usize,
+    vh: usize,
+    p: RopeParams,
+    kb: Vec<f32>,
+    vb: Vec<f32>,
+    kb_buf: Buf,
+    vb_buf: Buf,
+    norm_w: Vec<f32>,
+}
+
+impl Mla {
+    /// Random weights; with `bf16`, `Kb`/`Vb` are stored as BF16 and `kb`/`vb` hold their values.
+    fn new(
+        h: usize,
+        nope: usize,
+        rope: usize,
+        lora: usize,
+        vh: usize,
+        bf16_weights: bool,
+        rng: &mut Rng,
+    ) -> Mla {
+        let p = RopeParams::yarn(
+            rope,
+            10000.0,
+            &Yarn {
+                factor: FACTOR as f32,
+                n_ctx_orig: 4096,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 1.0,
+                mscale_all_dim: 1.0,
+            },
+        );
+        let mut kb = rng.vec(h * lora * nope);
+        let mut vb = rng.vec(h * vh * lora);
+        let store = |v: &mut Vec<f32>, shape: [usize; 3]| -> Buf {
+            if bf16_weights {
+                let q: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+                *v = q.iter().map(|x| x.to_f32()).collect();
+                let bytes: Vec<u8> = q.iter().flat_map(|x| x.to_le_bytes()).collect();
+                Buf::raw(TensorMeta::new(shape, DType::BF16), &bytes)
+            } else {
+                Buf::f32(&shape, v)
+            }
+        };
+        let kb_buf = store(&mut kb, [h, lora, nope]);
+        let vb_buf = store(&mut vb, [h, vh, lora]);
+        let norm_w = (0..lora).map(|_| 0.5 + rng.unit().abs()).collect();
+        Mla {
+            h,
+            nope,
+            rope,
+            lora,
+            vh,
+            p,
+            kb,
+            vb,
+            kb_buf,
+            vb_buf,
+            norm_w,
+        }
+    }
+
+    fn w(&self) -> usize {
+        self.lora + self.rope
+    }
+
+    fn q_width(&self) -> usize {
+        self.h * (self.nope + self.rope)
+    }
+
+    fn scale(&self) -> f32 {
+        kq_scale(&self.p, 1.0, self.nope + self.rope)
+    }
+
+    /// One chunk through MlaKv → KvCacheWrite → MlaQuery → MlaAttention → MlaValueOut.
+    fn chunk(&self, cache: &mut Buf, q: &[f32], kv: &[f32], pos: &[i32]) -> Vec<f32> {
+        let n = pos.len();
+        let posb = Buf::i32(&[n], pos);
+        let kv_op = MlaKv {
+            kv_lora: self.lora,
+            qk_rope: self.rope,
+            eps: 1e-6,
+            rope: self.p,
+        };
+        let norm = Buf::f32(&[self.lora], &self.norm_w);
+        let k = run(&kv_op, &[&Buf::f32(&[n, self.w()], kv), &norm, &posb])
+            .unwrap()
+            .remove(0);
+        // The executor gives input 0 and output 0 one buffer; here the output starts as the cache.
+        *cache = run_into(
+            &KvCacheWrite,
+            &[&cache.clone(), &k, &posb],
+            vec![cache.clone()],
+        )
+        .unwrap()
+        .remove(0);
+        let q_op = MlaQuery {
+            n_head: self.h,
+            qk_nope: self.nope,
+            qk_rope: self.rope,
+            kv_lora: self.lora,
+            rope: self.p,
+        };
+        let qq = run(
+            &q_op,
+            &[&Buf::f32(&[n, self.q_width()], q), &self.kb_buf, &posb],
+        )
+        .unwrap()
+        .remove(0);
+        let att = MlaAttention {
+            n_head: self.h,
+            kv_lora: self.lora,
+            kq_scale: self.scale(),
+        };
+        let o_lat = run(&att, &[&qq, cache, &posb]).unwrap().remove(0);
+        let vo = MlaValueOut {
+            n_head: self.h,
+            kv_lora: self.lora,
+            v_head: self.vh,
+        };
+        run(&vo, &[&o_lat, &self.vb_buf]).unwrap().remove(0).f32s()
+    }
+
+    /// The HF expanded form in f64 for the token at position `i` (tokens `0..=i` given):
+    /// `k_nope = KbT·ckv`, `v = Vb·ckv`, score `(q_nope·k_nope + q_pe·k_pe)·scale`.
+    fn expanded(&self, qs: &[Vec<f32>], kvs: &[Vec<f32>], i: usize) -> Vec<f64> {
+        let (h, nope, rope, lora, vh) = (self.h, self.nope, self.rope, self.lora, self.vh);
+        let qk = nope + rope;
+        let ckv: Vec<Vec<f64>> = kvs[..=i]
+            .iter()
+            .map(|kv| {
+                let x: Vec<f64> = kv[..lora].iter().map(|&v| v as f64).collect();
+                let ms = x.iter().map(|v| v * v).sum::<f64>() / lora as f64;
+                let r = 1.0 / (ms + 1e-6).sqrt();
+                x.iter()
+                    .zip(&self.norm_w)
+                    .map(|(v, &w)| v * r * w as f64)
+                    .collect()
+            })
+            .collect();
+        let kpe: Vec<Vec<f64>> = kvs[..=i]
+            .iter()
+            .enumerate()
+            .map(|(t, kv)| rope_f64(&kv[lora..], t as f64, rope))
+            .collect();
+        let m = 1.0 + 0.1 * FACTOR.ln();
+        let scale = m * m / (qk as f64).sqrt();
+        let mut out = vec![0f64; h * vh];
+        for hh in 0..h {
+            let qrow = &qs[i][hh * qk..(hh + 1) * qk];
+            let qn: Vec<f64> = qrow[..nope].iter().map(|&v| v as f64).collect();
+            let qpe = rope_f64(&qrow[nope..], i as f64, rope);
+            let mut scores = Vec::new();
+            let mut vals = Vec::new();
+            for t in 0..=i {
+                let knope: Vec<f64> = (0..nope)
+                    .map(|d| {
+                        (0..lora)
+                            .map(|c| self.kb[(hh * lora + c) * nope + d] as f64 * ckv[t][c])
+                            .sum()
+                    })
+                    .collect();
+                let v: Vec<f64> = (0..vh)
+                    .map(|j| {
+                        (0..lora)
+                            .map(|c| self.vb[(hh * vh + j) * lora + c] as f64 * ckv[t][c])
+                            .sum()
+                    })
+                    .collect();
+                let s: f64 = qn.iter().zip(&knope).map(|(a, b)| a * b).sum::<f64>()
+                    + qpe.iter().zip(&kpe[t]).map(|(a, b)| a * b).sum::<f64>();
+                scores.push(s * scale);
+                vals.push(v);
+            }
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (p, v) in e.iter().zip(&vals) {
+                for j in 0..vh {
+                    out[hh * vh + j] += p / sum * v[j];
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Spec §3.5 rope in f64 (adjacent pairs, YaRN blend, magnitude 1), for factor 4 / orig 4096.
+fn rope_f64(v: &[f32], pos: f64, n_rot: usize) -> Vec<f64> {
+    let base: f64 = 1e4;
+    let c = |beta: f64| {
+        n_rot as f64 * (4096.0 / (2.0 * std::f64::consts::PI * beta)).ln() / (2.0 * base.ln())
+    };
+    let (lo, hi) = (
+        c(32.0).floor().max(0.0),
+        c(1.0).ceil().min(n_rot as f64 - 1.0),
+    );
+    let mut out: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+    for i in 0..n_rot / 2 {
+        let tx = pos * base.powf(-2.0 * i as f64 / n_rot as f64);
+        let ramp = 1.0 - ((i as f64 - lo) / (hi - lo).max(0.001)).clamp(0.0, 1.0);
+        let th = tx / FACTOR * (1.0 - ramp) + tx * ramp;
+        let (a, b) = (out[2 * i], out[2 * i + 1]);
+        out[2 * i] = a * th.cos() - b * th.sin();
+        out[2 * i + 1] = a * th.sin() + b * th.cos();
+    }
+    out
+}
+
+fn empty_cache(ctx: usize, w: usize) -> Buf {
+    Buf::f32(&[ctx, w], &vec![0.0; ctx * w])
+}
+
+fn flat(rows: &[Vec<f32>]) -> Vec<f32> {
+    rows.concat()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn the_absorbed_form_equals_the_expanded_form(
+        h in 1usize..4,
+        nope in 1usize..7,
+        rope_pairs in 1usize..5,
+        lora in 1usize..9,
+        vh in 1usize..6,
+        t in 1usize..10,
+        split in 0usize..10,
+        extra in 0usize..5,
+        bf in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed | 1);
+        let m = Mla::new(h, nope, 2 * rope_pairs, lora, vh, bf, &mut rng);
+        let qs: Vec<Vec<f32>> = (0..t).map(|_| rng.vec(m.q_width())).collect();
+        let kvs: Vec<Vec<f32>> = (0..t).map(|_| rng.vec(m.w())).collect();
+        let s = split.min(t);
+        let mut cache = empty_cache(t + extra, m.w());
+        // Positions [0, s) as one earlier chunk, then [s, t) as the chunk under test.
+        if s > 0 {
+            let pos: Vec<i32> = (0..s as i32).collect();
+            m.chunk(&mut cache, &flat(&qs[..s]), &flat(&kvs[..s]), &pos);
+        }
+        let pos: Vec<i32> = (s as i32..t as i32).collect();
+        let got = m.chunk(&mut cache, &flat(&qs[s..]), &flat(&kvs[s..]), &pos);
+        for (r, i) in (s..t).enumerate() {
+            let want = m.expanded(&qs, &kvs, i);
+            let mag = want.iter().fold(1f64, |a, &b| a.max(b.abs()));
+            for (j, w) in want.iter().enumerate() {
+                let g = got[r * h * vh + j] as f64;
+                prop_assert!((g - w).abs() <= 2e-5 * mag, "token {} elem {}: {} vs {}", i, j, g, w);
+            }
+        }
+    }
+}
+
+#[test]
+fn cache_rows_past_a_querys_position_do_not_change_its_output() {
+    let mut rng = Rng(0x5eed);
+    let (nh, w, lora, ctx) = (3, 12, 8, 16);
+    let att = MlaAttention {
+        n_head: nh,
+        kv_lora: lora,
+        kq_scale: 0.3,
+    };
+    let rows = rng.vec(ctx * w);
+    for p in [0usize, 3, 7, ctx - 1] {
+        let q = Buf::f32(&[1, nh, w], &rng.vec(nh * w));
+        let pos = Buf::i32(&[1], &[p as i32]);
+        let mut zeros = rows.clone();
+        let mut huge = rows.clone();
+        for (i, (z, hv)) in zeros
+            .iter_mut()
+            .zip(huge.iter_mut())
+            .enumerate()
+            .skip((p + 1) * w)
+        {
+            *z = 0.0;
+            *hv = if i % 2 == 0 { 1e30 } else { -1e30 };
+        }
+        let a = run(&att, &[&q, &Buf::f32(&[ctx, w], &zeros), &pos])
+            .unwrap()
+            .remove(0);
+        let b = run(&att, &[&q, &Buf::f32(&[ctx, w], &huge), &pos])
+            .unwrap()
+            .remove(0);
+        assert_eq!(a.words, b.words, "position {p}");
+        assert!(a.f32s().iter().all(|x| x.is_finite()));
+        // The test can fail: a row at the position itself does move the output.
+        zeros[p * w] += 1.0;
+        let c = run(&att, &[&q, &Buf::f32(&[ctx, w], &zeros), &pos])
+            .unwrap()
+            .remove(0);
+        assert_ne!(a.words, c.words, "position {p}");
+    }
+}
+
+#[test]
+fn decoding_one_token_at_a_time_equals_a_chunked_prefill() {
+    let mut rng = Rng(0xdec0de);
+    let m = Mla::new(2, 4, 4, 8, 3, true, &mut rng);
+    let (s, n, ctx) = (3usize, 5usize, 16usize);
+    let qs: Vec<Vec<f32>> = (0..s + n).map(|_| rng.vec(m.q_width())).collect();
+    let kvs: Vec<Vec<f32>> = (0..s + n).map(|_| rng.vec(m.w())).collect();
+    let mut prefix = empty_cache(ctx, m.w());
+    let pos0: Vec<i32> = (0..s as i32).collect();
+    m.chunk(&mut prefix, &flat(&qs[..s]), &flat(&kvs[..s]), &pos0);
+
+    let mut chunked = prefix.clone();
+    let pos: Vec<i32> = (s as i32..(s + n) as i32).collect();
+    let a = m.chunk(&mut chunked, &flat(&qs[s..]), &flat(&kvs[s..]), &pos);
+
+    let mut stepped = prefix;
+    let mut b = Vec::new();
+    for i in s..s + n {
+        b.extend(m.chunk(&mut stepped, &qs[i], &kvs[i], &[i as i32]));
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a), bits(&b));
+    assert_eq!(chunked.words, stepped.words);
+}
+
+#[test]
+fn kv_cache_write_refuses_a_position_outside_the_cache_and_writes_nothing() {
+    let (ctx, w) = (4, 3);
+    let before: Vec<f32> = (0..ctx * w).map(|i| i as f32).collect();
+    let k = Buf::f32(&[2, w], &[9.0; 6]);
+    for bad in [4, -1, i32::MAX] {
+        let cache = Buf::f32(&[ctx, w], &before);
+        let pos = Buf::i32(&[2], &[1, bad]);
+        let mut outs = [cache.clone()];
+        let ins: Vec<HostTensor<'_>> = [&cache, &k, &pos]
+            .iter()
+            .map(|b| HostTensor::new(&b.meta, b.bytes()))
+            .collect();
+        let err = {
+            let mut views: Vec<HostTensorMut<'_>> = outs
+                .iter_mut()
+                .map(|b| HostTensorMut::new(&b.meta, bytes_mut(&mut b.words)))
+                .collect();
+            KvCacheWrite.cpu(&ins, &mut views).unwrap_err()
+        };
+        match err {
+            OpError::Data { op, msg } => {
+                assert_eq!(op, "kv_cache_write");
+                assert!(msg.contains(&bad.to_string()), "{msg}");
+            }
+            other => panic!("expected a data error, got {other:?}"),
+        }
+        assert_eq!(outs[0].f32s(), before, "position {bad}");
+    }
+}
+
+#[test]
+fn kv_cache_write_updates_its_output_in_place_without_reading_the_aliased_input() {
+    assert_eq!(KvCacheWrite.aliases(), &[(0, 0)]);
+    let (ctx, w) = (4, 2);
+    let live: Vec<f32> = (0..ctx * w).map(|i| i as f32).collect();
+    let poisoned = Buf::f32(&[ctx, w], &[f32::NAN; 8]);
+    let k = Buf::f32(&[1, w], &[-5.0, -6.0]);
+    let pos = Buf::i32(&[1], &[2]);
+    let out = run_into(
+        &KvCacheWrite,
+        &[&poisoned, &k, &pos],
+        vec![Buf::f32(&[ctx, w], &live)],
+    )
+    .unwrap()
+    .remove(0);
+    assert_eq!(out.f32s(), vec![0.0, 1.0, 2.0, 3.0, -5.0, -6.0, 6.0, 7.0]);
+}
+
+#[test]
+fn attention_refuses_a_position_past_the_cache() {
+    let att = MlaAttention {
+        n_head: 1,
+        kv_lora: 2,
+        kq_scale: 1.0,
+    };
+    let q = Buf::f32(&[1, 1, 3], &[0.0; 3]);
+    let cache = empty_cache(4, 3);
+    let err = run(&att, &[&q, &cache, &Buf::i32(&[1], &[4])]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OpError::Data {
+                op: "mla_attention",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_query_of_the_wrong_width_is_a_shape_error_naming_it() {
+    let mut rng = Rng(7);
+    let m = Mla::new(2, 4, 4, 8, 3, false, &mut rng);
+    let op = MlaQuery {
+        n_head: 2,
+        qk_nope: 4,
+        qk_rope: 4,
+        kv_lora: 8,
+        rope: m.p,
+    };
+    let q = TensorMeta::f32([1, 15]);
+    let pos = TensorMeta::i32([1]);
+    match op.infer(&[&q, &m.kb_buf.meta, &pos]) {
+        Err(OpError::Shape { op, msg }) => {
+            assert_eq!(op, "mla_query");
+            assert!(msg.starts_with("q must be F32[1,16]"), "{msg}");
+        }
+        other => panic!("expected a shape error, got {other:?}"),
+    }
+}
+
+#[test]
+fn describe_lists_every_parameter() {
+    let mut rng = Rng(7);
+    let m = Mla::new(2, 4, 4, 8, 3, false, &mut rng);
+    let d = MlaQuery {
+        n_head: 2,
+        qk_nope: 4,
+        qk_rope: 4,
+        kv_lora: 8,
+        rope: m.p,
+    }
+    .describe();
+    for want in [
+        "mla_query",
+        "n_head=2",
+        "qk_nope=4",
+        "qk_rope=4",
+        "kv_lora=8",
+        "n_rot=4",
+        "freq_scale=0.25",
+        "n_ctx_orig=4096",
+    ] {
+        assert!(d.contains(want), "{d}");
+    }
+    assert!(!d.contains('\n'));
+}
