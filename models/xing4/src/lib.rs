@@ -1,1 +1,106 @@
+//! Xing4.0 (`xing4_0`): the DeepSeek-V2 trunk with four residual streams mixed by
+//! manifold-constrained hyper-connections (spec §3). Reads like the spec's §3.0:
+//!
+//! ```text
+//! H = repeat(E[token], 4)
+//! per layer: x, post, C = hc_pre(H); H = hc_post(attn(rms(x)), H, post, C)
+//!            x, post, C = hc_pre(H); H = hc_post(ffn(rms(x)),  H, post, C)
+//! logits = W_out · rms(mean(H))
+//! ```
+//!
+//! Declarations only: no kernels, no loops over data.
 
+use deepseek2::Trunk;
+use graph::{GraphBuilder, GraphError, ModelDecl, StepShape, ValueId};
+use loader::hparams::HParams;
+use ops::hc::{HcExpand, HcPost, HcPre, StreamMean};
+use ops::norm::RmsNorm;
+
+/// Spec §1.2: the comb-logit clamp comes from config.json; ±30 when it is absent.
+pub const DEFAULT_COMB_CLAMP: f32 = 30.0;
+
+#[derive(Clone, Debug)]
+pub struct Xing4 {
+    pub trunk: Trunk,
+    pub hc: usize,
+    pub sinkhorn_iters: usize,
+    pub hc_eps: f32,
+    pub clamp: f32,
+}
+
+impl Xing4 {
+    /// `None` when the header has no hyper-connection keys (not a xing4_0 file).
+    pub fn new(h: HParams, clamp: f32) -> Option<Self> {
+        let hc = h.hc.clone()?;
+        Some(Xing4 {
+            trunk: Trunk::new(h),
+            hc: hc.count,
+            sinkhorn_iters: hc.sinkhorn_iters,
+            hc_eps: hc.eps,
+            clamp,
+        })
+    }
+
+    /// `hc_pre` of one HC set (`hc_attn` / `hc_ffn`): the collapsed sub-layer input,
+    /// the post gates and the comb matrix.
+    fn hc_pre(
+        &self,
+        b: &mut GraphBuilder<'_>,
+        layer: usize,
+        set: &str,
+        streams: ValueId,
+    ) -> Result<[ValueId; 3], GraphError> {
+        let f = b.weight(&format!("blk.{layer}.{set}_fn.weight"))?;
+        let base = b.weight(&format!("blk.{layer}.{set}_base.weight"))?;
+        let scale = b.weight(&format!("blk.{layer}.{set}_scale.weight"))?;
+        let pre = HcPre {
+            hc: self.hc,
+            sinkhorn_iters: self.sinkhorn_iters,
+            rms_eps: self.trunk.h.rms_eps,
+            hc_eps: self.hc_eps,
+            clamp: self.clamp,
+        };
+        b.opn(&format!("{set}_pre"), pre, &[streams, f, base, scale])
+    }
+}
+
+impl ModelDecl for Xing4 {
+    fn arch(&self) -> &str {
+        "xing4_0"
+    }
+
+    fn declare(&self, b: &mut GraphBuilder<'_>, shape: &StepShape) -> Result<(), GraphError> {
+        let t = &self.trunk;
+        let (tokens, positions) = t.inputs(b, shape);
+        let e = t.embed(b, tokens)?;
+        let mut streams = b.op1("hc_expand", HcExpand { hc: self.hc }, &[e])?;
+        for layer in 0..t.h.n_layer {
+            streams = b.scope(&format!("blk.{layer}"), |b| -> Result<ValueId, GraphError> {
+                let w_attn_norm = b.weight(&format!("blk.{layer}.attn_norm.weight"))?;
+                let w_ffn_norm = b.weight(&format!("blk.{layer}.ffn_norm.weight"))?;
+                let eps = t.h.rms_eps;
+
+                let [x, post, comb] = self.hc_pre(b, layer, "hc_attn", streams)?;
+                let a = b.op1("attn_norm", RmsNorm { eps }, &[x, w_attn_norm])?;
+                let y = t.attention(b, layer, a, positions, shape)?;
+                let streams = b.op1("hc_attn_post", HcPost { hc: self.hc }, &[y, streams, post, comb])?;
+
+                let [x, post, comb] = self.hc_pre(b, layer, "hc_ffn", streams)?;
+                let z = b.op1("ffn_norm", RmsNorm { eps }, &[x, w_ffn_norm])?;
+                let y = t.ffn(b, layer, z)?;
+                b.op1("hc_ffn_post", HcPost { hc: self.hc }, &[y, streams, post, comb])
+            })?;
+        }
+        let h = b.op1("stream_mean", StreamMean { hc: self.hc }, &[streams])?;
+        t.head(b, h, shape)?;
+        Ok(())
+    }
+
+    fn n_vocab(&self) -> usize {
+        self.trunk.h.n_vocab
+    }
+
+    fn state_bytes_per_position(&self) -> usize {
+        self.trunk.h.n_layer * self.trunk.kv_width() * 4
+    }
+}

@@ -1,0 +1,215 @@
+//! The decode loop: prefill, sample, stream, stop.
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use graph::LogitRows;
+use loader::tokenizer::{StreamDecoder, Tokenizer};
+
+use crate::sampling::{Sampler, SamplingParams};
+use crate::{Engine, EngineError};
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends after any of these ids (the id is not part of the text).
+    pub stop_tokens: Vec<u32>,
+    /// Generation ends where the text contains any of these (the stop text is not returned).
+    pub stop_strings: Vec<String>,
+}
+
+/// One generated token, handed to the streaming callback.
+#[derive(Clone, Debug)]
+pub struct TokenEvent<'a> {
+    pub id: u32,
+    /// Text that became final with this token (held back while it might start a stop string).
+    pub text: &'a str,
+    /// The logits row this token was sampled from.
+    pub logits: &'a [f32],
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+    /// The callback asked to stop.
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Rates, with the first decode step apart from the steady ones (seed §6).
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens actually forwarded (fewer than `prompt_tokens` after a prefix hit).
+    pub prefilled_tokens: usize,
+    pub prefill_seconds: f64,
+    pub generated_tokens: usize,
+    pub first_step_seconds: f64,
+    /// Decode steps after the first, and their time.
+    pub steady_steps: usize,
+    pub steady_seconds: f64,
+}
+
+impl Stats {
+    pub fn prefill_tok_per_s(&self) -> f64 {
+        rate(self.prefilled_tokens, self.prefill_seconds)
+    }
+
+    pub fn decode_tok_per_s(&self) -> f64 {
+        rate(self.steady_steps, self.steady_seconds)
+    }
+}
+
+fn rate(n: usize, s: f64) -> f64 {
+    if s > 0.0 { n as f64 / s } else { 0.0 }
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub stats: Stats,
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of some stop string.
+fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut hold = 0;
+    for s in stops {
+        for k in (1..s.len()).rev() {
+            if k <= text.len() && text.is_char_boundary(text.len() - k) && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
+                hold = hold.max(k);
+                break;
+            }
+        }
+    }
+    hold
+}
+
+impl Engine {
+    /// Generates from `req.prompt` after whatever the cache already holds is reset.
+    pub fn generate(
+        &mut self,
+        req: &GenerateRequest,
+        tokenizer: Option<&Tokenizer>,
+        on_token: impl FnMut(TokenEvent<'_>) -> ControlFlow<()>,
+    ) -> Result<Generation, EngineError> {
+        self.reset();
+        self.generate_from(req, 0, tokenizer, on_token)
+    }
+
+    /// Generates from `req.prompt`, reusing the first `reuse` cached positions (the
+    /// caller guarantees they hold that prefix of the prompt; the reset belongs here).
+    pub fn generate_from(
+        &mut self,
+        req: &GenerateRequest,
+        reuse: usize,
+        tokenizer: Option<&Tokenizer>,
+        mut on_token: impl FnMut(TokenEvent<'_>) -> ControlFlow<()>,
+    ) -> Result<Generation, EngineError> {
+        if req.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let reuse = reuse.min(req.prompt.len() - 1).min(self.cached_len());
+        self.truncate(reuse);
+        let mut stats = Stats {
+            prompt_tokens: req.prompt.len(),
+            prefilled_tokens: req.prompt.len() - reuse,
+            ..Stats::default()
+        };
+        let t0 = Instant::now();
+        let mut logits = self.forward(&req.prompt[reuse..], LogitRows::Last)?;
+        stats.prefill_seconds = t0.elapsed().as_secs_f64();
+
+        let mut sampler = Sampler::new(req.sampling.clone());
+        let mut history = req.prompt.clone();
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        let mut emitted = 0usize;
+        let mut decoder = tokenizer.map(|t| StreamDecoder::new(t, true));
+        let mut finish = FinishReason::Length;
+        let max_len = self.config().max_model_len;
+        while tokens.len() < req.max_tokens {
+            let id = sampler.sample(&logits, &history);
+            if req.stop_tokens.contains(&id) {
+                finish = FinishReason::Stop;
+                break;
+            }
+            tokens.push(id);
+            history.push(id);
+            if let Some(d) = decoder.as_mut() {
+                text.push_str(&d.push(id).map_err(|e| EngineError::Tokenizer(e.to_string()))?);
+            }
+            let mut stop_hit = false;
+            if let Some(pos) = req.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
+                text.truncate(pos);
+                stop_hit = true;
+            }
+            let ready = if stop_hit { text.len() } else { text.len() - held_back(&text, &req.stop_strings) };
+            let delta = &text[emitted.min(ready)..ready];
+            let flow = on_token(TokenEvent { id, text: delta, logits: &logits });
+            emitted = emitted.max(ready);
+            if stop_hit {
+                finish = FinishReason::Stop;
+                break;
+            }
+            if flow.is_break() {
+                finish = FinishReason::Cancelled;
+                break;
+            }
+            if tokens.len() >= req.max_tokens || self.cached_len() + 1 > max_len {
+                finish = FinishReason::Length;
+                break;
+            }
+            let t = Instant::now();
+            logits = self.forward(&[id], LogitRows::Last)?;
+            let dt = t.elapsed().as_secs_f64();
+            if tokens.len() == 1 {
+                stats.first_step_seconds = dt;
+            } else {
+                stats.steady_steps += 1;
+                stats.steady_seconds += dt;
+            }
+        }
+        if let Some(d) = decoder.as_mut() {
+            if finish != FinishReason::Stop || text.len() == emitted {
+                text.push_str(&d.finish());
+            }
+        }
+        stats.generated_tokens = tokens.len();
+        Ok(Generation {
+            tokens,
+            text,
+            finish,
+            stats,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held_back;
+
+    #[test]
+    fn a_partial_stop_string_is_held_back() {
+        let stops = vec!["</s>".to_string(), "END".to_string()];
+        assert_eq!(held_back("hello </", &stops), 2);
+        assert_eq!(held_back("hello EN", &stops), 2);
+        assert_eq!(held_back("hello", &stops), 0);
+    }
+}

@@ -1,0 +1,240 @@
+//! Token sampling on the host: greedy, temperature, top-k, top-p, min-p and a
+//! repetition penalty, reproducible from a seed.
+
+/// How the next token is chosen from a logits row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// 0 means no top-k cut.
+    pub top_k: usize,
+    /// 1.0 means no nucleus cut.
+    pub top_p: f32,
+    /// 0.0 means no min-p cut.
+    pub min_p: f32,
+    /// 1.0 means no penalty (llama.cpp / HF semantics: positive logits divided, negative multiplied).
+    pub repetition_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    /// A field outside its range, named as an API request would name it.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!("temperature must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// splitmix64: small, fast, and the same sequence on every platform.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// First index of the largest value; NaN never wins.
+pub fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in row.iter().enumerate() {
+        if v > best_v {
+            best_v = v;
+            best = i;
+        }
+    }
+    best
+}
+
+/// Stateful sampler: holds the RNG so a seeded generation is reproducible.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = Rng::new(params.seed);
+        Sampler { params, rng }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Chooses a token from `logits`, penalising ids in `history`.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        let mut row: Vec<f32> = logits.to_vec();
+        if p.repetition_penalty != 1.0 {
+            let mut seen = history.to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for &t in &seen {
+                if let Some(v) = row.get_mut(t as usize) {
+                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                }
+            }
+        }
+        if p.temperature <= 0.0 {
+            return argmax(&row) as u32;
+        }
+        // Candidates sorted by logit, descending; ties by id for determinism.
+        let mut cand: Vec<(u32, f32)> = row
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.is_finite())
+            .map(|(i, &v)| (i as u32, v / p.temperature))
+            .collect();
+        if cand.is_empty() {
+            return argmax(&row) as u32;
+        }
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.truncate(p.top_k);
+        }
+        let max = cand[0].1;
+        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|q| *q /= total);
+        if p.min_p > 0.0 {
+            let floor = probs[0] * p.min_p as f64;
+            let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
+            probs.truncate(keep);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, q) in probs.iter().enumerate() {
+                acc += q;
+                if acc >= p.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+        }
+        let total: f64 = probs.iter().sum();
+        let mut u = self.rng.next_f64() * total;
+        for (i, q) in probs.iter().enumerate() {
+            if u < *q {
+                return cand[i].0;
+            }
+            u -= q;
+        }
+        cand[probs.len() - 1].0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&[0.0, 2.0, 2.0, f32::NAN], &[]), 1);
+    }
+
+    #[test]
+    fn the_repetition_penalty_can_move_the_argmax() {
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(p);
+        assert_eq!(s.sample(&[1.0, 1.5, -3.0], &[1]), 0);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_tokens_and_cuts_are_respected() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 5,
+            seed: 7,
+            ..SamplingParams::default()
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p.clone());
+            (0..100).map(|_| s.sample(&logits, &[])).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p);
+            (0..100).map(|_| s.sample(&logits, &[])).collect()
+        };
+        assert_eq!(a, b);
+        let mut sorted: Vec<usize> = (0..50).collect();
+        sorted.sort_by(|&x, &y| logits[y].total_cmp(&logits[x]));
+        let top5 = &sorted[..5];
+        assert!(a.iter().all(|t| top5.contains(&(*t as usize))));
+        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1);
+    }
+
+    #[test]
+    fn min_p_and_top_p_keep_only_the_head() {
+        let logits = [10.0f32, 9.9, 0.0, -1.0];
+        for p in [
+            SamplingParams { temperature: 1.0, min_p: 0.5, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_p: 0.9, ..Default::default() },
+        ] {
+            let mut s = Sampler::new(p);
+            for _ in 0..200 {
+                assert!(s.sample(&logits, &[]) < 2);
+            }
+        }
+    }
+
+    #[test]
+    fn out_of_range_values_are_refused_by_name() {
+        let p = SamplingParams { top_p: 0.0, ..Default::default() };
+        assert!(p.validate().unwrap_err().contains("top_p"));
+    }
+}
