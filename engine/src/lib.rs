@@ -56,6 +56,19 @@ impl Default for EngineConfig {
     }
 }
 
+/// Cached positions copied out of an engine: per state buffer, `len` rows.
+#[derive(Clone, Debug, Default)]
+pub struct CacheSnapshot {
+    pub len: usize,
+    pub layers: Vec<(String, Vec<u8>)>,
+}
+
+impl CacheSnapshot {
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|(_, b)| b.len()).sum()
+    }
+}
+
 /// One sequence's state on the CPU backend: the latent KV cache and the plans built so far.
 pub struct Engine {
     model: Arc<Model>,
@@ -115,6 +128,41 @@ impl Engine {
     /// Bytes of the persistent cache.
     pub fn cache_bytes(&self) -> usize {
         self.state.total_bytes()
+    }
+
+    /// Copies the first `len` cached positions of every layer to the host (for
+    /// a prefix store). `len` is clamped to what the cache holds.
+    pub fn snapshot(&self, len: usize) -> CacheSnapshot {
+        let len = len.min(self.len);
+        let rows = self.state.rows().max(1);
+        let mut names: Vec<&str> = self.state.names().collect();
+        names.sort_unstable();
+        let layers = names
+            .iter()
+            .filter_map(|n| self.state.get(n).map(|b| (n.to_string(), b)))
+            .map(|(n, b)| {
+                let row = b.len() / rows;
+                (n, b.bytes()[..row * len].to_vec())
+            })
+            .collect();
+        CacheSnapshot { len, layers }
+    }
+
+    /// Restores the first `len` positions of `snap` (len ≤ snap.len) and makes
+    /// them the whole context.
+    pub fn restore(&mut self, snap: &CacheSnapshot, len: usize) -> Result<(), EngineError> {
+        let len = len.min(snap.len).min(self.config.max_model_len);
+        let rows = self.state.rows().max(1);
+        for (name, bytes) in &snap.layers {
+            let buf = self
+                .state
+                .get_mut(name)
+                .ok_or_else(|| graph::GraphError::MissingState(name.clone()))?;
+            let row = buf.len() / rows;
+            buf.bytes_mut()[..row * len].copy_from_slice(&bytes[..row * len]);
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// The plan for a shape, built once.

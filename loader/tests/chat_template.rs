@@ -1,0 +1,131 @@
+//! Chat templates: the project's Xing4 template against the released rendering (MODEL.md §8), HF
+//! Jinja conventions, and errors.
+
+use loader::chat::{ChatError, ChatMessage, ChatTemplate, XING4_CHAT_TEMPLATE};
+use serde_json::json;
+
+fn two_turns() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("user", "What is the capital of France?"),
+        ChatMessage::new("assistant", "Paris."),
+        ChatMessage::new("user", "And Japan?"),
+    ]
+}
+
+#[test]
+fn xing4_template_renders_the_released_two_turn_example_with_thinking() {
+    let t = ChatTemplate::new(XING4_CHAT_TEMPLATE).unwrap();
+    let out = t.render(&two_turns(), true, true, None).unwrap();
+    assert_eq!(
+        out,
+        "<_system><_user>What is the capital of France?<_bot></think>Paris.<_end>\n<_user>And Japan?<_bot><think>\n"
+    );
+}
+
+#[test]
+fn thinking_off_ends_the_prompt_with_a_closed_think() {
+    let t = ChatTemplate::new(XING4_CHAT_TEMPLATE).unwrap();
+    let out = t.render(&two_turns(), true, false, None).unwrap();
+    assert_eq!(
+        out,
+        "<_system><_user>What is the capital of France?<_bot></think>Paris.<_end>\n<_user>And Japan?<_bot></think>"
+    );
+    let no_prompt = t.render(&two_turns(), false, true, None).unwrap();
+    assert!(no_prompt.ends_with("<_user>And Japan?"), "{no_prompt:?}");
+}
+
+#[test]
+fn a_system_message_fills_the_system_slot() {
+    let t = ChatTemplate::new(XING4_CHAT_TEMPLATE).unwrap();
+    let msgs = [
+        ChatMessage::new("system", "You are terse."),
+        ChatMessage::new("user", "Hi"),
+    ];
+    assert_eq!(
+        t.render(&msgs, true, true, None).unwrap(),
+        "<_system>You are terse.<_user>Hi<_bot><think>\n"
+    );
+}
+
+#[test]
+fn past_reasoning_is_not_replayed() {
+    let t = ChatTemplate::new(XING4_CHAT_TEMPLATE).unwrap();
+    let mut msgs = two_turns();
+    msgs[1].reasoning_content = Some("The user asks about France.".into());
+    let out = t.render(&msgs, true, true, None).unwrap();
+    assert!(!out.contains("The user asks"), "{out:?}");
+}
+
+#[test]
+fn an_unknown_role_raises_an_exception_naming_it() {
+    let t = ChatTemplate::new(XING4_CHAT_TEMPLATE).unwrap();
+    let e = t
+        .render(&[ChatMessage::new("wizard", "hi")], true, true, None)
+        .unwrap_err();
+    match e {
+        ChatError::Raised(msg) => assert!(msg.contains("wizard"), "{msg}"),
+        other => panic!("expected Raised, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_syntax_error_is_reported_when_the_template_is_created() {
+    let e = ChatTemplate::new("{% for m in messages %}{{ m.content }}").unwrap_err();
+    assert!(matches!(e, ChatError::Syntax(_)), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("endfor") || text.contains("end of input"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_render_failure_names_the_template_problem() {
+    let t = ChatTemplate::new("{{ messages[0].content + 1 }}").unwrap();
+    let e = t
+        .render(&[ChatMessage::new("user", "x")], false, true, None)
+        .unwrap_err();
+    assert!(matches!(e, ChatError::Render(_)), "{e:?}");
+    assert!(e.to_string().contains("chat_template"), "{e}");
+}
+
+#[test]
+fn blocks_are_trimmed_and_python_string_methods_work_like_hf() {
+    // trim_blocks drops the newline after a block tag; lstrip_blocks drops indentation before one.
+    let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n{{ m.content.strip() | upper }}\n    {% endif %}\n{% endfor %}";
+    let t = ChatTemplate::new(src).unwrap();
+    let msgs = [
+        ChatMessage::new("user", "  a "),
+        ChatMessage::new("assistant", "x"),
+        ChatMessage::new("user", "b"),
+    ];
+    assert_eq!(t.render(&msgs, false, true, None).unwrap(), "A\nB\n");
+}
+
+#[test]
+fn extra_context_and_special_tokens_reach_the_template() {
+    let src = "{{ bos_token }}{% for t in tools %}[{{ t.name }}]{% endfor %}{{ eos_token }}";
+    let t = ChatTemplate::new(src)
+        .unwrap()
+        .with_special_tokens("<_start>", "<_end>");
+    let extra = json!({"tools": [{"name": "search"}, {"name": "calc"}]});
+    assert_eq!(
+        t.render(&[], false, true, Some(&extra)).unwrap(),
+        "<_start>[search][calc]<_end>"
+    );
+    let override_bos = json!({"bos_token": "B", "tools": []});
+    assert_eq!(
+        t.render(&[], false, true, Some(&override_bos)).unwrap(),
+        "B<_end>"
+    );
+    let e = t.render(&[], false, true, Some(&json!([1]))).unwrap_err();
+    assert!(matches!(e, ChatError::Extra(_)), "{e:?}");
+}
+
+#[test]
+fn extra_context_cannot_replace_the_messages_or_flags() {
+    let t = ChatTemplate::new(XING4_CHAT_TEMPLATE).unwrap();
+    let extra = json!({"messages": [], "add_generation_prompt": false, "enable_thinking": false});
+    let out = t.render(&two_turns(), true, true, Some(&extra)).unwrap();
+    assert!(out.ends_with("<_user>And Japan?<_bot><think>\n"), "{out:?}");
+}
