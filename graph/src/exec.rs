@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+pub use ops::AlignedBuf;
 use ops::{HostTensor, HostTensorMut, TensorMeta};
 
 use crate::GraphError;
@@ -17,50 +18,6 @@ pub trait HostWeights {
 impl HostWeights for HashMap<String, Vec<u8>> {
     fn weight_bytes(&self, name: &str) -> Option<&[u8]> {
         self.get(name).map(|v| v.as_slice())
-    }
-}
-
-/// A zeroed byte buffer aligned for any element type the ops read.
-#[derive(Clone, Debug, Default)]
-pub struct AlignedBuf {
-    words: Vec<u128>,
-    len: usize,
-}
-
-impl AlignedBuf {
-    pub fn zeroed(len: usize) -> Self {
-        AlignedBuf {
-            words: vec![0u128; len.div_ceil(16)],
-            len,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the words own at least `len` initialized bytes; u8 has alignment 1.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
-    }
-
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, uniquely borrowed.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
-    }
-
-    pub fn f32s(&self) -> &[f32] {
-        // SAFETY: 16-byte aligned storage, length rounded down to whole f32s.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const f32, self.len / 4) }
-    }
-
-    pub fn f32s_mut(&mut self) -> &mut [f32] {
-        // SAFETY: as above, uniquely borrowed.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut f32, self.len / 4) }
     }
 }
 

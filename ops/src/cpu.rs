@@ -3,8 +3,8 @@
 
 use rayon::prelude::*;
 
-use crate::tensor::DType;
 use crate::OpError;
+use crate::tensor::DType;
 
 /// Weight rows handed to one rayon task; large enough to amortize the scheduling.
 const ROWS_PER_TASK: usize = 16;
@@ -51,7 +51,11 @@ pub fn matmul(
             let mut scratch = vec![0f32; n_in];
             let mut local = vec![0f32; (o1 - o0) * n_tok];
             for o in o0..o1 {
-                loader::quant::dequantize_row(ty, &w[o * row_bytes..(o + 1) * row_bytes], &mut scratch);
+                loader::quant::dequantize_row(
+                    ty,
+                    &w[o * row_bytes..(o + 1) * row_bytes],
+                    &mut scratch,
+                );
                 for t in 0..n_tok {
                     local[(o - o0) * n_tok + t] = dot(&scratch, &x[t * n_in..(t + 1) * n_in]);
                 }

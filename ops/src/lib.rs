@@ -4,6 +4,7 @@
 pub mod cpu;
 pub mod elementwise;
 pub mod embedding;
+pub mod gpu;
 pub mod hc;
 pub mod head;
 pub mod linear;
@@ -11,8 +12,9 @@ pub mod mla;
 pub mod moe;
 pub mod norm;
 mod op;
+pub mod parity;
 pub mod rope;
 pub mod tensor;
 
 pub use op::{Op, OpError};
-pub use tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
+pub use tensor::{AlignedBuf, DType, HostTensor, HostTensorMut, TensorMeta};

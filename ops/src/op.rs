@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch};
 use crate::tensor::{HostTensor, HostTensorMut, TensorMeta};
 
 /// Why an operator refused its inputs or could not run.
@@ -16,6 +17,9 @@ pub enum OpError {
     /// Data that a shape rule cannot see: a token id past the vocabulary, a position past the cache.
     #[error("{op}: {msg}")]
     Data { op: &'static str, msg: String },
+    /// The device layer failed (driver, compile, launch).
+    #[error("device: {0}")]
+    Device(String),
     /// The backend has no implementation of this operator.
     #[error("{op} has no {backend} implementation")]
     Unsupported {
@@ -69,6 +73,32 @@ pub trait Op: fmt::Debug + Send + Sync {
 
     /// One stable line for snapshots: the name and every parameter.
     fn describe(&self) -> String;
+
+    /// The CUDA kernel(s): enqueued on `ctx.device`'s stream with no host
+    /// synchronization and no allocation (a captured graph replays exactly these
+    /// launches). `scratch` has `cuda_scratch_bytes` bytes. Inputs and outputs follow
+    /// the same rules as `cpu` (an aliased input's view is the output's storage; read
+    /// it only through the output).
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        let _ = (ctx, inputs, outputs, scratch);
+        Err(OpError::Unsupported {
+            op: self.name(),
+            backend: "cuda",
+        })
+    }
+
+    /// Device scratch the CUDA implementation needs for these inputs (split-K
+    /// partials, route tables), planned by the graph like any other value.
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        let _ = inputs;
+        0
+    }
 
     /// `(output, input)` pairs that share storage. Empty for most ops.
     fn aliases(&self) -> &'static [(usize, usize)] {

@@ -1,0 +1,76 @@
+//! The CUDA side of the operator contract: device views of tensors, the context
+//! kernels are launched with, and the parity harness every kernel is tested by.
+
+use std::sync::Arc;
+
+use cuda::{Blas, Device, Kernel, KernelCache};
+
+use crate::OpError;
+use crate::tensor::TensorMeta;
+
+/// A tensor in device memory: its metadata and its address. Views carry no
+/// lifetime on the device side; the executor keeps the storage alive.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceTensor<'a> {
+    pub meta: &'a TensorMeta,
+    /// Device address of the first byte.
+    pub ptr: u64,
+    /// Bytes available at `ptr`.
+    pub bytes: usize,
+}
+
+/// Scratch memory an op asked for (`Op::cuda_scratch_bytes`), valid for one launch sequence.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scratch {
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+/// What a kernel launch needs: the device (and its stream), the NVRTC kernel cache
+/// and a cuBLAS handle.
+pub struct GpuCtx {
+    pub device: Device,
+    pub kernels: KernelCache,
+    pub blas: Arc<Blas>,
+}
+
+impl std::fmt::Debug for GpuCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuCtx({})", self.device.name())
+    }
+}
+
+impl GpuCtx {
+    pub fn new(device: Device) -> Result<GpuCtx, OpError> {
+        let kernels = KernelCache::new(&device).map_err(dev_err)?;
+        let blas = Arc::new(Blas::new(&device).map_err(dev_err)?);
+        Ok(GpuCtx {
+            device,
+            kernels,
+            blas,
+        })
+    }
+
+    /// Opens GPU `ordinal`, or says why not.
+    pub fn open(ordinal: usize) -> Result<GpuCtx, OpError> {
+        GpuCtx::new(Device::open(ordinal).map_err(dev_err)?)
+    }
+
+    /// The kernel `name` from a CUDA C source (compiled once per process, cached on disk).
+    pub fn kernel(&self, source_name: &str, source: &str, name: &str) -> Result<Kernel, OpError> {
+        self.kernels
+            .get(source_name, source, &[name])
+            .and_then(|m| m.kernel(name))
+            .map_err(dev_err)
+    }
+}
+
+/// Converts a device-layer error into an op error.
+pub fn dev_err(e: cuda::CudaError) -> OpError {
+    OpError::Device(e.to_string())
+}
+
+/// Grid size for `n` items at `per_block` items a block.
+pub fn blocks_for(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block.max(1)).max(1) as u32
+}

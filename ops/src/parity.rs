@@ -1,0 +1,320 @@
+//! The parity harness: runs an op's CPU reference and its CUDA kernel on the same
+//! inputs and compares. Outputs are poisoned before each run (NaN / i32::MIN on the
+//! host, all-ones bytes on the device) so an element a kernel forgets to write fails,
+//! and NaN never passes.
+
+use std::fmt;
+
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch, dev_err};
+use crate::tensor::{AlignedBuf, DType, HostTensor, HostTensorMut, TensorMeta};
+use crate::{Op, OpError};
+
+/// Allowed difference: `|gpu − cpu| ≤ abs + rel·|cpu|` per element.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tolerance {
+    pub rel: f32,
+    pub abs: f32,
+}
+
+impl Tolerance {
+    /// The kernel computes in f32 like the reference.
+    pub const F32: Tolerance = Tolerance {
+        rel: 1e-5,
+        abs: 1e-6,
+    };
+    /// The kernel narrows an operand to f16.
+    pub const F16: Tolerance = Tolerance {
+        rel: 4e-3,
+        abs: 1e-4,
+    };
+    /// The kernel narrows an operand to bf16.
+    pub const BF16: Tolerance = Tolerance {
+        rel: 4e-2,
+        abs: 1e-3,
+    };
+
+    pub fn new(rel: f32, abs: f32) -> Self {
+        Tolerance { rel, abs }
+    }
+}
+
+/// One input of a parity case: metadata and host bytes.
+#[derive(Clone, Debug)]
+pub struct HostValue {
+    pub meta: TensorMeta,
+    pub data: AlignedBuf,
+}
+
+impl HostValue {
+    pub fn from_bytes(meta: TensorMeta, bytes: &[u8]) -> Self {
+        let mut data = AlignedBuf::zeroed(bytes.len());
+        data.bytes_mut().copy_from_slice(bytes);
+        HostValue { meta, data }
+    }
+
+    pub fn f32(shape: impl Into<Vec<usize>>, v: &[f32]) -> Self {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Self::from_bytes(TensorMeta::f32(shape), &bytes)
+    }
+
+    pub fn i32(shape: impl Into<Vec<usize>>, v: &[i32]) -> Self {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Self::from_bytes(TensorMeta::i32(shape), &bytes)
+    }
+
+    pub fn view(&self) -> HostTensor<'_> {
+        HostTensor::new(&self.meta, self.data.bytes())
+    }
+}
+
+/// The worst element seen in a comparison.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ParityReport {
+    pub elements: usize,
+    pub max_abs: f32,
+    /// Largest `|gpu − cpu| / max(|cpu|, abs)`.
+    pub max_rel: f32,
+}
+
+impl fmt::Display for ParityReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} elements, max |Δ| {:.3e}, max rel {:.3e}",
+            self.elements, self.max_abs, self.max_rel
+        )
+    }
+}
+
+fn poison_host(meta: &TensorMeta) -> Result<AlignedBuf, OpError> {
+    let bytes = meta
+        .bytes()
+        .ok_or_else(|| OpError::Type(format!("{meta} is not whole blocks")))?;
+    let mut b = AlignedBuf::zeroed(bytes);
+    let fill: u32 = if meta.dtype == DType::I32 {
+        i32::MIN as u32
+    } else {
+        f32::NAN.to_bits()
+    };
+    for c in b.bytes_mut().chunks_mut(4) {
+        let f = fill.to_le_bytes();
+        c.copy_from_slice(&f[..c.len()]);
+    }
+    Ok(b)
+}
+
+/// Output buffers for `op`: poisoned, except outputs that alias an input, which
+/// start as that input (the op updates them in place).
+fn initial_outputs(
+    op: &dyn Op,
+    inputs: &[HostValue],
+    metas: &[TensorMeta],
+) -> Result<Vec<AlignedBuf>, OpError> {
+    metas
+        .iter()
+        .enumerate()
+        .map(|(k, m)| match op.aliases().iter().find(|(o, _)| *o == k) {
+            Some(&(_, i)) => Ok(inputs[i].data.clone()),
+            None => poison_host(m),
+        })
+        .collect()
+}
+
+/// Runs the CPU reference; returns the outputs.
+pub fn run_cpu(
+    op: &dyn Op,
+    inputs: &[HostValue],
+) -> Result<Vec<(TensorMeta, AlignedBuf)>, OpError> {
+    let in_metas: Vec<&TensorMeta> = inputs.iter().map(|v| &v.meta).collect();
+    let metas = op.infer(&in_metas)?;
+    let mut outs = initial_outputs(op, inputs, &metas)?;
+    let aliased: Vec<usize> = op.aliases().iter().map(|&(_, i)| i).collect();
+    let ins: Vec<HostTensor<'_>> = inputs
+        .iter()
+        .enumerate()
+        .map(|(k, v)| {
+            if aliased.contains(&k) {
+                HostTensor::new(&v.meta, &[])
+            } else {
+                v.view()
+            }
+        })
+        .collect();
+    {
+        let mut views: Vec<HostTensorMut<'_>> = metas
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(m, b)| HostTensorMut::new(m, b.bytes_mut()))
+            .collect();
+        op.cpu(&ins, &mut views)?;
+    }
+    Ok(metas.into_iter().zip(outs).collect())
+}
+
+/// Runs the CUDA kernel (uploading the inputs, poisoning the outputs with all-ones
+/// bytes, allocating the scratch it asks for) and downloads the outputs.
+pub fn run_gpu(
+    ctx: &GpuCtx,
+    op: &dyn Op,
+    inputs: &[HostValue],
+) -> Result<Vec<(TensorMeta, Vec<u8>)>, OpError> {
+    let dev = &ctx.device;
+    let in_metas: Vec<&TensorMeta> = inputs.iter().map(|v| &v.meta).collect();
+    let metas = op.infer(&in_metas)?;
+    let mut in_bufs = Vec::with_capacity(inputs.len());
+    for v in inputs {
+        // At least one byte so every input has an address.
+        let mut bytes = v.data.bytes().to_vec();
+        if bytes.is_empty() {
+            bytes.push(0);
+        }
+        in_bufs.push(dev.upload(&bytes).map_err(dev_err)?);
+    }
+    let mut out_bufs = Vec::with_capacity(metas.len());
+    for (k, m) in metas.iter().enumerate() {
+        let n = m
+            .bytes()
+            .ok_or_else(|| OpError::Type(format!("{m} is not whole blocks")))?;
+        let init: Vec<u8> = match op.aliases().iter().find(|(o, _)| *o == k) {
+            Some(&(_, i)) => inputs[i].data.bytes().to_vec(),
+            None => vec![0xFF; n.max(1)],
+        };
+        out_bufs.push(dev.upload(&init).map_err(dev_err)?);
+    }
+    let scratch_bytes = op.cuda_scratch_bytes(&in_metas);
+    let scratch_buf = dev
+        .upload(&vec![0xFFu8; scratch_bytes.max(1)])
+        .map_err(dev_err)?;
+    // An aliased input is handed the output's storage, as the executor does.
+    let in_views: Vec<DeviceTensor<'_>> = inputs
+        .iter()
+        .enumerate()
+        .map(|(k, v)| match op.aliases().iter().find(|(_, i)| *i == k) {
+            Some(&(o, _)) => DeviceTensor {
+                meta: &v.meta,
+                ptr: out_bufs[o].device_ptr(),
+                bytes: out_bufs[o].num_bytes(),
+            },
+            None => DeviceTensor {
+                meta: &v.meta,
+                ptr: in_bufs[k].device_ptr(),
+                bytes: v.data.len(),
+            },
+        })
+        .collect();
+    let out_views: Vec<DeviceTensor<'_>> = metas
+        .iter()
+        .zip(&out_bufs)
+        .map(|(m, b)| DeviceTensor {
+            meta: m,
+            ptr: b.device_ptr(),
+            bytes: m.bytes().unwrap_or(0),
+        })
+        .collect();
+    op.cuda(
+        ctx,
+        &in_views,
+        &out_views,
+        Scratch {
+            ptr: scratch_buf.device_ptr(),
+            bytes: scratch_bytes,
+        },
+    )?;
+    dev.synchronize().map_err(dev_err)?;
+    let mut outs = Vec::with_capacity(metas.len());
+    for (m, b) in metas.into_iter().zip(&out_bufs) {
+        let n = m.bytes().unwrap_or(0);
+        let mut v = b.to_vec().map_err(dev_err)?;
+        v.truncate(n);
+        outs.push((m, v));
+    }
+    Ok(outs)
+}
+
+/// Compares one output. I32 must be equal; floats within `tol`; a NaN on the GPU
+/// side fails unless the reference has a NaN at the same place.
+pub fn compare(
+    meta: &TensorMeta,
+    cpu: &[u8],
+    gpu: &[u8],
+    tol: Tolerance,
+) -> Result<ParityReport, String> {
+    if cpu.len() != gpu.len() {
+        return Err(format!(
+            "{meta}: cpu has {} bytes, gpu {}",
+            cpu.len(),
+            gpu.len()
+        ));
+    }
+    let mut rep = ParityReport {
+        elements: cpu.len() / 4,
+        ..Default::default()
+    };
+    for (i, (c, g)) in cpu.chunks_exact(4).zip(gpu.chunks_exact(4)).enumerate() {
+        let c4 = [c[0], c[1], c[2], c[3]];
+        let g4 = [g[0], g[1], g[2], g[3]];
+        match meta.dtype {
+            DType::I32 => {
+                let (c, g) = (i32::from_le_bytes(c4), i32::from_le_bytes(g4));
+                if c != g {
+                    return Err(format!("{meta} element {i}: cpu {c}, gpu {g}"));
+                }
+            }
+            DType::F32 => {
+                let (c, g) = (f32::from_le_bytes(c4), f32::from_le_bytes(g4));
+                if c.is_nan() && g.is_nan() {
+                    continue;
+                }
+                if g.is_nan() || c.is_nan() {
+                    return Err(format!(
+                        "{meta} element {i}: cpu {c}, gpu {g} (NaN: unwritten or invalid)"
+                    ));
+                }
+                let d = (g - c).abs();
+                if !(d <= tol.abs + tol.rel * c.abs()) {
+                    return Err(format!(
+                        "{meta} element {i}: cpu {c}, gpu {g}, |Δ| {d:.3e} over {tol:?}"
+                    ));
+                }
+                rep.max_abs = rep.max_abs.max(d);
+                rep.max_rel = rep.max_rel.max(d / c.abs().max(tol.abs));
+            }
+            other => {
+                return Err(format!(
+                    "{meta}: parity of {other} outputs is not supported"
+                ));
+            }
+        }
+    }
+    Ok(rep)
+}
+
+/// CPU vs GPU on one case, every output compared.
+pub fn check(
+    ctx: &GpuCtx,
+    op: &dyn Op,
+    inputs: &[HostValue],
+    tol: Tolerance,
+) -> Result<ParityReport, String> {
+    let cpu = run_cpu(op, inputs).map_err(|e| format!("{}: cpu: {e}", op.describe()))?;
+    let gpu = run_gpu(ctx, op, inputs).map_err(|e| format!("{}: cuda: {e}", op.describe()))?;
+    let mut total = ParityReport::default();
+    for ((m, c), (_, g)) in cpu.iter().zip(&gpu) {
+        let r = compare(m, c.bytes(), g, tol).map_err(|e| format!("{}: {e}", op.describe()))?;
+        total.elements += r.elements;
+        total.max_abs = total.max_abs.max(r.max_abs);
+        total.max_rel = total.max_rel.max(r.max_rel);
+    }
+    Ok(total)
+}
+
+/// The GPU for a parity test, or `None` with the reason printed (no driver, no device).
+pub fn test_gpu() -> Option<GpuCtx> {
+    match GpuCtx::open(0) {
+        Ok(ctx) => Some(ctx),
+        Err(e) => {
+            eprintln!("skipped: no CUDA driver/GPU ({e})");
+            None
+        }
+    }
+}
