@@ -2,7 +2,10 @@
 
 use std::fmt::Write as _;
 
-use petgraph::algo::toposort;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use petgraph::Direction;
 use petgraph::graph::DiGraph;
 
 use crate::GraphError;
@@ -97,11 +100,32 @@ impl Plan {
                 }
             }
         }
-        let schedule: Vec<usize> = toposort(&dag, None)
-            .map_err(|c| GraphError::Cycle(graph.nodes[dag[c.node_id()]].name.clone()))?
-            .into_iter()
-            .map(|ix| dag[ix])
+        // Kahn's algorithm, always taking the earliest-declared ready node: the
+        // schedule keeps the model file's order wherever the data flow allows, so a
+        // plan listing reads like the declaration.
+        let mut indegree: Vec<usize> = idx
+            .iter()
+            .map(|&ix| dag.neighbors_directed(ix, Direction::Incoming).count())
             .collect();
+        let mut ready: BinaryHeap<Reverse<usize>> = (0..idx.len())
+            .filter(|&n| indegree[n] == 0)
+            .map(Reverse)
+            .collect();
+        let mut schedule = Vec::with_capacity(idx.len());
+        while let Some(Reverse(n)) = ready.pop() {
+            schedule.push(n);
+            for succ in dag.neighbors_directed(idx[n], Direction::Outgoing) {
+                let m = dag[succ];
+                indegree[m] -= 1;
+                if indegree[m] == 0 {
+                    ready.push(Reverse(m));
+                }
+            }
+        }
+        if schedule.len() != idx.len() {
+            let stuck = (0..idx.len()).find(|&n| indegree[n] > 0).unwrap_or(0);
+            return Err(GraphError::Cycle(graph.nodes[stuck].name.clone()));
+        }
 
         // Lifetimes in schedule steps: [first, last] inclusive.
         let end = schedule.len();
@@ -215,7 +239,10 @@ impl Plan {
             weights.len(),
             weight_bytes
         );
-        for (_, v) in g.of_kind(ValueKind::State) {
+        for (_, v) in g
+            .of_kind(ValueKind::State)
+            .filter(|(_, v)| v.alias_of.is_none())
+        {
             let _ = writeln!(s, "state {} {}", v.name, v.meta);
         }
         let place = |id: ValueId| -> String {

@@ -23,23 +23,40 @@ fn rows(v: &Value) -> Vec<Vec<f64>> {
     v.as_array()
         .unwrap()
         .iter()
-        .map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect())
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
         .collect()
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// ‖ours − ref‖₂ / ‖ref‖₂ over one row.
 fn rel_rms(ours: &[f32], reference: &[f64]) -> f64 {
-    let num: f64 = ours.iter().zip(reference).map(|(a, b)| (*a as f64 - b).powi(2)).sum();
+    let num: f64 = ours
+        .iter()
+        .zip(reference)
+        .map(|(a, b)| (*a as f64 - b).powi(2))
+        .sum();
     let den: f64 = reference.iter().map(|b| b * b).sum();
     (num / den).sqrt()
 }
 
 fn max_abs(ours: &[f32], reference: &[f64]) -> f64 {
-    ours.iter().zip(reference).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max)
+    ours.iter()
+        .zip(reference)
+        .map(|(a, b)| (*a as f64 - b).abs())
+        .fold(0.0, f64::max)
 }
 
 fn argmax64(r: &[f64]) -> usize {
@@ -70,8 +87,17 @@ fn deepseek2_tiny_matches_float64_and_llama_cpp_over_prompt_and_teacher_forced_s
     let mut llama_rows = rows(&r["prompt_logits"]);
     let step_rows = rows(&r["greedy"]["step_logits"]);
     llama_rows.extend(step_rows[1..].iter().cloned());
-    let mut margins: Vec<f64> = r["prompt_top2_margin"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-    margins.extend(r["greedy"]["step_top2_margin"].as_array().unwrap()[1..].iter().map(|x| x.as_f64().unwrap()));
+    let mut margins: Vec<f64> = r["prompt_top2_margin"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    margins.extend(
+        r["greedy"]["step_top2_margin"].as_array().unwrap()[1..]
+            .iter()
+            .map(|x| x.as_f64().unwrap()),
+    );
     let vocab = 512;
 
     let mut e = engine(64);
@@ -94,11 +120,25 @@ fn deepseek2_tiny_matches_float64_and_llama_cpp_over_prompt_and_teacher_forced_s
         worst_f64 = worst_f64.max(vs_f64);
         worst_llama = worst_llama.max(vs_llama);
         worst_abs = worst_abs.max(max_abs(row, &f64_rows[i]));
-        assert!(vs_f64 < 1e-3, "row {i}: relative RMS vs float64 {vs_f64:.2e}");
-        assert!(vs_llama < 0.04, "row {i}: relative RMS vs llama.cpp {vs_llama:.3}");
-        assert_eq!(argmax32(row), argmax64(&f64_rows[i]), "row {i}: argmax vs float64");
+        assert!(
+            vs_f64 < 1e-3,
+            "row {i}: relative RMS vs float64 {vs_f64:.2e}"
+        );
+        assert!(
+            vs_llama < 0.04,
+            "row {i}: relative RMS vs llama.cpp {vs_llama:.3}"
+        );
+        assert_eq!(
+            argmax32(row),
+            argmax64(&f64_rows[i]),
+            "row {i}: argmax vs float64"
+        );
         if margins[i] > 0.1 {
-            assert_eq!(argmax32(row), argmax64(&llama_rows[i]), "row {i}: argmax vs llama.cpp");
+            assert_eq!(
+                argmax32(row),
+                argmax64(&llama_rows[i]),
+                "row {i}: argmax vs llama.cpp"
+            );
         }
     }
     eprintln!(
@@ -119,7 +159,9 @@ fn deepseek2_tiny_free_running_greedy_decoding_agrees_with_llama_cpp() {
         stop_tokens: vec![],
         stop_strings: vec![],
     };
-    let out = e.generate(&req, None, |_| std::ops::ControlFlow::Continue(())).unwrap();
+    let out = e
+        .generate(&req, None, |_| std::ops::ControlFlow::Continue(()))
+        .unwrap();
     assert_eq!(out.tokens, greedy);
 }
 
@@ -129,13 +171,20 @@ fn deepseek2_tiny_long_yarn_prompt_matches_at_position_199() {
     let prompt = ids(&r["prompt_ids"]);
     assert_eq!(prompt.len(), 200);
     let f64_row = &rows(&r["numpy_f64"]["rows"])[0];
-    let llama_row: Vec<f64> = r["last_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let llama_row: Vec<f64> = r["last_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
     // Chunks of 64 as the oracle ran it: absolute positions across chunks.
     let mut e = engine(64);
     let last = e.forward(&prompt, LogitRows::Last).unwrap();
     let vs_f64 = rel_rms(&last, f64_row);
     let vs_llama = rel_rms(&last, &llama_row);
-    eprintln!("yarn-long pos 199: relative RMS vs float64 {vs_f64:.2e}, vs llama.cpp {vs_llama:.4}");
+    eprintln!(
+        "yarn-long pos 199: relative RMS vs float64 {vs_f64:.2e}, vs llama.cpp {vs_llama:.4}"
+    );
     assert!(vs_f64 < 1e-3, "{vs_f64}");
     assert!(vs_llama < 0.04, "{vs_llama}");
     assert_eq!(argmax32(&last), r["last_argmax"].as_u64().unwrap() as usize);
@@ -177,8 +226,14 @@ fn a_second_request_on_a_shared_cache_does_not_see_the_first_one() {
         stop_tokens: vec![],
         stop_strings: vec![],
     };
-    shared.generate(&req, None, |_| std::ops::ControlFlow::Continue(())).unwrap();
-    let req2 = GenerateRequest { prompt: short.to_vec(), max_tokens: 1, ..req };
+    shared
+        .generate(&req, None, |_| std::ops::ControlFlow::Continue(()))
+        .unwrap();
+    let req2 = GenerateRequest {
+        prompt: short.to_vec(),
+        max_tokens: 1,
+        ..req
+    };
     let mut first = Vec::new();
     shared
         .generate(&req2, None, |ev| {

@@ -19,3 +19,31 @@ pub fn cache_dir() -> PathBuf {
         None => std::env::temp_dir().join("xing4-rt"),
     }
 }
+
+/// Bump when the synthetic generator changes what it writes, so cached checkpoints are remade.
+const DEFAULT_CHECKPOINT_VERSION: u32 = 1;
+
+/// The embedded default: the `small` synthetic Xing4.0 checkpoint, made on first use
+/// and cached. Its weights are random.
+pub fn default_checkpoint() -> anyhow::Result<PathBuf> {
+    let dir = cache_dir().join(format!(
+        "models/xing4_0-small-v{DEFAULT_CHECKPOINT_VERSION}"
+    ));
+    if synth::FILES.iter().all(|f| dir.join(f).is_file()) {
+        return Ok(dir);
+    }
+    eprintln!(
+        "making the small synthetic checkpoint once, in {}",
+        dir.display()
+    );
+    let opts = synth::SynthOptions {
+        arch: loader::hparams::Arch::Xing4_0,
+        dims: synth::Dims::preset(synth::Preset::Small),
+        seed: 0,
+        out: dir.clone(),
+        force: true,
+        progress: true,
+    };
+    synth::write_checkpoint(&opts)?;
+    Ok(dir)
+}
