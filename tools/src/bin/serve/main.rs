@@ -1,0 +1,324 @@
+//! `serve`: an OpenAI-compatible HTTP server over one engine (DESIGN §7).
+//!
+//! The engine holds one sequence, so requests are queued in arrival order and decoded one at a
+//! time by a thread that owns it; HTTP runs on tokio. The server listens while the model loads
+//! (`/health` answers 503 until it is ready).
+
+mod api;
+mod metrics;
+mod routes;
+mod sse;
+mod worker;
+
+use std::io::{IsTerminal, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use engine::{Engine, EngineConfig};
+use tools::load::Loaded;
+
+use crate::api::Defaults;
+use crate::metrics::Metrics;
+use engine::prefix::PrefixStore;
+use crate::routes::{App, Ready};
+use crate::worker::ThinkIds;
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "Serve a Xing4.0 (or deepseek2) GGUF checkpoint over the OpenAI API"
+)]
+struct Args {
+    /// A .gguf file or a release directory holding one. Default: the embedded small checkpoint.
+    #[arg(long, short = 'm')]
+    model: Option<PathBuf>,
+    /// The release directory (tokenizer.json, config.json, chat template).
+    #[arg(long)]
+    tokenizer_path: Option<PathBuf>,
+    /// The name clients put in `model`. Default: the release directory's (or file's) name.
+    #[arg(long)]
+    served_model_name: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the address is printed once ready).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// `cpu` (the CUDA backend is not wired into the engine yet).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Positions one sequence may use (prompt + completion); the KV cache is sized for it at
+    /// start-up. Default: 4096, or the checkpoint's context length when that is shorter.
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Host bytes for the prefix store (0 disables it).
+    #[arg(long, default_value_t = 1 << 30)]
+    prefix_cache_bytes: usize,
+    /// Require `Authorization: Bearer <KEY>` on the API endpoints.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Seconds of silence after which a stream (e.g. one waiting in the queue) gets a
+    /// `: keep-alive` comment, so that proxies and clients do not time it out.
+    #[arg(long, default_value_t = 5.0)]
+    sse_keep_alive: f64,
+    /// Tokens per prefill chunk.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.device != "cpu" {
+        bail!(
+            "--device {}: this build serves on the CPU only so far (the CUDA backend is not wired into the engine yet); use --device cpu",
+            args.device
+        );
+    }
+    if !(args.sse_keep_alive.is_finite() && args.sse_keep_alive >= 0.01) {
+        bail!(
+            "--sse-keep-alive {} must be at least 0.01 seconds",
+            args.sse_keep_alive
+        );
+    }
+    if let Some(n) = args.max_model_len
+        && n < 2
+    {
+        bail!(
+            "--max-model-len {n} is too small: a request needs at least one prompt and one generated position"
+        );
+    }
+    let (gguf, release_dir) = match &args.model {
+        Some(m) => tools::load::resolve(Some(m), args.tokenizer_path.as_deref())?,
+        None => {
+            let dir = tools::default_checkpoint()?;
+            eprintln!(
+                "note: no --model given; serving the embedded small Xing4.0-architecture checkpoint at {}.\n      Its weights are RANDOM: its answers are noise, not the released model's.",
+                dir.display()
+            );
+            (dir.join("model.gguf"), Some(dir))
+        }
+    };
+    let loaded = tools::load::load(&gguf, release_dir.as_deref(), false)?;
+    let trained = loaded.model.hparams.n_ctx_train;
+    let config = EngineConfig {
+        max_model_len: args.max_model_len.unwrap_or(if trained >= 2 {
+            trained.min(4096)
+        } else {
+            4096
+        }),
+        prefill_chunk: args.prefill_chunk.max(1),
+        ..EngineConfig::default()
+    };
+    check_memory(&loaded, &config)?;
+    let served = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| default_name(release_dir.as_deref(), &gguf));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(serve(args, served, loaded, config))
+}
+
+fn default_name(release_dir: Option<&Path>, gguf: &Path) -> String {
+    release_dir
+        .and_then(|d| d.file_name())
+        .or_else(|| gguf.file_stem())
+        .map_or_else(|| "xing4".to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+fn gib(b: u128) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// Refuses a --max-model-len whose KV cache cannot fit, with the numbers (seed §5), rather than
+/// failing inside a request. The engine allocates a power-of-two number of rows.
+fn check_memory(loaded: &Loaded, config: &EngineConfig) -> Result<()> {
+    let per_position = loaded.model.decl.state_bytes_per_position() as u128;
+    let len = config.max_model_len;
+    let rows = len
+        .max(config.min_kv_bucket)
+        .checked_next_power_of_two()
+        .map_or(u128::MAX, |r| r as u128);
+    let need = per_position.saturating_mul(rows);
+    if let Some(avail) = mem_available()
+        && need > avail as u128
+    {
+        let fit = (avail as u128 / per_position.max(1)).min(usize::MAX as u128);
+        let fit = if fit.is_power_of_two() {
+            fit
+        } else {
+            fit.next_power_of_two() / 2
+        };
+        bail!(
+            "--max-model-len {len} needs a KV cache of {need} bytes ({:.2} GiB: {per_position} bytes a position x {rows} rows), but /proc/meminfo MemAvailable is {avail} bytes ({:.2} GiB); lower --max-model-len to at most {fit}",
+            gib(need),
+            gib(avail as u128)
+        );
+    }
+    let trained = loaded.model.hparams.n_ctx_train;
+    if trained > 0 && len > trained {
+        bail!(
+            "--max-model-len {len} is longer than the checkpoint's context length {trained} ({}.context_length); lower it",
+            loaded.model.hparams.arch.name()
+        );
+    }
+    Ok(())
+}
+
+async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig) -> Result<()> {
+    let metrics = Arc::new(Metrics::new(args.prefix_cache_bytes, config.max_model_len));
+    metrics
+        .weight_bytes
+        .store(loaded.model.total_weight_bytes(), Relaxed);
+    let app = Arc::new(App::new(
+        served.clone(),
+        args.api_key.clone(),
+        config.max_model_len,
+        std::time::Duration::from_secs_f64(args.sse_keep_alive),
+        metrics.clone(),
+    ));
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr} (--host/--port)"))?;
+    let local = listener.local_addr().context("reading the bound address")?;
+    eprintln!("serve: loading on http://{local}; /health answers 503 until the model is ready");
+
+    let loader_app = app.clone();
+    let budget = args.prefix_cache_bytes;
+    std::thread::Builder::new()
+        .name("load".into())
+        .spawn(move || {
+            if let Err(e) = finish_loading(&loader_app, loaded, config, budget, local) {
+                eprintln!("serve: error: {e:#}");
+                std::process::exit(1);
+            }
+        })
+        .context("starting the loading thread")?;
+
+    axum::serve(listener, routes::router(app))
+        .await
+        .context("serving HTTP")
+}
+
+/// Pages the weights in, allocates the cache, starts the engine thread, and opens the API.
+fn finish_loading(
+    app: &Arc<App>,
+    loaded: Loaded,
+    config: EngineConfig,
+    budget: usize,
+    addr: SocketAddr,
+) -> Result<()> {
+    let gguf = &loaded.model.gguf;
+    let mut sink = 0u8;
+    for t in &gguf.tensors {
+        for page in gguf.tensor_data(t).chunks(4096) {
+            sink ^= page[0];
+        }
+    }
+    std::hint::black_box(sink);
+    let tokenizer = Arc::new(loaded.tokenizer.context(
+        "the checkpoint has no tokenizer (give the release directory with --tokenizer-path)",
+    )?);
+    let engine = Engine::new(loaded.model.clone(), config).context("allocating the engine")?;
+    app.metrics
+        .kv_cache_bytes
+        .store(engine.cache_bytes() as u64, Relaxed);
+
+    let think = ThinkIds::of(&tokenizer);
+    let mut eos_stops: Vec<u32> = tokenizer.eos_id().into_iter().collect();
+    let generation = loaded.release.as_ref().and_then(|r| r.generation.as_ref());
+    if let Some(ids) = generation.and_then(|g| g.eos_token_id.as_ref()) {
+        eos_stops.extend(ids.ids());
+    }
+    // The turn markers end a chat turn too (spec §8).
+    let mut chat_stops = eos_stops.clone();
+    for piece in [
+        "<_user>",
+        "<_bot>",
+        "<_system>",
+        "<_start>",
+        "<_pad>",
+        "<tool_response>",
+        "</tool_response>",
+    ] {
+        chat_stops.extend(tokenizer.piece_to_id(piece));
+    }
+    for v in [&mut eos_stops, &mut chat_stops] {
+        v.sort_unstable();
+        v.dedup();
+    }
+    let d = Defaults::default();
+    let defaults = Defaults {
+        temperature: generation
+            .and_then(|g| g.temperature)
+            .map_or(d.temperature, |v| v as f32),
+        top_p: generation
+            .and_then(|g| g.top_p)
+            .map_or(d.top_p, |v| v as f32),
+        top_k: generation
+            .and_then(|g| g.top_k)
+            .map_or(d.top_k, |v| usize::try_from(v).unwrap_or(0)),
+        repetition_penalty: generation
+            .and_then(|g| g.repetition_penalty)
+            .map_or(d.repetition_penalty, |v| v as f32),
+    };
+    let bos = match tokenizer.add_bos_token() {
+        Some(true) => tokenizer.bos_id(),
+        _ => None,
+    };
+    let jobs = worker::spawn(
+        engine,
+        tokenizer.clone(),
+        PrefixStore::new(budget),
+        think,
+        app.metrics.clone(),
+    )
+    .context("starting the engine thread")?;
+    let ready = Ready {
+        tokenizer,
+        template: loaded.chat_template,
+        jobs,
+        defaults,
+        think,
+        bos,
+        chat_stops,
+        eos_stops,
+    };
+    if app.ready.set(ready).is_err() {
+        bail!("the model was loaded twice");
+    }
+    app.metrics.loaded.store(1, Relaxed);
+    let mut out = std::io::stdout();
+    let _ = writeln!(
+        out,
+        "serve: ready on http://{addr} (model `{}`, OpenAI base URL http://{addr}/v1)",
+        app.served
+    );
+    let _ = out.flush();
+    if std::io::stderr().is_terminal() {
+        eprintln!(
+            "try: curl -s http://{addr}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":16}}'"
+        );
+    }
+    Ok(())
+}

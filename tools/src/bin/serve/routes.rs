@@ -1,0 +1,691 @@
+//! The HTTP surface: OpenAI's chat and completion endpoints, models, health, metrics, and
+//! vLLM's tokenize/detokenize.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock, mpsc};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use engine::sampling::Rng;
+use engine::{FinishReason, GenerateRequest};
+use loader::chat::{ChatError, ChatTemplate};
+use loader::tokenizer::Tokenizer;
+use serde_json::{Value, json};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use crate::api::{self, ApiError, Common, Defaults, Obj, Prompt};
+use crate::metrics::Metrics;
+use crate::sse::{CancelGuard, SseBody};
+use crate::worker::{Delta, Done, Event, Job, ThinkIds, TokenLogprob};
+
+/// What exists once the model is loaded.
+pub struct Ready {
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub jobs: mpsc::Sender<Job>,
+    pub defaults: Defaults,
+    pub think: ThinkIds,
+    /// Prepend BOS to every prompt (the tokenizer's own setting).
+    pub bos: Option<u32>,
+    /// Ids that end a chat turn; a raw completion ends on EOS only.
+    pub chat_stops: Vec<u32>,
+    pub eos_stops: Vec<u32>,
+}
+
+pub struct App {
+    pub served: String,
+    pub api_key: Option<String>,
+    pub max_model_len: usize,
+    /// Silence after which a stream gets a `: keep-alive` comment.
+    pub keep_alive: Duration,
+    pub created: u64,
+    pub metrics: Arc<Metrics>,
+    pub ready: OnceLock<Ready>,
+    ids: AtomicU64,
+}
+
+type R<T> = Result<T, ApiError>;
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl App {
+    pub fn new(
+        served: String,
+        api_key: Option<String>,
+        max_model_len: usize,
+        keep_alive: Duration,
+        metrics: Arc<Metrics>,
+    ) -> App {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        App {
+            served,
+            api_key,
+            max_model_len,
+            keep_alive,
+            created: now_secs(),
+            metrics,
+            ready: OnceLock::new(),
+            ids: AtomicU64::new(nanos ^ u64::from(std::process::id()) << 32),
+        }
+    }
+
+    fn ready(&self) -> R<&Ready> {
+        self.ready.get().ok_or_else(ApiError::loading)
+    }
+
+    fn authorize(&self, headers: &HeaderMap) -> R<()> {
+        let Some(key) = &self.api_key else {
+            return Ok(());
+        };
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        match given {
+            Some(g) if g == key => Ok(()),
+            _ => Err(ApiError::unauthorized()),
+        }
+    }
+
+    /// A fresh 64-bit value per call: request ids and unseeded sampling.
+    fn fresh(&self) -> u64 {
+        Rng::new(self.ids.fetch_add(1, Relaxed)).next_u64()
+    }
+
+    fn request_id(&self, prefix: &str) -> String {
+        format!("{prefix}-{:016x}{:016x}", self.fresh(), self.fresh())
+    }
+
+    fn check_prompt_len(&self, n: usize, param: &str) -> R<()> {
+        if n == 0 {
+            return Err(ApiError::invalid(
+                param,
+                format!("`{param}` encodes to no tokens"),
+            ));
+        }
+        if n >= self.max_model_len {
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "`{param}` is {n} tokens, but this server's context is {} tokens (--max-model-len) and must leave room for at least one generated token",
+                    self.max_model_len
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Ready {
+    fn encode(&self, text: &str, param: &str) -> R<Vec<u32>> {
+        let mut ids: Vec<u32> = self.bos.into_iter().collect();
+        let body = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| ApiError::invalid(param, format!("the text cannot be tokenized: {e}")))?;
+        ids.extend(body);
+        Ok(ids)
+    }
+
+    fn render(&self, o: &Obj, add_generation_prompt: bool) -> R<(String, bool)> {
+        let messages = api::messages(o)?;
+        let kwargs = api::object(o, "chat_template_kwargs")?;
+        let enable_thinking = match kwargs {
+            Some(k) => api::boolean(k, "enable_thinking")
+                .map_err(|e| {
+                    api::nested(e, "enable_thinking", "chat_template_kwargs.enable_thinking")
+                })?
+                .unwrap_or(true),
+            None => true,
+        };
+        let template = self.template.as_ref().ok_or_else(|| {
+            ApiError::invalid(
+                "messages",
+                "this checkpoint has no chat template; use /v1/completions",
+            )
+        })?;
+        let extra = kwargs.map(|k| Value::Object(k.clone()));
+        let text = template
+            .render(
+                &messages,
+                add_generation_prompt,
+                enable_thinking,
+                extra.as_ref(),
+            )
+            .map_err(|e| match e {
+                ChatError::Raised(m) => ApiError::invalid("messages", m),
+                ChatError::Extra(m) => ApiError::invalid("chat_template_kwargs", m),
+                other => ApiError::invalid("messages", other.to_string()),
+            })?;
+        Ok((text, enable_thinking))
+    }
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .fallback(|| async { ApiError::not_found("no such endpoint").into_response() })
+        .method_not_allowed_fallback(|| async {
+            ApiError {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                ..ApiError::not_found("this endpoint does not take that method")
+            }
+            .into_response()
+        })
+        .with_state(app)
+}
+
+fn reply(r: R<Response>) -> Response {
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    match app.ready() {
+        Ok(_) => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    reply((|| {
+        app.authorize(&headers)?;
+        Ok(axum::Json(json!({
+            "object": "list",
+            "data": [{
+                "id": app.served,
+                "object": "model",
+                "created": app.created,
+                "owned_by": "xing4-rt",
+                "max_model_len": app.max_model_len,
+            }],
+        }))
+        .into_response())
+    })())
+}
+
+async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    reply((|| {
+        app.authorize(&headers)?;
+        let ready = app.ready()?;
+        let o = api::parse_object(&body)?;
+        api::check_model(&o, &app.served)?;
+        let tokens = if o.contains_key("messages") {
+            let add = api::boolean(&o, "add_generation_prompt")?.unwrap_or(true);
+            let (text, _) = ready.render(&o, add)?;
+            ready.encode(&text, "messages")?
+        } else {
+            let key = if o.contains_key("content") {
+                "content"
+            } else {
+                "prompt"
+            };
+            let text = api::string(&o, key)?
+                .ok_or_else(|| ApiError::invalid("prompt", "give `prompt` (text) or `messages`"))?;
+            let add_special = api::boolean(&o, "add_special_tokens")?.unwrap_or(true);
+            let mut ids = ready.encode(text, key)?;
+            if !add_special && ready.bos.is_some() {
+                ids.remove(0);
+            }
+            ids
+        };
+        Ok(axum::Json(json!({
+            "tokens": tokens,
+            "count": tokens.len(),
+            "max_model_len": app.max_model_len,
+        }))
+        .into_response())
+    })())
+}
+
+async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    reply((|| {
+        app.authorize(&headers)?;
+        let ready = app.ready()?;
+        let o = api::parse_object(&body)?;
+        api::check_model(&o, &app.served)?;
+        let ids = match api::prompt(&o, "tokens")? {
+            Prompt::Tokens(ids) => ids,
+            Prompt::Text(_) => {
+                return Err(ApiError::invalid(
+                    "tokens",
+                    "`tokens` must be a list of token ids",
+                ));
+            }
+        };
+        let vocab = ready.tokenizer.vocab_size();
+        if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                format!("tokens[{i}]"),
+                format!(
+                    "`tokens[{i}]`: token id {} is outside the vocabulary of {vocab}",
+                    ids[i]
+                ),
+            ));
+        }
+        let text = ready
+            .tokenizer
+            .decode(&ids, false)
+            .map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
+        Ok(axum::Json(json!({"prompt": text})).into_response())
+    })())
+}
+
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    reply(chat(&app, &headers, &body).await)
+}
+
+async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
+    app.authorize(headers)?;
+    let ready = app.ready()?;
+    let o = api::parse_object(body)?;
+    api::check_model(&o, &app.served)?;
+    let (text, _) = ready.render(&o, true)?;
+    let common = api::common(&o, &ready.defaults, app.fresh())?;
+    let logprobs = api::chat_logprobs(&o)?;
+    let prompt = ready.encode(&text, "messages")?;
+    app.check_prompt_len(prompt.len(), "messages")?;
+    let reasoning = Some(ready.think.opens_reasoning(&prompt));
+    let stops = if common.ignore_eos {
+        Vec::new()
+    } else {
+        ready.chat_stops.clone()
+    };
+    let fmt = Formatter {
+        id: app.request_id("chatcmpl"),
+        created: now_secs(),
+        model: app.served.clone(),
+        chat: true,
+        include_usage: common.include_usage,
+        logprobs: logprobs.is_some(),
+        text_offset: 0,
+    };
+    submit(app, ready, prompt, common, stops, reasoning, logprobs, fmt).await
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    reply(completion(&app, &headers, &body).await)
+}
+
+async fn completion(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
+    app.authorize(headers)?;
+    let ready = app.ready()?;
+    let o = api::parse_object(body)?;
+    api::check_model(&o, &app.served)?;
+    for key in ["echo", "best_of", "suffix"] {
+        let set = match o.get(key) {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Number(n)) => n.as_u64() != Some(1),
+            Some(_) => true,
+        };
+        if set {
+            return Err(ApiError::invalid(key, format!("`{key}` is not supported")));
+        }
+    }
+    let prompt = match api::prompt(&o, "prompt")? {
+        Prompt::Text(t) => ready.encode(&t, "prompt")?,
+        Prompt::Tokens(ids) => {
+            let vocab = ready.tokenizer.vocab_size();
+            if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
+                return Err(ApiError::invalid(
+                    format!("prompt[{i}]"),
+                    format!(
+                        "`prompt[{i}]`: token id {} is outside the vocabulary of {vocab}",
+                        ids[i]
+                    ),
+                ));
+            }
+            ids
+        }
+    };
+    app.check_prompt_len(prompt.len(), "prompt")?;
+    let common = api::common(&o, &ready.defaults, app.fresh())?;
+    let logprobs = api::completion_logprobs(&o)?;
+    let stops = if common.ignore_eos {
+        Vec::new()
+    } else {
+        ready.eos_stops.clone()
+    };
+    let fmt = Formatter {
+        id: app.request_id("cmpl"),
+        created: now_secs(),
+        model: app.served.clone(),
+        chat: false,
+        include_usage: common.include_usage,
+        logprobs: logprobs.is_some(),
+        text_offset: 0,
+    };
+    submit(app, ready, prompt, common, stops, None, logprobs, fmt).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn submit(
+    app: &Arc<App>,
+    ready: &Ready,
+    prompt: Vec<u32>,
+    common: Common,
+    stop_tokens: Vec<u32>,
+    reasoning: Option<bool>,
+    logprobs: Option<usize>,
+    fmt: Formatter,
+) -> R<Response> {
+    let max_tokens = common
+        .max_tokens
+        .unwrap_or(app.max_model_len.saturating_sub(prompt.len()));
+    let (tx, rx) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job {
+        req: GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: common.sampling,
+            stop_tokens,
+            stop_strings: common.stop,
+        },
+        reasoning,
+        logprobs,
+        events: tx,
+        cancel: cancel.clone(),
+        arrived: Instant::now(),
+    };
+    app.metrics.waiting.fetch_add(1, Relaxed);
+    if ready.jobs.send(job).is_err() {
+        app.metrics.waiting.fetch_sub(1, Relaxed);
+        return Err(ApiError::internal(
+            "the engine thread has stopped; restart the server",
+        ));
+    }
+    let guard = CancelGuard::new(cancel);
+    if common.stream {
+        let body = Body::from_stream(SseBody::new(rx, fmt, guard, app.keep_alive));
+        let mut resp = Response::new(body);
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return Ok(resp);
+    }
+    let mut guard = guard;
+    let collected = collect(rx).await?;
+    guard.disarm();
+    Ok(axum::Json(fmt.whole(&collected)).into_response())
+}
+
+#[derive(Default)]
+pub struct Collected {
+    reasoning: String,
+    content: String,
+    /// With the character offset of the token's text in `content`.
+    logprobs: Vec<(usize, TokenLogprob)>,
+    done: Option<Done>,
+}
+
+async fn collect(mut rx: UnboundedReceiver<Event>) -> R<Collected> {
+    let mut c = Collected::default();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Token(d) => {
+                let offset = c.content.chars().count();
+                c.logprobs.extend(d.logprob.map(|l| (offset, l)));
+                c.reasoning.push_str(&d.reasoning);
+                c.content.push_str(&d.content);
+            }
+            Event::Done(d) => {
+                c.done = Some(d);
+                return Ok(c);
+            }
+            Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
+        }
+    }
+    Err(ApiError::internal(
+        "the engine thread stopped during the request",
+    ))
+}
+
+fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        // A cancelled request has no client to read this.
+        FinishReason::Length | FinishReason::Cancelled => "length",
+    }
+}
+
+fn usage(d: &Done) -> Value {
+    json!({
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "total_tokens": d.prompt_tokens + d.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
+    })
+}
+
+fn bytes_json(b: &[u8]) -> Value {
+    Value::from(b.to_vec())
+}
+
+fn chat_logprob(t: &TokenLogprob) -> Value {
+    json!({
+        "token": t.token,
+        "logprob": t.logprob,
+        "bytes": bytes_json(&t.bytes),
+        "top_logprobs": t.top.iter().map(|(tok, b, lp)| json!({
+            "token": tok, "logprob": lp, "bytes": bytes_json(b),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// Shapes one request's events as OpenAI objects (chat or text completion).
+pub struct Formatter {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+    logprobs: bool,
+    /// Characters of completion text sent so far (`text_offset` of completions logprobs).
+    text_offset: usize,
+}
+
+impl Formatter {
+    /// `lps` with the character offset of each token's text in the completion.
+    fn completion_logprobs(lps: &[(usize, TokenLogprob)]) -> Value {
+        json!({
+            "tokens": lps.iter().map(|(_, t)| t.token.clone()).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|(_, t)| t.logprob).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|(_, t)| {
+                t.top.iter().map(|(tok, _, lp)| (tok.clone(), json!(lp))).collect::<serde_json::Map<_, _>>()
+            }).collect::<Vec<_>>(),
+            "text_offset": lps.iter().map(|(o, _)| *o).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The non-streaming response.
+    fn whole(self, c: &Collected) -> Value {
+        let done = c.done.unwrap_or(Done {
+            finish: FinishReason::Length,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            cached_tokens: 0,
+        });
+        let finish = finish_str(done.finish);
+        if self.chat {
+            let logprobs = self
+                .logprobs
+                .then(|| json!({"content": c.logprobs.iter().map(|(_, l)| chat_logprob(l)).collect::<Vec<_>>()}));
+            let reasoning = (!c.reasoning.is_empty()).then(|| c.reasoning.clone());
+            json!({
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": c.content, "reasoning_content": reasoning},
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }],
+                "usage": usage(&done),
+            })
+        } else {
+            let logprobs = self
+                .logprobs
+                .then(|| Self::completion_logprobs(&c.logprobs));
+            json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "text": c.content,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }],
+                "usage": usage(&done),
+            })
+        }
+    }
+
+    fn chunk(&self, choice: Value) -> String {
+        let object = if self.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let mut v = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        format!("data: {v}\n\n")
+    }
+
+    /// Sent before any token: the assistant role (chat), so a client sees the stream open.
+    pub fn opening(&self) -> String {
+        if !self.chat {
+            return String::new();
+        }
+        self.chunk(json!({
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": null,
+            "finish_reason": null,
+        }))
+    }
+
+    fn delta_chunk(&mut self, d: &Delta) -> String {
+        if d.is_empty() {
+            return String::new();
+        }
+        let lps: Vec<(usize, TokenLogprob)> = d
+            .logprob
+            .iter()
+            .map(|l| (self.text_offset, l.clone()))
+            .collect();
+        self.text_offset += d.content.chars().count();
+        if self.chat {
+            let mut delta = serde_json::Map::new();
+            if !d.reasoning.is_empty() {
+                delta.insert("reasoning_content".into(), json!(d.reasoning));
+            }
+            if !d.content.is_empty() || d.reasoning.is_empty() {
+                delta.insert("content".into(), json!(d.content));
+            }
+            let logprobs = self.logprobs.then(
+                || json!({"content": lps.iter().map(|(_, l)| chat_logprob(l)).collect::<Vec<_>>()}),
+            );
+            self.chunk(
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}),
+            )
+        } else {
+            let logprobs = self.logprobs.then(|| Self::completion_logprobs(&lps));
+            self.chunk(
+                json!({"index": 0, "text": d.content, "logprobs": logprobs, "finish_reason": null}),
+            )
+        }
+    }
+
+    /// One worker event as SSE text; `None` means the worker went away.
+    pub fn stream_event(&mut self, ev: Option<Event>) -> String {
+        match ev {
+            Some(Event::Token(d)) => self.delta_chunk(&d),
+            Some(Event::Done(done)) => {
+                let finish = finish_str(done.finish);
+                let mut s = if self.chat {
+                    self.chunk(
+                        json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}),
+                    )
+                } else {
+                    self.chunk(
+                        json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish}),
+                    )
+                };
+                if self.include_usage {
+                    let object = if self.chat {
+                        "chat.completion.chunk"
+                    } else {
+                        "text_completion"
+                    };
+                    let v = json!({
+                        "id": self.id,
+                        "object": object,
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": usage(&done),
+                    });
+                    s.push_str(&format!("data: {v}\n\n"));
+                }
+                s.push_str("data: [DONE]\n\n");
+                s
+            }
+            Some(Event::Error(e)) => {
+                let err = ApiError::internal(format!("generation failed: {e}")).json();
+                format!("data: {err}\n\ndata: [DONE]\n\n")
+            }
+            None => {
+                let err = ApiError::internal("the engine thread stopped during the request").json();
+                format!("data: {err}\n\ndata: [DONE]\n\n")
+            }
+        }
+    }
+}

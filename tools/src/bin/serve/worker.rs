@@ -1,0 +1,426 @@
+//! The engine's thread. The engine holds one sequence, so one thread owns it and serves the
+//! queue in arrival order; the reset or the prefix restore before each request belongs to this
+//! loop, never to a caller (seed §7: a request never sees its predecessor's cache rows).
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use engine::{Engine, FinishReason, GenerateRequest};
+use loader::tokenizer::Tokenizer;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::metrics::Metrics;
+use engine::prefix::PrefixStore;
+
+pub struct Job {
+    pub req: GenerateRequest,
+    /// Whether the output starts inside a reasoning span (a chat prompt that ends in `<think>`).
+    pub reasoning: Option<bool>,
+    /// Top alternatives per token when log-probabilities were asked for.
+    pub logprobs: Option<usize>,
+    pub events: UnboundedSender<Event>,
+    /// Set when the client goes away; the decode stops at the next token boundary.
+    pub cancel: Arc<AtomicBool>,
+    pub arrived: Instant,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    Token(Delta),
+    Done(Done),
+    Error(String),
+}
+
+#[derive(Debug, Default)]
+pub struct Delta {
+    pub reasoning: String,
+    pub content: String,
+    pub logprob: Option<TokenLogprob>,
+}
+
+impl Delta {
+    pub fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.content.is_empty() && self.logprob.is_none()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    pub top: Vec<(String, Vec<u8>, f32)>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Done {
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+/// The reasoning markers of the vocabulary (spec §8.1).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ThinkIds {
+    pub start: Option<u32>,
+    pub end: Option<u32>,
+}
+
+impl ThinkIds {
+    pub fn of(tok: &Tokenizer) -> ThinkIds {
+        ThinkIds {
+            start: tok.piece_to_id("<think>"),
+            end: tok.piece_to_id("</think>"),
+        }
+    }
+
+    /// Whether generation after `prompt` starts inside reasoning: the last marker is `<think>`.
+    pub fn opens_reasoning(&self, prompt: &[u32]) -> bool {
+        let last = prompt
+            .iter()
+            .rev()
+            .find(|&&t| Some(t) == self.start || Some(t) == self.end);
+        last.is_some() && last.copied() == self.start
+    }
+}
+
+/// Splits generated text into reasoning and content by the marker ids (spec §8.1). Markers are
+/// single tokens, so a marker is never split across pieces; the one `\n` before `</think>` is
+/// template structure, so a trailing newline of the reasoning is held until it is decided.
+pub struct Splitter {
+    ids: ThinkIds,
+    in_reasoning: bool,
+    held_newline: bool,
+}
+
+const THINK_START: &str = "<think>";
+const THINK_END: &str = "</think>";
+
+impl Splitter {
+    pub fn new(ids: ThinkIds, in_reasoning: bool) -> Splitter {
+        Splitter {
+            ids,
+            in_reasoning,
+            held_newline: false,
+        }
+    }
+
+    /// `text` is what became final with token `id` (`None` for text flushed at the end).
+    pub fn push(&mut self, id: Option<u32>, text: &str, out: &mut Delta) {
+        let is_end = id.is_some() && id == self.ids.end;
+        let is_start = id.is_some() && id == self.ids.start;
+        // Text released with a marker belongs before it; a decoder that keeps specials adds the marker's own text.
+        let text = match (is_start, is_end) {
+            (true, _) => text.strip_suffix(THINK_START).unwrap_or(text),
+            (_, true) => text.strip_suffix(THINK_END).unwrap_or(text),
+            _ => text,
+        };
+        self.emit(text, out);
+        if is_end && self.in_reasoning {
+            self.held_newline = false;
+            self.in_reasoning = false;
+        } else if is_start && !self.in_reasoning {
+            self.in_reasoning = true;
+        }
+    }
+
+    fn emit(&mut self, text: &str, out: &mut Delta) {
+        if text.is_empty() {
+            return;
+        }
+        if !self.in_reasoning {
+            out.content.push_str(text);
+            return;
+        }
+        if std::mem::take(&mut self.held_newline) {
+            out.reasoning.push('\n');
+        }
+        match text.strip_suffix('\n') {
+            Some(head) => {
+                out.reasoning.push_str(head);
+                self.held_newline = true;
+            }
+            None => out.reasoning.push_str(text),
+        }
+    }
+
+    /// Releases a held newline when the reasoning never closed.
+    pub fn finish(&mut self, out: &mut Delta) {
+        if std::mem::take(&mut self.held_newline) {
+            out.reasoning.push('\n');
+        }
+    }
+}
+
+/// A token's text for log-probability reports: the piece with `▁` as a space, a byte piece as
+/// its byte, and otherwise the decoded token.
+fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    if let Some(p) = tok.token_to_piece(id) {
+        if let Some(hex) = p.strip_prefix("<0x").and_then(|r| r.strip_suffix('>'))
+            && let Ok(b) = u8::from_str_radix(hex, 16)
+        {
+            return (String::from_utf8_lossy(&[b]).into_owned(), vec![b]);
+        }
+        if p.contains('\u{2581}') {
+            let s = p.replace('\u{2581}', " ");
+            let b = s.clone().into_bytes();
+            return (s, b);
+        }
+    }
+    let s = tok.decode(&[id], false).unwrap_or_default();
+    let b = s.clone().into_bytes();
+    (s, b)
+}
+
+/// The model's log-probability of `id` (log-softmax of the raw logits) and the `top` best.
+fn token_logprob(tok: &Tokenizer, id: u32, logits: &[f32], top: usize) -> TokenLogprob {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|v| v.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let lse = max
+        + logits
+            .iter()
+            .filter(|v| v.is_finite())
+            .map(|&v| ((v - max) as f64).exp())
+            .sum::<f64>()
+            .ln() as f32;
+    let lp = |i: usize| logits.get(i).map_or(f32::NEG_INFINITY, |&v| v - lse);
+    let mut best: Vec<usize> = Vec::new();
+    if top > 0 {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        let k = top.min(idx.len());
+        if k > 0 {
+            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+            idx.truncate(k);
+            idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        }
+        best = idx;
+    }
+    let (token, bytes) = token_text(tok, id);
+    TokenLogprob {
+        token,
+        bytes,
+        logprob: lp(id as usize),
+        top: best
+            .into_iter()
+            .map(|i| {
+                let (t, b) = token_text(tok, i as u32);
+                (t, b, lp(i))
+            })
+            .collect(),
+    }
+}
+
+/// Starts the engine thread; requests go in through the returned queue.
+pub fn spawn(
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    store: PrefixStore,
+    think: ThinkIds,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<mpsc::Sender<Job>> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || {
+            let mut w = Worker {
+                engine,
+                tokenizer,
+                store,
+                think,
+                metrics,
+            };
+            for job in rx {
+                w.metrics.waiting.fetch_sub(1, Relaxed);
+                w.serve(job);
+            }
+        })?;
+    Ok(tx)
+}
+
+struct Worker {
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    store: PrefixStore,
+    think: ThinkIds,
+    metrics: Arc<Metrics>,
+}
+
+impl Worker {
+    fn serve(&mut self, job: Job) {
+        if job.cancel.load(Relaxed) || job.events.is_closed() {
+            // Gone while it waited: nothing to decode.
+            self.metrics.cancellations.fetch_add(1, Relaxed);
+            return;
+        }
+        self.metrics.running.store(1, Relaxed);
+        let reuse = self.restore_prefix(&job.req.prompt);
+        let tok = self.tokenizer.clone();
+        let metrics = self.metrics.clone();
+        let mut splitter = job.reasoning.map(|r| Splitter::new(self.think, r));
+        let mut emitted = 0usize;
+        let mut last: Option<Instant> = None;
+        let result = self
+            .engine
+            .generate_from(&job.req, reuse, Some(&tok), |ev| {
+                let now = Instant::now();
+                match last {
+                    None => metrics.observe_ttft(now - job.arrived),
+                    Some(t) => metrics.observe_itl(now - t),
+                }
+                last = Some(now);
+                emitted += ev.text.len();
+                let mut d = Delta::default();
+                match splitter.as_mut() {
+                    Some(s) => s.push(Some(ev.id), ev.text, &mut d),
+                    None => d.content.push_str(ev.text),
+                }
+                if let Some(top) = job.logprobs {
+                    d.logprob = Some(token_logprob(&tok, ev.id, ev.logits, top));
+                }
+                if job.cancel.load(Relaxed) || job.events.send(Event::Token(d)).is_err() {
+                    return ControlFlow::Break(());
+                }
+                ControlFlow::Continue(())
+            });
+        match result {
+            Ok(g) => {
+                // Text the engine released only at the end (a held stop-string prefix, a partial UTF-8 sequence).
+                let mut d = Delta::default();
+                let rest = g.text.get(emitted..).unwrap_or_default();
+                match splitter.as_mut() {
+                    Some(s) => {
+                        s.push(None, rest, &mut d);
+                        s.finish(&mut d);
+                    }
+                    None => d.content.push_str(rest),
+                }
+                if !d.is_empty() {
+                    let _ = job.events.send(Event::Token(d));
+                }
+                let m = &self.metrics;
+                m.prompt_tokens
+                    .fetch_add(g.stats.prompt_tokens as u64, Relaxed);
+                m.generation_tokens
+                    .fetch_add(g.tokens.len() as u64, Relaxed);
+                match g.finish {
+                    FinishReason::Stop => m.success_stop.fetch_add(1, Relaxed),
+                    FinishReason::Length => m.success_length.fetch_add(1, Relaxed),
+                    FinishReason::Cancelled => m.cancellations.fetch_add(1, Relaxed),
+                };
+                let _ = job.events.send(Event::Done(Done {
+                    finish: g.finish,
+                    prompt_tokens: g.stats.prompt_tokens,
+                    completion_tokens: g.tokens.len(),
+                    cached_tokens: reuse,
+                }));
+                self.store_prompt(&job.req.prompt);
+            }
+            Err(e) => {
+                self.metrics.errors.fetch_add(1, Relaxed);
+                let _ = job.events.send(Event::Error(e.to_string()));
+            }
+        }
+        self.metrics.running.store(0, Relaxed);
+    }
+
+    /// Restores the longest stored prefix of `prompt`, or empties the cache; returns the
+    /// positions restored.
+    fn restore_prefix(&mut self, prompt: &[u32]) -> usize {
+        let reuse = match self.store.lookup(prompt) {
+            Some(hit) => {
+                let len = hit.len;
+                match self.engine.restore(hit.snapshot, len) {
+                    Ok(()) => len,
+                    Err(e) => {
+                        eprintln!("serve: prefix restore failed, forwarding the whole prompt: {e}");
+                        0
+                    }
+                }
+            }
+            None => 0,
+        };
+        if reuse == 0 {
+            self.engine.reset();
+        }
+        self.metrics.set_prefix(self.store.stats());
+        reuse
+    }
+
+    fn store_prompt(&mut self, prompt: &[u32]) {
+        if !self.store.enabled()
+            || self.engine.cached_len() < prompt.len()
+            || self.store.covers(prompt)
+        {
+            return;
+        }
+        let snap = self.engine.snapshot(prompt.len());
+        self.store.insert(prompt.to_vec(), snap);
+        self.metrics.set_prefix(self.store.stats());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const IDS: ThinkIds = ThinkIds {
+        start: Some(9),
+        end: Some(10),
+    };
+
+    fn run(start_in_reasoning: bool, pieces: &[(u32, &str)]) -> (String, String) {
+        let mut s = Splitter::new(IDS, start_in_reasoning);
+        let mut d = Delta::default();
+        for &(id, t) in pieces {
+            s.push(Some(id), t, &mut d);
+        }
+        s.finish(&mut d);
+        (d.reasoning, d.content)
+    }
+
+    #[test]
+    fn with_thinking_the_output_starts_in_reasoning_and_the_newline_before_the_marker_is_dropped() {
+        let (r, c) = run(
+            true,
+            &[
+                (100, "Let me"),
+                (101, " think\n"),
+                (10, ""),
+                (102, "Paris."),
+            ],
+        );
+        assert_eq!((r.as_str(), c.as_str()), ("Let me think", "Paris."));
+    }
+
+    #[test]
+    fn inner_newlines_of_the_reasoning_are_kept() {
+        let (r, c) = run(true, &[(100, "a\n"), (101, "b\n"), (10, ""), (102, "x")]);
+        assert_eq!((r.as_str(), c.as_str()), ("a\nb", "x"));
+    }
+
+    #[test]
+    fn without_thinking_everything_is_content_and_a_stray_end_marker_is_dropped() {
+        let (r, c) = run(false, &[(100, "Hi"), (10, "</think>"), (101, " there")]);
+        assert_eq!((r.as_str(), c.as_str()), ("", "Hi there"));
+    }
+
+    #[test]
+    fn a_start_marker_in_content_opens_reasoning_and_an_unclosed_reasoning_keeps_its_newline() {
+        let (r, c) = run(false, &[(100, "A"), (9, ""), (101, "hmm\n")]);
+        assert_eq!((r.as_str(), c.as_str()), ("hmm\n", "A"));
+    }
+
+    #[test]
+    fn the_prompt_decides_where_the_output_starts() {
+        assert!(IDS.opens_reasoning(&[4, 50, 5, 9]));
+        assert!(!IDS.opens_reasoning(&[4, 50, 5, 10]));
+        assert!(!IDS.opens_reasoning(&[4, 50]));
+    }
+}

@@ -1,0 +1,759 @@
+//! `serve` over plain HTTP on loopback, with a tiny synthetic checkpoint: the wire format of a
+//! stream, bad requests, disconnects, the prefix store, reasoning, stop strings, and start-up
+//! refusals.
+
+mod serve_support;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use serve_support::{MODEL, Server, client, reassemble_chat, stream_data, tiny_checkpoint};
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+/// Replaces the value of `"key":` (a string or a number) with `[key]`.
+fn redact(s: &str, key: &str) -> String {
+    let pat = format!("\"{key}\":");
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find(&pat) {
+        out.push_str(&rest[..i + pat.len()]);
+        rest = &rest[i + pat.len()..];
+        let end = if let Some(r) = rest.strip_prefix('"') {
+            r.find('"').map_or(rest.len(), |j| j + 2)
+        } else {
+            rest.find([',', '}']).unwrap_or(rest.len())
+        };
+        out.push_str(&format!("\"[{key}]\""));
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[test]
+fn a_greedy_sse_transcript_matches_its_snapshot_and_the_non_streaming_answer() {
+    let s = Server::start(&[]);
+    let body = json!({
+        "model": MODEL,
+        "messages": user("What is the capital of France?"),
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let data = stream_data(&s, "/v1/chat/completions", &body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let transcript: String = data.iter().map(|d| format!("data: {d}\n\n")).collect();
+    insta::assert_snapshot!(
+        "chat_stream_greedy",
+        redact(&redact(&transcript, "id"), "created")
+    );
+
+    let mut plain = body.clone();
+    plain["stream"] = json!(false);
+    plain.as_object_mut().unwrap().remove("stream_options");
+    let (status, v) = s.post_json("/v1/chat/completions", &plain);
+    assert_eq!(status, 200, "{v}");
+    let (reasoning, content, finish) = reassemble_chat(&data);
+    let msg = &v["choices"][0]["message"];
+    assert_eq!(msg["content"].as_str().unwrap_or(""), content);
+    assert_eq!(msg["reasoning_content"].as_str().unwrap_or(""), reasoning);
+    assert_eq!(
+        v["choices"][0]["finish_reason"].as_str(),
+        Some(finish.as_str())
+    );
+    assert_eq!(v["object"], "chat.completion");
+}
+
+#[test]
+fn malformed_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving() {
+    let s = Server::start(&["--max-model-len", "64"]);
+    let long = "hello world ".repeat(100);
+    let u = user("hi");
+    let chat = |extra: Value| {
+        let mut b = json!({"messages": u});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
+        ("/v1/chat/completions", "{not json".into(), 400, None),
+        ("/v1/chat/completions", "[1, 2]".into(), 400, None),
+        ("/v1/chat/completions", "{}".into(), 400, Some("messages")),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": "hi"}"#.into(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": []}"#.into(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"model": "gpt-4"})),
+            404,
+            Some("model"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"model": 3})),
+            400,
+            Some("model"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "wizard", "content": "x"}]}"#.into(),
+            400,
+            Some("messages[0].role"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user"}]}"#.into(),
+            400,
+            Some("messages[0].content"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": 5}]}"#.into(),
+            400,
+            Some("messages[0].content"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [7]}"#.into(),
+            400,
+            Some("messages[0]"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 0})),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": -5})),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": "ten"})),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 2.5})),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_completion_tokens": 0})),
+            400,
+            Some("max_completion_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": 3.5})),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": "warm"})),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_p": 1.5})),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_p": 0})),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_k": -5})),
+            400,
+            Some("top_k"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"min_p": -0.1})),
+            400,
+            Some("min_p"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"repetition_penalty": 0})),
+            400,
+            Some("repetition_penalty"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"presence_penalty": 5})),
+            400,
+            Some("presence_penalty"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stop": 7})),
+            400,
+            Some("stop"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stop": ["ok", ""]})),
+            400,
+            Some("stop[1]"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"logprobs": "yes"})),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"logprobs": true, "top_logprobs": 50})),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"n": 3})),
+            400,
+            Some("n"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream": "yes"})),
+            400,
+            Some("stream"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream_options": {"include_usage": true}})),
+            400,
+            Some("stream_options"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"seed": "x"})),
+            400,
+            Some("seed"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"chat_template_kwargs": {"enable_thinking": "no"}})),
+            400,
+            Some("chat_template_kwargs.enable_thinking"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"chat_template_kwargs": []})),
+            400,
+            Some("chat_template_kwargs"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user(&long)}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        ("/v1/completions", "{}".into(), 400, Some("prompt")),
+        (
+            "/v1/completions",
+            r#"{"prompt": 5}"#.into(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": []}"#.into(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": ["a", "b"]}"#.into(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": [1, 99999]}"#.into(),
+            400,
+            Some("prompt[1]"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": [1, -2]}"#.into(),
+            400,
+            Some("prompt[1]"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "echo": true}"#.into(),
+            400,
+            Some("echo"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "logprobs": 99}"#.into(),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        ("/tokenize", r#"{"prompt": 3}"#.into(), 400, Some("prompt")),
+        (
+            "/detokenize",
+            r#"{"tokens": [99999]}"#.into(),
+            400,
+            Some("tokens[0]"),
+        ),
+        ("/v1/nothing", "{}".into(), 404, None),
+    ];
+    for (path, body, status, param) in &cases {
+        let r = s.post(path, body);
+        assert_eq!(r.status, *status, "{path} {body}: {}", r.text());
+        let v: Value = serde_json::from_slice(&r.body)
+            .unwrap_or_else(|e| panic!("{path} {body}: non-JSON error body ({e}): {}", r.text()));
+        let e = &v["error"];
+        assert!(
+            e["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{body}: {v}"
+        );
+        assert!(e["type"].is_string(), "{body}: {v}");
+        assert!(e.get("code").is_some(), "{body}: {v}");
+        assert_eq!(e["param"].as_str(), *param, "{path} {body}: {v}");
+        if let Some(p) = param {
+            let field = p.split(['[', '.']).next().unwrap();
+            assert!(
+                e["message"].as_str().unwrap().contains(field),
+                "{body}: the message names `{field}`: {v}"
+            );
+        }
+    }
+    let r = s.get("/v1/chat/completions");
+    assert_eq!(r.status, 405);
+    assert!(serde_json::from_slice::<Value>(&r.body).unwrap()["error"]["message"].is_string());
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": user("hi"), "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(s.get("/health").status, 200);
+}
+
+#[test]
+fn a_disconnect_mid_stream_cancels_the_decode_and_the_next_request_is_unaffected() {
+    let s = Server::start(&[]);
+    let long = json!({"prompt": "Hello world", "max_tokens": 3000, "ignore_eos": true, "temperature": 0, "stream": true});
+    let mut events = client::send(
+        &s.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        long.to_string().as_bytes(),
+    )
+    .expect("streaming request")
+    .events();
+    for _ in 0..2 {
+        let ev = events
+            .next_event()
+            .expect("an event")
+            .expect("the stream is open");
+        assert!(ev.starts_with("data: {"), "{ev}");
+    }
+    drop(events);
+    s.wait_metric("xing4_cancellations_total", 1.0);
+    let generated = s.metric("xing4_generation_tokens_total");
+    assert!(
+        generated < 3000.0,
+        "the decode ran on after the disconnect: {generated} tokens"
+    );
+    assert_eq!(
+        s.metric("xing4_request_success_total{finished_reason=\"length\"}"),
+        0.0
+    );
+
+    let next = json!({"messages": user("And Japan?"), "max_tokens": 12, "temperature": 0});
+    let (status, after) = s.post_json("/v1/chat/completions", &next);
+    assert_eq!(status, 200, "{after}");
+    let fresh = Server::start(&[]);
+    let (_, want) = fresh.post_json("/v1/chat/completions", &next);
+    assert_eq!(
+        after["choices"][0]["message"],
+        want["choices"][0]["message"]
+    );
+    assert_eq!(
+        after["usage"]["completion_tokens"],
+        want["usage"]["completion_tokens"]
+    );
+}
+
+#[test]
+fn a_client_that_leaves_a_non_streaming_request_cancels_it_too() {
+    let s = Server::start(&[]);
+    let body = json!({"prompt": "Hello", "max_tokens": 3000, "ignore_eos": true, "temperature": 0})
+        .to_string();
+    let mut conn = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(conn);
+    s.wait_metric("xing4_cancellations_total", 1.0);
+    assert!(s.metric("xing4_generation_tokens_total") < 3000.0);
+}
+
+/// Token ids of normal pieces of the tiny vocabulary.
+fn ids(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 400 + (i * 37) % 100).collect()
+}
+
+#[test]
+fn a_repeated_prompt_reuses_its_prefix_and_a_shorter_prompt_does_not_see_the_longer_ones_tail() {
+    let s = Server::start(&[]);
+    let long = json!({"prompt": ids(40), "max_tokens": 10, "temperature": 0, "ignore_eos": true});
+    let (_, first) = s.post_json("/v1/completions", &long);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, again) = s.post_json("/v1/completions", &long);
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 39);
+    assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
+    s.wait_metric("xing4_prefix_store_hits_total", 1.0);
+    assert_eq!(s.metric("xing4_prefix_store_reused_tokens_total"), 39.0);
+    assert_eq!(s.metric("xing4_prefix_cache_hits_total"), 39.0);
+    assert_eq!(s.metric("xing4_prefix_cache_queries_total"), 80.0);
+    assert_eq!(s.metric("xing4_prefix_store_entries"), 1.0);
+    assert!(s.metric("xing4_prefix_store_bytes") > 0.0);
+
+    let short = json!({"prompt": ids(20), "max_tokens": 10, "temperature": 0, "ignore_eos": true});
+    let (_, cut) = s.post_json("/v1/completions", &short);
+    assert_eq!(cut["usage"]["prompt_tokens_details"]["cached_tokens"], 19);
+    let fresh = Server::start(&["--prefix-cache-bytes", "0"]);
+    let (_, want) = fresh.post_json("/v1/completions", &short);
+    assert_eq!(want["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(cut["choices"][0]["text"], want["choices"][0]["text"]);
+    assert_eq!(fresh.metric("xing4_prefix_store_budget_bytes"), 0.0);
+}
+
+#[test]
+fn a_chat_repeat_reports_cached_tokens_in_usage() {
+    let s = Server::start(&[]);
+    let body = json!({"messages": user("What is the capital of France?"), "max_tokens": 4, "temperature": 0});
+    let (_, a) = s.post_json("/v1/chat/completions", &body);
+    let (_, b) = s.post_json("/v1/chat/completions", &body);
+    let n = a["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(n - 1)
+    );
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    assert_eq!(
+        a["usage"]["total_tokens"].as_u64(),
+        Some(n + a["usage"]["completion_tokens"].as_u64().unwrap())
+    );
+}
+
+/// The greedy completion of the exact prompt a chat request renders to.
+fn raw_answer(s: &Server, chat: &Value) -> String {
+    let (_, t) = s.post_json("/tokenize", chat);
+    let prompt = t["tokens"].clone();
+    let mut body = json!({"prompt": prompt, "temperature": 0, "ignore_eos": true});
+    body["max_tokens"] = chat["max_tokens"].clone();
+    let (_, v) = s.post_json("/v1/completions", &body);
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn reasoning_and_content_split_at_the_end_of_thinking() {
+    let s = Server::start(&["--prefix-cache-bytes", "0"]);
+    let off = json!({"messages": user("Hi"), "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+                     "chat_template_kwargs": {"enable_thinking": false}});
+    let (_, v) = s.post_json("/v1/chat/completions", &off);
+    let msg = &v["choices"][0]["message"];
+    let raw = raw_answer(&s, &off);
+    assert!(!raw.is_empty());
+    if msg["reasoning_content"].is_null() {
+        assert_eq!(
+            msg["content"].as_str(),
+            Some(raw.as_str()),
+            "thinking off: everything is content"
+        );
+    } else {
+        assert!(raw.starts_with(msg["content"].as_str().unwrap()), "{msg}");
+    }
+    let (_, t) = s.post_json("/tokenize", &off);
+    let think_end = 10;
+    assert_eq!(
+        t["tokens"].as_array().unwrap().last(),
+        Some(&json!(think_end)),
+        "the prompt ends in </think>"
+    );
+
+    let on =
+        json!({"messages": user("Hi"), "max_tokens": 16, "temperature": 0, "ignore_eos": true});
+    let (_, v) = s.post_json("/v1/chat/completions", &on);
+    let msg = &v["choices"][0]["message"];
+    let raw = raw_answer(&s, &on);
+    let reasoning = msg["reasoning_content"].as_str().unwrap_or("");
+    let content = msg["content"].as_str().unwrap();
+    assert!(
+        !reasoning.is_empty(),
+        "thinking on: the answer starts in the reasoning: {msg}"
+    );
+    let joined = format!("{reasoning}{content}");
+    let joined_nl = format!("{reasoning}\n{content}");
+    assert!(raw == joined || raw == joined_nl, "raw {raw:?} vs {msg}");
+}
+
+#[test]
+fn a_stop_string_ends_the_text_and_is_not_returned() {
+    let s = Server::start(&["--prefix-cache-bytes", "0"]);
+    let base = json!({"prompt": ids(8), "max_tokens": 16, "temperature": 0, "ignore_eos": true});
+    let (_, v) = s.post_json("/v1/completions", &base);
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(
+        chars.len() >= 6,
+        "the greedy text is too short to cut: {text:?}"
+    );
+    let stop: String = chars[3..5].iter().collect();
+    let want = &text[..text.find(&stop).unwrap()];
+    let mut cut = base.clone();
+    cut["stop"] = json!([stop, "never-appears"]);
+    let (_, v) = s.post_json("/v1/completions", &cut);
+    assert_eq!(v["choices"][0]["text"].as_str(), Some(want));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let mut streamed = cut.clone();
+    streamed["stream"] = json!(true);
+    let data = stream_data(&s, "/v1/completions", &streamed);
+    let mut joined = String::new();
+    for d in data.iter().filter(|d| d.as_str() != "[DONE]") {
+        let v: Value = serde_json::from_str(d).unwrap();
+        joined.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+    }
+    assert_eq!(joined, want);
+}
+
+#[test]
+fn logprobs_are_log_softmax_values_with_the_requested_alternatives() {
+    let s = Server::start(&[]);
+    let body = json!({"messages": user("Hi"), "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+                      "logprobs": true, "top_logprobs": 3});
+    let (_, v) = s.post_json("/v1/chat/completions", &body);
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs.content");
+    assert_eq!(content.len(), 4);
+    for t in content {
+        let lp = t["logprob"].as_f64().unwrap();
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert!(
+            (lp - top[0]["logprob"].as_f64().unwrap()).abs() < 1e-6,
+            "{t}"
+        );
+        assert!(lp <= 0.0);
+        assert!(
+            top.windows(2)
+                .all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64())
+        );
+    }
+}
+
+#[test]
+fn models_health_tokenize_and_detokenize_answer() {
+    let s = Server::start(&[]);
+    assert_eq!(s.get("/health").status, 200);
+    let (_, _) = (s.get("/health"), ());
+    let m: Value = serde_json::from_slice(&s.get("/v1/models").body).unwrap();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], MODEL);
+    let (status, t) = s.post_json("/tokenize", &json!({"prompt": "hello world"}));
+    assert_eq!(status, 200);
+    assert_eq!(
+        t["count"].as_u64(),
+        Some(t["tokens"].as_array().unwrap().len() as u64)
+    );
+    let (_, d) = s.post_json("/detokenize", &json!({"tokens": t["tokens"]}));
+    assert_eq!(d["prompt"], "hello world");
+    let metrics = s.get("/metrics");
+    assert!(
+        metrics
+            .header("content-type")
+            .is_some_and(|c| c.starts_with("text/plain"))
+    );
+    for name in [
+        "xing4_num_requests_running",
+        "xing4_num_requests_waiting",
+        "xing4_kv_cache_bytes",
+        "xing4_resident_bytes",
+        "xing4_context_positions",
+        "xing4_prompt_tokens_total",
+        "xing4_generation_tokens_total",
+        "xing4_time_to_first_token_seconds_count",
+        "xing4_inter_token_latency_seconds_count",
+        "xing4_prefix_cache_queries_total",
+        "xing4_prefix_cache_hits_total",
+        "xing4_cancellations_total",
+    ] {
+        s.metric(name);
+    }
+    assert!(s.metric("xing4_kv_cache_bytes") > 0.0);
+    assert_eq!(s.metric("xing4_context_positions"), 4096.0);
+    assert_eq!(
+        s.metric("xing4_prefix_store_budget_bytes"),
+        (1u64 << 30) as f64
+    );
+}
+
+#[test]
+fn an_api_key_is_required_on_the_api_when_one_is_set() {
+    let s = Server::start(&["--api-key", "sesame"]);
+    let body = json!({"messages": user("hi"), "max_tokens": 2}).to_string();
+    let r = client::request(
+        &s.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        body.as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 401);
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let wrong = [("Authorization", "Bearer nope")];
+    assert_eq!(
+        client::request(&s.addr, "GET", "/v1/models", &wrong, b"")
+            .unwrap()
+            .status,
+        401
+    );
+    let right = [("Authorization", "Bearer sesame")];
+    let r = client::request(
+        &s.addr,
+        "POST",
+        "/v1/chat/completions",
+        &right,
+        body.as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.get("/health").status, 200);
+}
+
+#[test]
+fn flags_that_cannot_work_are_refused_at_start_up_with_the_numbers() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_serve"))
+            .arg("--model")
+            .arg(tiny_checkpoint())
+            .args(["--port", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} was accepted");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = run(&["--max-model-len", "1000000000000000"]);
+    assert!(
+        e.contains("--max-model-len 1000000000000000")
+            && e.contains("MemAvailable")
+            && e.contains("bytes a position"),
+        "{e}"
+    );
+    let e = run(&["--max-model-len", "32768"]);
+    assert!(e.contains("context length 16384"), "{e}");
+    let e = run(&["--device", "cuda"]);
+    assert!(e.contains("--device cuda") && e.contains("CPU"), "{e}");
+}
+
+#[test]
+fn a_stream_waiting_in_the_queue_gets_keep_alive_comments_then_its_tokens() {
+    let s = Server::start(&["--sse-keep-alive", "0.05"]);
+    let busy = json!({"prompt": ids(8), "max_tokens": 400, "ignore_eos": true, "temperature": 0, "stream": true});
+    let addr = s.addr.clone();
+    let first = std::thread::spawn(move || {
+        let conn = client::send(
+            &addr,
+            "POST",
+            "/v1/completions",
+            &[],
+            busy.to_string().as_bytes(),
+        )
+        .unwrap();
+        conn.read_all().unwrap().status
+    });
+    s.wait_metric("xing4_num_requests_running", 1.0);
+    let queued = json!({"messages": user("hi"), "max_tokens": 4, "temperature": 0, "stream": true});
+    let mut events = client::send(
+        &s.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        queued.to_string().as_bytes(),
+    )
+    .unwrap()
+    .events();
+    let opening = events.next_event().unwrap().unwrap();
+    assert!(opening.contains("\"role\":\"assistant\""), "{opening}");
+    let (mut comments, mut waiting) = (0, None);
+    let first_token = loop {
+        let ev = events
+            .next_event()
+            .unwrap()
+            .expect("the stream ended early");
+        if ev.starts_with(':') {
+            comments += 1;
+            waiting.get_or_insert_with(|| s.metric("xing4_num_requests_waiting"));
+            continue;
+        }
+        break ev;
+    };
+    assert!(comments >= 1, "no keep-alive comment while queued");
+    assert_eq!(
+        waiting,
+        Some(1.0),
+        "the queued request is counted as waiting"
+    );
+    assert!(first_token.starts_with("data: {"), "{first_token}");
+    let mut last = first_token;
+    while let Some(ev) = events.next_event().unwrap() {
+        if !ev.starts_with(':') {
+            last = ev;
+        }
+    }
+    assert_eq!(last, "data: [DONE]");
+    assert_eq!(first.join().unwrap(), 200);
+}

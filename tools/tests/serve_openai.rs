@@ -1,0 +1,44 @@
+//! The official `openai` Python package drives `serve` on loopback: chat (whole and streamed,
+//! equal under greedy decoding), a completion, the models list, and error classes.
+//!
+//! The package lives in a virtualenv that .ci/run makes; its python is `$XING4_TEST_PYTHON`.
+//! Without it a developer run skips with a message; under CI it is a failure.
+
+mod serve_support;
+
+use std::path::Path;
+use std::process::Command;
+
+use serve_support::{MODEL, Server};
+
+#[test]
+fn the_official_openai_client_works_against_serve_unmodified() {
+    let Some(python) = std::env::var_os("XING4_TEST_PYTHON") else {
+        let msg = "XING4_TEST_PYTHON is not set: it names a python with the `openai` package \
+                   (.ci/run makes one: python3 -m venv target/ci-venv && target/ci-venv/bin/pip install openai)";
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!("{msg}");
+        }
+        eprintln!("SKIPPED the openai client test: {msg}");
+        return;
+    };
+    let server = Server::start(&["--api-key", "test-key"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client/check.py");
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg(format!("http://{}/v1", server.addr))
+        .arg(MODEL)
+        .arg("test-key")
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", Path::new(&python).display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}");
+    assert!(
+        out.status.success(),
+        "{} failed:\n{stdout}\n{stderr}\nserve stderr:\n{}",
+        script.display(),
+        server.stderr()
+    );
+    assert!(stdout.contains("checks passed"), "{stdout}");
+}
