@@ -7,7 +7,8 @@
 use rayon::prelude::*;
 
 use crate::cpu::{dot, matmul};
-use crate::rope::{RopeParams, rope_norm_cached};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
+use crate::rope::{RopeConsts, RopeParams, rope_norm_cached};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
@@ -97,6 +98,63 @@ pub(crate) fn check_views(
         }
     }
     Ok(())
+}
+
+/// The device-side twin of [`check_views`]: re-runs the shape rule on the device views,
+/// checks the outputs' metadata and that every view holds the bytes its metadata needs, so
+/// a kernel indexing by the inferred shapes stays inside its buffers.
+pub(crate) fn check_device(
+    op: &dyn Op,
+    inputs: &[DeviceTensor<'_>],
+    outputs: &[DeviceTensor<'_>],
+) -> Result<Vec<TensorMeta>, OpError> {
+    let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+    let want = op.infer(&metas)?;
+    if want.len() != outputs.len() {
+        return Err(OpError::Type(format!(
+            "{} writes {} outputs, given {}",
+            op.name(),
+            want.len(),
+            outputs.len()
+        )));
+    }
+    for (w, o) in want.iter().zip(outputs) {
+        if w != o.meta {
+            return Err(OpError::Type(format!(
+                "{} output must be {w}, given {}",
+                op.name(),
+                o.meta
+            )));
+        }
+    }
+    for t in inputs.iter().chain(outputs) {
+        let need = t.meta.bytes().unwrap_or(usize::MAX);
+        if t.bytes < need {
+            return Err(OpError::Type(format!(
+                "{}: device view of {} has {} bytes, {need} needed",
+                op.name(),
+                t.meta,
+                t.bytes
+            )));
+        }
+    }
+    Ok(want)
+}
+
+/// Refuses a device address the kernel's 16-byte vector accesses cannot use.
+pub(crate) fn aligned16(op: &'static str, what: &str, t: &DeviceTensor<'_>) -> Result<(), OpError> {
+    if !t.ptr.is_multiple_of(16) {
+        return Err(OpError::Type(format!(
+            "{op}: {what} at device address {:#x} is not 16-byte aligned",
+            t.ptr
+        )));
+    }
+    Ok(())
+}
+
+/// A dimension as the `int` the kernels take.
+pub(crate) fn as_i32(op: &'static str, what: &str, v: usize) -> Result<i32, OpError> {
+    i32::try_from(v).map_err(|_| OpError::shape(op, format!("{what} {v} does not fit an i32")))
 }
 
 /// The stored bytes of a weight view, checked against its metadata.
@@ -302,6 +360,225 @@ impl Op for MlaQuery {
             self.n_head, self.qk_nope, self.qk_rope, self.kv_lora, self.rope
         )
     }
+
+    /// One launch: the `Kb` product per head (BF16 weight rows in registers, tokens staged in
+    /// shared memory) plus one extra column of blocks that ropes `q_pe` from the device positions.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let n = inputs[2].meta.shape[0];
+        let (qk, w, nh) = (
+            self.qk_nope + self.qk_rope,
+            self.kv_lora + self.qk_rope,
+            self.n_head,
+        );
+        head_gemv(
+            ctx,
+            self.name(),
+            &HeadGemv {
+                w: &inputs[1],
+                n_head: nh,
+                n_out: self.kv_lora,
+                n_in: self.qk_nope,
+                x: inputs[0].ptr,
+                x_tok: nh * qk,
+                x_head: qk,
+                y: outputs[0].ptr,
+                y_tok: nh * w,
+                y_head: w,
+                n_tok: n,
+                rope: Some(HeadRope {
+                    positions: inputs[2].ptr,
+                    n_rot: self.qk_rope,
+                    src: self.qk_nope,
+                    dst: self.kv_lora,
+                    k: self.rope.consts(),
+                }),
+            },
+        )
+    }
+}
+
+const MLA_CU: &str = include_str!("../kernels/mla.cu");
+
+/// Weight segments of 8 BF16 values one lane of `head_gemv_bf16` holds (`HG_SEGS` there).
+const HG_SEGS: usize = 4;
+/// Tokens up to which the per-head product is a GEMV (weight rows in registers, one group of
+/// lanes a row); beyond, the tiled `head_gemm_bf16` (its tile: `HM_T` rows × `HM_T` tokens).
+const HEAD_GEMV_MAX_TOKENS: usize = 8;
+const HM_T: usize = 64;
+
+/// The rope part of a [`head_gemv`] launch.
+struct HeadRope {
+    positions: u64,
+    n_rot: usize,
+    /// Offset of the pairs in each (token, head) input row, and of their output.
+    src: usize,
+    dst: usize,
+    k: RopeConsts,
+}
+
+/// `y[t][h][o] = Σ_i W[h][o][i]·x[t][h][i]` with `x` and `y` addressed by strides (in f32
+/// elements) per token and per head.
+struct HeadGemv<'a> {
+    w: &'a DeviceTensor<'a>,
+    n_head: usize,
+    n_out: usize,
+    n_in: usize,
+    x: u64,
+    x_tok: usize,
+    x_head: usize,
+    y: u64,
+    y_tok: usize,
+    y_head: usize,
+    n_tok: usize,
+    rope: Option<HeadRope>,
+}
+
+fn head_gemv(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), OpError> {
+    if a.n_tok == 0 {
+        return Ok(());
+    }
+    if a.w.meta.dtype != DType::BF16 {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the CUDA kernel reads the per-head weight as BF16, found {}",
+                a.w.meta
+            ),
+        ));
+    }
+    let nseg = a.n_in / 8;
+    if !a.n_in.is_multiple_of(8) || nseg > 32 * HG_SEGS {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the CUDA kernel needs a per-head input width that is a multiple of 8 and at \
+                 most {}, found {}",
+                8 * 32 * HG_SEGS,
+                a.n_in
+            ),
+        ));
+    }
+    aligned16(op, "the per-head weight", a.w)?;
+    if a.n_head > 65535 {
+        return Err(OpError::shape(
+            op,
+            format!("{} heads exceed a grid dimension", a.n_head),
+        ));
+    }
+    let (pos, rope_n, src, dst, k) = match &a.rope {
+        Some(r) => (r.positions, r.n_rot, r.src, r.dst, r.k),
+        None => (
+            0,
+            0,
+            0,
+            0,
+            RopeConsts {
+                theta_scale: 0.0,
+                freq_scale: 0.0,
+                ext_factor: 0.0,
+                corr: [0.0; 2],
+                mscale: 0.0,
+            },
+        ),
+    };
+    let i = |what, v| as_i32(op, what, v);
+    let rope_col = usize::from(rope_n > 0);
+    if a.n_tok > HEAD_GEMV_MAX_TOKENS {
+        let row_tiles = a.n_out.div_ceil(HM_T);
+        let tok_tiles = a.n_tok.div_ceil(HM_T);
+        if tok_tiles > 65535 {
+            return Err(OpError::shape(
+                op,
+                format!("{} tokens exceed the grid", a.n_tok),
+            ));
+        }
+        let kern = ctx.kernel("mla.cu", MLA_CU, "head_gemm_bf16")?;
+        // SAFETY: argument list matches head_gemm_bf16; as for head_gemv_bf16 below.
+        return unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid((
+                    i("row tiles", row_tiles + rope_col)? as u32,
+                    a.n_head as u32,
+                    tok_tiles as u32,
+                ))
+                .block(256)
+                .arg(a.w.ptr)
+                .arg(a.x)
+                .arg(a.x_tok as i64)
+                .arg(a.x_head as i64)
+                .arg(a.y)
+                .arg(a.y_tok as i64)
+                .arg(a.y_head as i64)
+                .arg(i("tokens", a.n_tok)?)
+                .arg(i("rows", a.n_out)?)
+                .arg(i("input width", a.n_in)?)
+                .arg(row_tiles as i32)
+                .arg(pos)
+                .arg(i("rope width", rope_n)?)
+                .arg(i("rope source", src)?)
+                .arg(i("rope destination", dst)?)
+                .arg(k.theta_scale)
+                .arg(k.freq_scale)
+                .arg(k.ext_factor)
+                .arg(k.corr[0])
+                .arg(k.corr[1])
+                .arg(k.mscale)
+                .enqueue()
+                .map_err(dev_err)
+        };
+    }
+    // A group of `lpr` lanes owns a row: as many as its 16-byte segments, up to a warp; one
+    // row per group, so a decode token's 4 MB weight is spread over many blocks.
+    let lpr = nseg.next_power_of_two().min(32);
+    let groups = 32 / lpr;
+    let passes = 1;
+    let row_blocks = a.n_out.div_ceil(passes * 8 * groups);
+    let tok_tile = (8192 / a.n_in).clamp(1, a.n_tok);
+    let grid_x = row_blocks + rope_col;
+    let kern = ctx.kernel("mla.cu", MLA_CU, "head_gemv_bf16")?;
+    // SAFETY: argument list matches head_gemv_bf16; the shape rule (checked by the caller)
+    // makes every strided access fall inside the views, whose sizes check_device verified.
+    unsafe {
+        ctx.device
+            .launch(&kern)
+            .grid((as_i32(op, "row blocks", grid_x)? as u32, a.n_head as u32))
+            .block(256)
+            .shared_mem((tok_tile * a.n_in * 4) as u32)
+            .arg(a.w.ptr)
+            .arg(a.x)
+            .arg(a.x_tok as i64)
+            .arg(a.x_head as i64)
+            .arg(a.y)
+            .arg(a.y_tok as i64)
+            .arg(a.y_head as i64)
+            .arg(i("tokens", a.n_tok)?)
+            .arg(i("rows", a.n_out)?)
+            .arg(i("input width", a.n_in)?)
+            .arg(lpr.trailing_zeros() as i32)
+            .arg(passes as i32)
+            .arg(row_blocks as i32)
+            .arg(tok_tile as i32)
+            .arg(pos)
+            .arg(i("rope width", rope_n)?)
+            .arg(i("rope source", src)?)
+            .arg(i("rope destination", dst)?)
+            .arg(k.theta_scale)
+            .arg(k.freq_scale)
+            .arg(k.ext_factor)
+            .arg(k.corr[0])
+            .arg(k.corr[1])
+            .arg(k.mscale)
+            .enqueue()
+            .map_err(dev_err)
+    }
 }
 
 // ---- MlaKv ---------------------------------------------------------------------------
@@ -405,6 +682,46 @@ impl Op for MlaKv {
             self.kv_lora, self.qk_rope, self.eps, self.rope
         )
     }
+
+    /// One block a token: the f64 sum of squares, then the scaled latent and the roped key.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let n = inputs[2].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        let k = self.rope.consts();
+        let kern = ctx.kernel("mla.cu", MLA_CU, "mla_kv")?;
+        // SAFETY: argument list matches mla_kv; sizes verified by check_device.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(as_i32(op, "tokens", n)? as u32)
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(inputs[1].ptr)
+                .arg(inputs[2].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "kv_lora", self.kv_lora)?)
+                .arg(as_i32(op, "qk_rope", self.qk_rope)?)
+                .arg(self.eps)
+                .arg(k.theta_scale)
+                .arg(k.freq_scale)
+                .arg(k.ext_factor)
+                .arg(k.corr[0])
+                .arg(k.corr[1])
+                .arg(k.mscale)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
 }
 
 // ---- KvCacheWrite --------------------------------------------------------------------
@@ -479,6 +796,40 @@ impl Op for KvCacheWrite {
 
     fn describe(&self) -> String {
         "kv_cache_write".to_string()
+    }
+
+    /// One block a token. The kernel skips a position outside the cache instead of
+    /// failing (it cannot report); the engine refuses such positions on the host.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let n = inputs[2].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        let (rows, w) = (outputs[0].meta.shape[0], outputs[0].meta.shape[1]);
+        let kern = ctx.kernel("mla.cu", MLA_CU, "kv_cache_write")?;
+        // SAFETY: argument list matches kv_cache_write; the kernel writes only rows in [0, rows).
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(as_i32(op, "tokens", n)? as u32)
+                .block(256)
+                .arg(outputs[0].ptr)
+                .arg(inputs[1].ptr)
+                .arg(inputs[2].ptr)
+                .arg(n as i32)
+                .arg(as_i32(op, "W", w)?)
+                .arg(as_i32(op, "cache rows", rows)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
     }
 
     fn aliases(&self) -> &'static [(usize, usize)] {
@@ -599,6 +950,152 @@ impl Op for MlaAttention {
             self.n_head, self.kv_lora, self.kq_scale
         )
     }
+
+    /// Split-K flash attention (`mla_attn_split`, then `mla_attn_combine` when a token's rows
+    /// are split over several chunks). See [`attention_chunks`] for the split.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (q, cache, pos, out) = (&inputs[0], &inputs[1], &inputs[2], &outputs[0]);
+        let n = pos.meta.shape[0];
+        let (rows, w) = (cache.meta.shape[0], cache.meta.shape[1]);
+        let (nh, lora) = (self.n_head, self.kv_lora);
+        if n == 0 {
+            return Ok(());
+        }
+        if !w.is_multiple_of(4) || !lora.is_multiple_of(4) || w > ATT_MAX_W || lora > ATT_MAX_LORA {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the CUDA kernel needs W (found {w}) and kv_lora (found {lora}) to be \
+                     multiples of 4, at most {ATT_MAX_W} and {ATT_MAX_LORA}"
+                ),
+            ));
+        }
+        for (what, t) in [("Q", q), ("cache", cache), ("o_lat", out)] {
+            aligned16(op, what, t)?;
+        }
+        let groups = nh.div_ceil(32);
+        if n > 65535 || nh > 65535 {
+            return Err(OpError::shape(
+                op,
+                format!("{n} tokens × {groups} head groups exceed the grid"),
+            ));
+        }
+        let chunks = attention_chunks(n, rows, nh);
+        let need = attention_scratch(n, rows, nh, lora);
+        if scratch.bytes < need || (need > 0 && !scratch.ptr.is_multiple_of(16)) {
+            return Err(OpError::Type(format!(
+                "{op}: scratch of {} bytes at {:#x}, {need} 16-byte aligned bytes needed",
+                scratch.bytes, scratch.ptr
+            )));
+        }
+        let part_o = scratch.ptr;
+        let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
+        let smem = attention_smem(w);
+        let split = ctx.kernel("mla.cu", MLA_CU, "mla_attn_split")?;
+        let i = |what, v| as_i32(op, what, v);
+        // SAFETY: argument list matches mla_attn_split; rows read are clamped to the cache,
+        // partials written only when chunks > 1, into the scratch checked above.
+        unsafe {
+            ctx.device
+                .launch(&split)
+                .grid((chunks as u32, n as u32, groups as u32))
+                .block(256)
+                .shared_mem(smem as u32)
+                .arg(q.ptr)
+                .arg(cache.ptr)
+                .arg(pos.ptr)
+                .arg(out.ptr)
+                .arg(part_o)
+                .arg(part_ml)
+                .arg(n as i32)
+                .arg(i("n_head", nh)?)
+                .arg(w as i32)
+                .arg(lora as i32)
+                .arg(i("cache rows", rows)?)
+                .arg(chunks as i32)
+                .arg(self.kq_scale)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
+        if chunks == 1 {
+            return Ok(());
+        }
+        let combine = ctx.kernel("mla.cu", MLA_CU, "mla_attn_combine")?;
+        // SAFETY: argument list matches mla_attn_combine; it reads the partials the split
+        // kernel wrote for the chunks the position makes valid.
+        unsafe {
+            ctx.device
+                .launch(&combine)
+                .grid((blocks_for(lora, 128), nh as u32, n as u32))
+                .block(256)
+                .shared_mem(((8 * 128 + chunks) * 4) as u32)
+                .arg(part_o)
+                .arg(part_ml)
+                .arg(pos.ptr)
+                .arg(out.ptr)
+                .arg(nh as i32)
+                .arg(lora as i32)
+                .arg(rows as i32)
+                .arg(chunks as i32)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match (inputs.get(1), inputs.get(2)) {
+            (Some(cache), Some(pos)) => attention_scratch(
+                pos.shape.first().copied().unwrap_or(0),
+                cache.shape.first().copied().unwrap_or(0),
+                self.n_head,
+                self.kv_lora,
+            ),
+            _ => 0,
+        }
+    }
+}
+
+/// Key rows a tile of `mla_attn_split` stages (`ATT_T` there).
+const ATT_T: usize = 16;
+/// Widest cache row and latent the kernel's per-warp registers cover (8 warps × 72 / × 64).
+const ATT_MAX_W: usize = 576;
+const ATT_MAX_LORA: usize = 512;
+/// Blocks the attention launch aims for: one per SM of an H200 (the kernel holds one block
+/// an SM), so a single decode token still spreads over the whole chip.
+const ATT_TARGET_BLOCKS: usize = 132;
+
+/// Chunks each token's rows are split into. Fixed by the plan's shapes (tokens, cache rows,
+/// heads), never by the position, so one captured graph serves a whole bucket: the kernel
+/// divides rows `0..=pos` among the chunks at run time and chunks past the end do nothing.
+/// Prefill (many tokens) gets one chunk a token and no combine.
+pub fn attention_chunks(n: usize, rows: usize, n_head: usize) -> usize {
+    let per_token = ATT_TARGET_BLOCKS.div_ceil(n.max(1) * n_head.div_ceil(32).max(1));
+    per_token.clamp(1, rows.div_ceil(ATT_T).max(1))
+}
+
+/// Dynamic shared memory of `mla_attn_split`: Q of 32 heads, three key tiles in flight (rows
+/// padded to `att_stride`), score partials, scores, weights and the per-head statistics.
+fn attention_smem(w: usize) -> usize {
+    let ws = w + ((36 - (w & 31)) & 31);
+    (32 * ws + 3 * ATT_T * ws + 8 * ATT_T * 32 + 2 * ATT_T * 32 + 2 * 32 + 8 * 32) * 4
+}
+
+/// Scratch for the chunk partials: `o[kv_lora]` then `(m, l)` per (token, chunk, head).
+fn attention_scratch(n: usize, rows: usize, n_head: usize, kv_lora: usize) -> usize {
+    let chunks = attention_chunks(n, rows, n_head);
+    if chunks == 1 {
+        0
+    } else {
+        n * chunks * n_head * (kv_lora + 2) * 4
+    }
 }
 
 // ---- MlaValueOut ---------------------------------------------------------------------
@@ -694,6 +1191,36 @@ impl Op for MlaValueOut {
         format!(
             "mla_value_out n_head={} kv_lora={} v_head={}",
             self.n_head, self.kv_lora, self.v_head
+        )
+    }
+
+    /// The same per-head BF16 product as `MlaQuery`'s, without the rope.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let (nh, lora, vh) = (self.n_head, self.kv_lora, self.v_head);
+        head_gemv(
+            ctx,
+            self.name(),
+            &HeadGemv {
+                w: &inputs[1],
+                n_head: nh,
+                n_out: vh,
+                n_in: lora,
+                x: inputs[0].ptr,
+                x_tok: nh * lora,
+                x_head: lora,
+                y: outputs[0].ptr,
+                y_tok: nh * vh,
+                y_head: vh,
+                n_tok: inputs[0].meta.shape[0],
+                rope: None,
+            },
         )
     }
 }

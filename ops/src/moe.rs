@@ -11,9 +11,25 @@ use std::fmt;
 use rayon::prelude::*;
 
 use crate::cpu::{dot, matmul};
-use crate::mla::{check_views, expect, expect_inputs, expect_weight, nonzero, weight_bytes};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
+use crate::mla::{
+    aligned16, as_i32, check_device, check_views, expect, expect_inputs, expect_weight, nonzero,
+    weight_bytes,
+};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
+
+const MOE_CU: &str = include_str!("../kernels/moe.cu");
+
+/// Input values one `router_logits` block column sums (`RL_SLICE` there).
+const ROUTER_SLICE: usize = 128;
+/// Routes at or below which the expert ops take the GEMV path (decode: a few tokens, each
+/// expert's weight rows read once for its ≤ 8 staged routes); above it the grouped GEMM.
+const GEMV_MAX_ROUTES: usize = 32;
+/// Routes a GEMV block stages at once (`EG_MAXR` there).
+const GEMV_MAXR: usize = 8;
+/// Shared memory a block may use on the target (227 KiB opt-in on an H200).
+const SMEM_LIMIT: usize = 227 * 1024;
 
 /// llama.cpp's floor for the sum the top-k weights are normalised by: 6.103515625e-5 = 2⁻¹⁴,
 /// the smallest normal f16.
@@ -203,6 +219,107 @@ impl Op for Router {
             self.n_expert, self.top_k, self.gating, self.norm_topk, self.scale
         )
     }
+
+    /// Two launches: `router_logits` spreads the f32 product over (8 experts × 128 inputs)
+    /// blocks into per-slice partials (scratch), `router_select` (a warp a token) sums them
+    /// in slice order and selects.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        let ne = self.n_expert;
+        if n == 0 {
+            return Ok(());
+        }
+        if !d.is_multiple_of(4) {
+            return Err(OpError::shape(
+                op,
+                format!("the CUDA kernel needs D to be a multiple of 4, found {d}"),
+            ));
+        }
+        aligned16(op, "z", &inputs[0])?;
+        aligned16(op, "W", &inputs[1])?;
+        let select_smem = 8 * 3 * ne * 4;
+        if select_smem > SMEM_LIMIT {
+            return Err(OpError::shape(
+                op,
+                format!("{ne} experts exceed the select kernel's shared memory"),
+            ));
+        }
+        let slices = d.div_ceil(ROUTER_SLICE);
+        let need = router_scratch(n, d, ne);
+        if scratch.bytes < need {
+            return Err(OpError::Type(format!(
+                "{op}: scratch of {} bytes, {need} needed",
+                scratch.bytes
+            )));
+        }
+        let tok_tile = n.div_ceil(n.div_ceil(64).min(65535));
+        let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits")?;
+        // SAFETY: argument list matches router_logits; it writes n × slices × E partials.
+        unsafe {
+            ctx.device
+                .launch(&logits)
+                .grid((
+                    blocks_for(ne, 8),
+                    as_i32(op, "slices", slices)? as u32,
+                    n.div_ceil(tok_tile) as u32,
+                ))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(inputs[1].ptr)
+                .arg(scratch.ptr)
+                .arg(as_i32(op, "tokens", n)?)
+                .arg(as_i32(op, "D", d)?)
+                .arg(as_i32(op, "n_expert", ne)?)
+                .arg(slices as i32)
+                .arg(as_i32(op, "token tile", tok_tile)?)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
+        let select = ctx.kernel("moe.cu", MOE_CU, "router_select")?;
+        let bias = inputs.get(2).map_or(0, |b| b.ptr);
+        // SAFETY: argument list matches router_select; it reads the partials written above.
+        unsafe {
+            ctx.device
+                .launch(&select)
+                .grid(blocks_for(n, 8))
+                .block(256)
+                .shared_mem(select_smem as u32)
+                .arg(scratch.ptr)
+                .arg(bias)
+                .arg(outputs[0].ptr)
+                .arg(outputs[1].ptr)
+                .arg(n as i32)
+                .arg(ne as i32)
+                .arg(slices as i32)
+                .arg(self.top_k as i32)
+                .arg(i32::from(self.gating == Gating::Softmax))
+                .arg(i32::from(self.norm_topk))
+                .arg(self.scale)
+                .arg(NORM_GUARD)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match inputs.first().map(|z| z.shape.as_slice()) {
+            Some(&[n, d]) => router_scratch(n, d, self.n_expert),
+            _ => 0,
+        }
+    }
+}
+
+/// The router's per-slice logit partials: `[n, ⌈D/128⌉, n_expert]` f32.
+fn router_scratch(n: usize, d: usize, n_expert: usize) -> usize {
+    n * d.div_ceil(ROUTER_SLICE) * n_expert * 4
 }
 
 // ---- RoutePlan -----------------------------------------------------------------------
@@ -306,6 +423,49 @@ impl Op for RoutePlan {
 
     fn describe(&self) -> String {
         format!("route_plan n_expert={} top_k={}", self.n_expert, self.top_k)
+    }
+
+    /// One block (up to 1024 threads) sorts on the device (no read-back, so it can be captured).
+    /// An id outside `[0, n_expert)` is skipped and the rows it leaves are marked -1; the
+    /// engine refuses such ids before they reach the device.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let r = inputs[0].meta.numel();
+        let ne = self.n_expert;
+        // As many warps as the routes need (a decode step's 4 routes: one warp), up to 32.
+        let threads = r.div_ceil(32).clamp(1, 32) * 32;
+        let smem = (2 + threads / 32) * ne * 4;
+        if smem > SMEM_LIMIT {
+            return Err(OpError::shape(
+                op,
+                format!("{ne} experts exceed the plan kernel's shared memory"),
+            ));
+        }
+        let kern = ctx.kernel("moe.cu", MOE_CU, "route_plan")?;
+        // SAFETY: argument list matches route_plan; it writes E+1 offsets and R rows.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(1)
+                .block(threads as u32)
+                .shared_mem(smem as u32)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(outputs[1].ptr)
+                .arg(outputs[2].ptr)
+                .arg(as_i32(op, "routes", r)?)
+                .arg(as_i32(op, "n_expert", ne)?)
+                .arg(as_i32(op, "top_k", self.top_k)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
     }
 }
 
@@ -503,7 +663,173 @@ impl Op for ExpertSwiGlu {
             self.n_expert, self.n_ff
         )
     }
+
+    /// Gate and up rows of an expert in one pass, SwiGLU in the epilogue, f32 out. The
+    /// static route count picks the path: GEMV for a few routes, grouped GEMM beyond.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        expert_launch(
+            ctx,
+            self.name(),
+            &Experts {
+                wa: &inputs[1],
+                wb: Some(&inputs[2]),
+                x: &inputs[0],
+                offsets: inputs[3].ptr,
+                route_token: inputs[4].ptr,
+                y: outputs[0].ptr,
+                n_in: d,
+                n_out: self.n_ff,
+                n_expert: self.n_expert,
+                x_rows: n,
+                routes: inputs[4].meta.shape[0],
+                maxr: n.clamp(1, GEMV_MAXR),
+            },
+        )
+    }
 }
+
+/// One grouped expert product on the device (see `expert_gemv_iq4` / `expert_gemm_iq4`).
+struct Experts<'a> {
+    wa: &'a DeviceTensor<'a>,
+    /// The up projection for SwiGLU (`wa` is then the gate); `None` for the down projection.
+    wb: Option<&'a DeviceTensor<'a>>,
+    x: &'a DeviceTensor<'a>,
+    offsets: u64,
+    /// Token of each route (SwiGLU); the down projection reads route rows directly.
+    route_token: u64,
+    y: u64,
+    n_in: usize,
+    n_out: usize,
+    n_expert: usize,
+    x_rows: usize,
+    routes: usize,
+    /// Routes a GEMV block stages at once: the most an expert can have in a valid plan.
+    maxr: usize,
+}
+
+fn expert_launch(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), OpError> {
+    if a.routes == 0 {
+        return Ok(());
+    }
+    for w in std::iter::once(a.wa).chain(a.wb) {
+        if w.meta.dtype != DType::IQ4_NL {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the CUDA kernels read expert weights as IQ4_NL, found {}",
+                    w.meta
+                ),
+            ));
+        }
+        aligned16(op, "expert weight", w)?;
+    }
+    if !a.n_in.is_multiple_of(256) {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the CUDA kernels need the expert input width to be a multiple of 256 \
+                 (whole 16-byte groups of 8 IQ4_NL blocks), found {}",
+                a.n_in
+            ),
+        ));
+    }
+    aligned16(op, "expert input", a.x)?;
+    let swiglu = a.wb.is_some();
+    let wb = a.wb.map_or(0, |w| w.ptr);
+    let slots = a.n_expert.min(a.routes);
+    let i = |what, v| as_i32(op, what, v);
+    if a.routes <= GEMV_MAX_ROUTES {
+        let chunks = a.n_in / 256;
+        let lpr = chunks.next_power_of_two().min(if swiglu { 16 } else { 32 });
+        let groups = 32 / lpr;
+        let rpw = if swiglu { groups / 2 } else { groups };
+        let passes = (2 / rpw).max(1);
+        let row_blocks = a.n_out.div_ceil(passes * 8 * rpw);
+        let xw = a.n_in + a.n_in / 64;
+        let maxr = a.maxr.min(SMEM_LIMIT / (xw * 4)).max(1);
+        let kern = ctx.kernel("moe.cu", MOE_CU, "expert_gemv_iq4")?;
+        // SAFETY: argument list matches expert_gemv_iq4; weight rows, inputs and outputs
+        // are indexed within the shapes check_device verified, route ids are bounds-checked.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid((
+                    i("row blocks", row_blocks)? as u32,
+                    i("experts", slots)? as u32,
+                ))
+                .block(256)
+                .shared_mem((maxr * xw * 4) as u32)
+                .arg(a.wa.ptr)
+                .arg(wb)
+                .arg(a.x.ptr)
+                .arg(a.offsets)
+                .arg(a.route_token)
+                .arg(a.y)
+                .arg(i("input width", a.n_in)?)
+                .arg(i("rows", a.n_out)?)
+                .arg(i("n_expert", a.n_expert)?)
+                .arg(i("input rows", a.x_rows)?)
+                .arg(i("routes", a.routes)?)
+                .arg(lpr.trailing_zeros() as i32)
+                .arg(passes as i32)
+                .arg(maxr as i32)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    } else {
+        let out_cols = if swiglu { GEMM_TR / 2 } else { GEMM_TR };
+        // Route tiles of 32 unless experts average 64 routes or more (a long chunk).
+        let (tm, name) = if a.routes >= 64 * a.n_expert {
+            (64, "expert_gemm_iq4_m64")
+        } else {
+            (32, "expert_gemm_iq4_m32")
+        };
+        let tiles = a.routes.div_ceil(tm) + slots;
+        if tiles > 65535 {
+            return Err(OpError::shape(
+                op,
+                format!("{} routes exceed the grouped GEMM's grid", a.routes),
+            ));
+        }
+        let kern = ctx.kernel("moe.cu", MOE_CU, name)?;
+        // SAFETY: argument list matches expert_gemm_iq4; as above.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid((
+                    i("column tiles", a.n_out.div_ceil(out_cols))? as u32,
+                    tiles as u32,
+                ))
+                .block(4 * tm as u32)
+                .shared_mem(((64 * GEMM_TR + 64 * (tm + 4)) * 4) as u32)
+                .arg(a.wa.ptr)
+                .arg(wb)
+                .arg(a.x.ptr)
+                .arg(a.offsets)
+                .arg(a.route_token)
+                .arg(a.y)
+                .arg(i("input width", a.n_in)?)
+                .arg(i("rows", a.n_out)?)
+                .arg(i("n_expert", a.n_expert)?)
+                .arg(i("input rows", a.x_rows)?)
+                .arg(i("routes", a.routes)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+/// Weight rows of an `expert_gemm_iq4_*` tile; its shared memory holds `[64][128]` weights
+/// and `[64][TM+4]` inputs, f32.
+const GEMM_TR: usize = 128;
 
 /// `out[r] = Wd_e · act[r]` for every route `r` of every expert `e`: one row per route.
 ///
@@ -601,6 +927,36 @@ impl Op for ExpertDown {
         format!(
             "expert_down n_expert={} n_embd={}",
             self.n_expert, self.n_embd
+        )
+    }
+
+    /// One output row per route (one writer an element); GEMV or grouped GEMM by route count.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let (r, nf) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        expert_launch(
+            ctx,
+            self.name(),
+            &Experts {
+                wa: &inputs[1],
+                wb: None,
+                x: &inputs[0],
+                offsets: inputs[2].ptr,
+                route_token: 0,
+                y: outputs[0].ptr,
+                n_in: nf,
+                n_out: self.n_embd,
+                n_expert: self.n_expert,
+                x_rows: r,
+                routes: r,
+                maxr: r.clamp(1, GEMV_MAXR),
+            },
         )
     }
 }
@@ -726,5 +1082,44 @@ impl Op for TopKSum {
 
     fn describe(&self) -> String {
         format!("topk_sum top_k={}", self.top_k)
+    }
+
+    /// A block per token (split over columns when tokens are few) finds its routes by
+    /// scanning `route_slot`, then sums in slot order with the CPU's roundings (same bits).
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (r, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        let n = inputs[2].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        // Many tokens fill the chip by themselves; a block then scans the route table once.
+        let col_blocks = if n >= 132 { 1 } else { blocks_for(d, 256) };
+        let kern = ctx.kernel("moe.cu", MOE_CU, "topk_sum")?;
+        // SAFETY: argument list matches topk_sum; route indices come from the table's own
+        // positions (< R), slots are range-checked in the kernel.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid((as_i32(op, "tokens", n)? as u32, col_blocks))
+                .block(256)
+                .shared_mem((self.top_k * 4) as u32)
+                .arg(inputs[0].ptr)
+                .arg(inputs[1].ptr)
+                .arg(inputs[2].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "routes", r)?)
+                .arg(as_i32(op, "D", d)?)
+                .arg(as_i32(op, "top_k", self.top_k)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
     }
 }

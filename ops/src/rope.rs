@@ -111,25 +111,47 @@ impl RopeParams {
         m
     }
 
+    /// The position-independent constants of the angles, computed once on the host; the
+    /// CUDA rope receives exactly these, so its angles round like [`RopeParams::cos_sin`]'s.
+    pub fn consts(&self) -> RopeConsts {
+        RopeConsts {
+            theta_scale: self.freq_base.powf(-2.0 / self.n_rot as f32),
+            freq_scale: self.freq_scale,
+            ext_factor: self.ext_factor,
+            corr: self.corr_dims(),
+            mscale: self.magnitude(),
+        }
+    }
+
     /// Writes `[cos θ_0, sin θ_0, cos θ_1, sin θ_1, …]` (times the magnitude) for position
     /// `pos` into `cache` (the first `n_rot` entries; a shorter cache gets the pairs that fit).
     pub fn cos_sin(&self, pos: i32, cache: &mut [f32]) {
-        let theta_scale = self.freq_base.powf(-2.0 / self.n_rot as f32);
-        let corr = self.corr_dims();
-        let mscale = self.magnitude();
+        let k = self.consts();
         let mut theta_extrap = pos as f32;
         for (i, cs) in cache.chunks_exact_mut(2).take(self.n_rot / 2).enumerate() {
-            let theta_interp = self.freq_scale * theta_extrap;
+            let theta_interp = k.freq_scale * theta_extrap;
             let mut theta = theta_interp;
-            if self.ext_factor != 0.0 {
-                let ramp_mix = ramp(corr[0], corr[1], i) * self.ext_factor;
+            if k.ext_factor != 0.0 {
+                let ramp_mix = ramp(k.corr[0], k.corr[1], i) * k.ext_factor;
                 theta = theta_interp * (1.0 - ramp_mix) + theta_extrap * ramp_mix;
             }
-            cs[0] = theta.cos() * mscale;
-            cs[1] = theta.sin() * mscale;
-            theta_extrap *= theta_scale;
+            cs[0] = theta.cos() * k.mscale;
+            cs[1] = theta.sin() * k.mscale;
+            theta_extrap *= k.theta_scale;
         }
     }
+}
+
+/// What the rope angles need besides the position and the pair index (see
+/// [`RopeParams::consts`]): `θ_extrap(i) = pos·theta_scale^i` by repeated multiplication,
+/// blended over the correction range `corr`, cos/sin times `mscale`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeConsts {
+    pub theta_scale: f32,
+    pub freq_scale: f32,
+    pub ext_factor: f32,
+    pub corr: [f32; 2],
+    pub mscale: f32,
 }
 
 impl fmt::Display for RopeParams {

@@ -1,0 +1,708 @@
+//! CUDA parity of the routed-expert ops (`Router`, `RoutePlan`, `ExpertSwiGlu`,
+//! `ExpertDown`, `TopKSum`) against their CPU references, on both expert paths (GEMV for a
+//! few routes, grouped GEMM beyond), the chain at the real Xing4.0 shapes, and the seed's
+//! reproducibility regression on the GPU; skips without a GPU, saying why. Timings at the
+//! real shapes are `#[ignore]`d (run on the GPU host with `--include-ignored`).
+//!
+//! Tolerances. The plan and the top-k sum reproduce the CPU exactly (I32 equality; a zero
+//! tolerance for the sum, whose roundings the kernel repeats). Dot products are summed in
+//! another order than the CPU's eight-lane `dot`: two orders of n terms differ by about √n·ε
+//! times the typical partial sum, itself about √n·rms(w)·rms(x), so [`dot_abs`] allows 16×
+//! that. SwiGLU multiplies two such dots, so its allowance is scaled by twice the typical dot.
+//! Router weights go through sigmoid or softmax and the normalisation, which turn an
+//! absolute logit error Δ into a relative weight error of at most about 2Δ.
+
+use std::sync::OnceLock;
+
+use cuda::DeviceBuffer;
+use half::f16;
+use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
+use ops::moe::{ExpertDown, ExpertSwiGlu, Gating, RoutePlan, Router, TopKSum};
+use ops::parity::{HostValue, ParityReport, Tolerance, check, run_cpu, run_gpu, test_gpu};
+use ops::{DType, Op, OpError, TensorMeta};
+use proptest::prelude::*;
+
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform(lo, hi)).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    /// `k` distinct ids below `n`, as a router picks them.
+    fn distinct(&mut self, k: usize, n: usize) -> Vec<i32> {
+        let mut v: Vec<i32> = Vec::with_capacity(k);
+        while v.len() < k {
+            let e = self.below(n) as i32;
+            if !v.contains(&e) {
+                v.push(e);
+            }
+        }
+        v
+    }
+}
+
+/// rms of U(−1, 1), the test activations' distribution.
+const U_RMS: f32 = 0.577_350_3;
+
+fn dot_abs(n: usize, wrms: f32, xrms: f32) -> f32 {
+    16.0 * n as f32 * f32::EPSILON * wrms * xrms
+}
+
+fn dot_tol(n: usize, wrms: f32, xrms: f32) -> Tolerance {
+    Tolerance::new(1e-5, dot_abs(n, wrms, xrms))
+}
+
+fn swiglu_tol(n: usize, wrms: f32, xrms: f32) -> Tolerance {
+    let typical = (n as f32).sqrt() * wrms * xrms;
+    Tolerance::new(1e-5, 2.0 * typical * dot_abs(n, wrms, xrms))
+}
+
+fn router_tol(d: usize, wrms: f32) -> Tolerance {
+    let logit = dot_abs(d, wrms, U_RMS);
+    Tolerance::new(1e-5 + 4.0 * logit, 4.0 * logit)
+}
+
+fn rms(v: &[f32]) -> f32 {
+    (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len().max(1) as f64).sqrt() as f32
+}
+
+/// Largest IQ4_NL scale the random weights use (scales are uniform in ±IQ4_D).
+const IQ4_D: f32 = 0.004;
+/// rms of those weights: rms(d)·rms(codebook) = (IQ4_D/√3)·67.4.
+const IQ4_WRMS: f32 = IQ4_D / 1.732_050_8 * 67.44;
+
+/// A stacked `[e, rows, cols]` IQ4_NL weight: random nibbles, a random f16 scale per block.
+fn iq4_weight(r: &mut Rng, e: usize, rows: usize, cols: usize) -> HostValue {
+    let meta = TensorMeta::new([e, rows, cols], DType::IQ4_NL);
+    let len = meta.bytes().expect("whole blocks");
+    let mut bytes = vec![0u8; len];
+    for c in bytes.chunks_mut(8) {
+        let v = r.next().to_le_bytes();
+        c.copy_from_slice(&v[..c.len()]);
+    }
+    for b in bytes.chunks_exact_mut(18) {
+        let d = f16::from_f32(r.uniform(-IQ4_D, IQ4_D));
+        b[..2].copy_from_slice(&d.to_le_bytes());
+    }
+    HostValue::from_bytes(meta, &bytes)
+}
+
+fn report(what: &str, r: &ParityReport) {
+    eprintln!("parity {what}: {r}");
+}
+
+/// The CPU reference's outputs, as inputs for the next op.
+fn cpu(op: &dyn Op, ins: &[HostValue]) -> Vec<HostValue> {
+    run_cpu(op, ins)
+        .unwrap_or_else(|e| panic!("{}: {e}", op.describe()))
+        .into_iter()
+        .map(|(meta, data)| HostValue { meta, data })
+        .collect()
+}
+
+/// Router ids for `n` tokens (distinct per token) and the CPU's plan of them.
+fn plan_for(r: &mut Rng, n: usize, ne: usize, k: usize) -> (HostValue, Vec<HostValue>) {
+    let ids: Vec<i32> = (0..n).flat_map(|_| r.distinct(k, ne)).collect();
+    let ids = HostValue::i32([n, k], &ids);
+    let plan = cpu(
+        &RoutePlan {
+            n_expert: ne,
+            top_k: k,
+        },
+        std::slice::from_ref(&ids),
+    );
+    (ids, plan)
+}
+
+// ---- Router ---------------------------------------------------------------------------
+
+#[test]
+fn router_matches_its_cpu_reference_on_random_shapes() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(32), |(
+        n in 1usize..6, ne in 4usize..80, k in 1usize..9, d4 in 1usize..300,
+        softmax in any::<bool>(), biased in any::<bool>(), norm in any::<bool>(),
+        seed in any::<u64>(),
+    )| {
+        let (k, d) = (k.min(ne), 4 * d4);
+        let mut r = Rng::new(seed);
+        let op = Router {
+            n_expert: ne,
+            top_k: k,
+            gating: if softmax { Gating::Softmax } else { Gating::Sigmoid },
+            norm_topk: norm,
+            scale: 2.0,
+        };
+        let wmax = 1.0 / (d as f32).sqrt();
+        let mut ins = vec![
+            HostValue::f32([n, d], &r.vec(n * d, -1.0, 1.0)),
+            HostValue::f32([ne, d], &r.vec(ne * d, -wmax, wmax)),
+        ];
+        if biased {
+            ins.push(HostValue::f32([ne], &r.vec(ne, -0.1, 0.1)));
+        }
+        check(&gpu, &op, &ins, router_tol(d, wmax / 1.732_050_8)).map_err(TestCaseError::fail)?;
+    });
+}
+
+// ---- RoutePlan ------------------------------------------------------------------------
+
+#[test]
+fn the_device_route_plan_equals_the_cpu_plan() {
+    let Some(gpu) = test_gpu() else { return };
+    // Up to 2400 routes: several 1024-slot passes of the kernel's running cursor.
+    proptest!(ProptestConfig::with_cases(32), |(
+        n in 1usize..600, ne in 1usize..100, k in 1usize..9, repeats in any::<bool>(),
+        seed in any::<u64>(),
+    )| {
+        let k = k.min(ne);
+        let mut r = Rng::new(seed);
+        // A router never repeats an id within a token; the plan is defined (and stable) anyway.
+        let ids: Vec<i32> = if repeats {
+            (0..n * k).map(|_| r.below(ne) as i32).collect()
+        } else {
+            (0..n).flat_map(|_| r.distinct(k, ne)).collect()
+        };
+        let op = RoutePlan { n_expert: ne, top_k: k };
+        check(&gpu, &op, &[HostValue::i32([n, k], &ids)], Tolerance::F32)
+            .map_err(TestCaseError::fail)?;
+    });
+}
+
+// ---- TopKSum --------------------------------------------------------------------------
+
+#[test]
+fn topk_sum_reproduces_the_cpu_sum_bit_for_bit() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(24), |(
+        n in 1usize..300, ne in 2usize..70, k in 1usize..9, d in 1usize..600,
+        seed in any::<u64>(),
+    )| {
+        let k = k.min(ne);
+        let mut r = Rng::new(seed);
+        let (_, plan) = plan_for(&mut r, n, ne, k);
+        let ins = vec![
+            HostValue::f32([n * k, d], &r.vec(n * k * d, -50.0, 50.0)),
+            plan[2].clone(),
+            HostValue::f32([n, k], &r.vec(n * k, 0.0, 2.0)),
+        ];
+        check(&gpu, &TopKSum { top_k: k }, &ins, Tolerance::new(0.0, 0.0))
+            .map_err(TestCaseError::fail)?;
+    });
+}
+
+// ---- ExpertSwiGlu / ExpertDown --------------------------------------------------------
+
+#[test]
+fn expert_swiglu_matches_its_cpu_reference_on_both_paths() {
+    let Some(gpu) = test_gpu() else { return };
+    // n·top_k ≤ 32 routes take the GEMV path, more the grouped GEMM (tiles of 64 routes
+    // once experts average 64 routes, else 32).
+    proptest!(ProptestConfig::with_cases(32), |(
+        n in 1usize..100, ne in 2usize..10, k in 1usize..5, d256 in 1usize..4,
+        nf in 1usize..300, seed in any::<u64>(),
+    )| {
+        let (k, d) = (k.min(ne), 256 * d256);
+        let mut r = Rng::new(seed);
+        let (_, plan) = plan_for(&mut r, n, ne, k);
+        let op = ExpertSwiGlu { n_expert: ne, n_ff: nf };
+        let ins = vec![
+            HostValue::f32([n, d], &r.vec(n * d, -1.0, 1.0)),
+            iq4_weight(&mut r, ne, nf, d),
+            iq4_weight(&mut r, ne, nf, d),
+            plan[0].clone(),
+            plan[1].clone(),
+        ];
+        check(&gpu, &op, &ins, swiglu_tol(d, IQ4_WRMS, U_RMS)).map_err(TestCaseError::fail)?;
+    });
+    // Two busy experts (100 routes each): the 64-route tiles.
+    let mut r = Rng::new(8);
+    let (_, plan) = plan_for(&mut r, 100, 2, 2);
+    let ins = vec![
+        HostValue::f32([100, 512], &r.vec(100 * 512, -1.0, 1.0)),
+        iq4_weight(&mut r, 2, 200, 512),
+        iq4_weight(&mut r, 2, 200, 512),
+        plan[0].clone(),
+        plan[1].clone(),
+    ];
+    let op = ExpertSwiGlu {
+        n_expert: 2,
+        n_ff: 200,
+    };
+    check(&gpu, &op, &ins, swiglu_tol(512, IQ4_WRMS, U_RMS)).expect("64-route tiles");
+}
+
+#[test]
+fn expert_down_matches_its_cpu_reference_on_both_paths() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(32), |(
+        n in 1usize..100, ne in 2usize..10, k in 1usize..5, f256 in 1usize..5,
+        embd in 1usize..300, seed in any::<u64>(),
+    )| {
+        let (k, nf) = (k.min(ne), 256 * f256);
+        let mut r = Rng::new(seed);
+        let (_, plan) = plan_for(&mut r, n, ne, k);
+        let op = ExpertDown { n_expert: ne, n_embd: embd };
+        let ins = vec![
+            HostValue::f32([n * k, nf], &r.vec(n * k * nf, -1.0, 1.0)),
+            iq4_weight(&mut r, ne, embd, nf),
+            plan[0].clone(),
+        ];
+        check(&gpu, &op, &ins, dot_tol(nf, IQ4_WRMS, U_RMS)).map_err(TestCaseError::fail)?;
+    });
+    // Two busy experts (100 routes each): the 64-route tiles.
+    let mut r = Rng::new(9);
+    let (_, plan) = plan_for(&mut r, 100, 2, 2);
+    let ins = vec![
+        HostValue::f32([200, 768], &r.vec(200 * 768, -1.0, 1.0)),
+        iq4_weight(&mut r, 2, 150, 768),
+        plan[0].clone(),
+    ];
+    let op = ExpertDown {
+        n_expert: 2,
+        n_embd: 150,
+    };
+    check(&gpu, &op, &ins, dot_tol(768, IQ4_WRMS, U_RMS)).expect("64-route tiles");
+}
+
+#[test]
+fn the_expert_kernels_refuse_widths_they_do_not_cover() {
+    let Some(gpu) = test_gpu() else { return };
+    let mut r = Rng::new(4);
+    let (_, plan) = plan_for(&mut r, 1, 4, 2);
+    let op = ExpertDown {
+        n_expert: 4,
+        n_embd: 8,
+    };
+    // 96 inputs: whole IQ4_NL blocks, but not whole 256-value groups.
+    let ins = vec![
+        HostValue::f32([2, 96], &r.vec(2 * 96, -1.0, 1.0)),
+        iq4_weight(&mut r, 4, 8, 96),
+        plan[0].clone(),
+    ];
+    let e = run_gpu(&gpu, &op, &ins).unwrap_err();
+    assert!(
+        matches!(e, OpError::Shape { .. }) && e.to_string().contains("256"),
+        "{e}"
+    );
+    assert!(run_cpu(&op, &ins).is_ok());
+}
+
+// ---- the chain at the real shapes -----------------------------------------------------
+
+const NE: usize = 64;
+const TOPK: usize = 4;
+const EMBD: usize = 3584;
+const NFF: usize = 1024;
+
+struct RealWeights {
+    router_w: HostValue,
+    bias: HostValue,
+    gate: HostValue,
+    up: HostValue,
+    down: HostValue,
+}
+
+/// The real-shape expert stacks (≈ 400 MB), built once per process.
+fn real_weights() -> &'static RealWeights {
+    static W: OnceLock<RealWeights> = OnceLock::new();
+    W.get_or_init(|| {
+        let mut r = Rng::new(2024);
+        let wmax = 1.0 / (EMBD as f32).sqrt();
+        RealWeights {
+            router_w: HostValue::f32([NE, EMBD], &r.vec(NE * EMBD, -wmax, wmax)),
+            bias: HostValue::f32([NE], &r.vec(NE, -0.05, 0.05)),
+            gate: iq4_weight(&mut r, NE, NFF, EMBD),
+            up: iq4_weight(&mut r, NE, NFF, EMBD),
+            down: iq4_weight(&mut r, NE, EMBD, NFF),
+        }
+    })
+}
+
+fn real_router() -> Router {
+    Router {
+        n_expert: NE,
+        top_k: TOPK,
+        gating: Gating::Sigmoid,
+        norm_topk: true,
+        scale: 2.0,
+    }
+}
+
+/// Every op of the chain with its inputs, each op's inputs being the CPU reference's outputs
+/// of the op before (so each op is judged on identical inputs) and the tolerance it is held to.
+fn real_chain(n: usize) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
+    let w = real_weights();
+    let mut r = Rng::new(n as u64 + 99);
+    let z = HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0));
+    let router = real_router();
+    let r_ins = vec![z.clone(), w.router_w.clone(), w.bias.clone()];
+    let routed = cpu(&router, &r_ins);
+    let plan_op = RoutePlan {
+        n_expert: NE,
+        top_k: TOPK,
+    };
+    let p_ins = vec![routed[0].clone()];
+    let plan = cpu(&plan_op, &p_ins);
+    let sw = ExpertSwiGlu {
+        n_expert: NE,
+        n_ff: NFF,
+    };
+    let s_ins = vec![
+        z,
+        w.gate.clone(),
+        w.up.clone(),
+        plan[0].clone(),
+        plan[1].clone(),
+    ];
+    let act = cpu(&sw, &s_ins);
+    let down = ExpertDown {
+        n_expert: NE,
+        n_embd: EMBD,
+    };
+    let d_ins = vec![act[0].clone(), w.down.clone(), plan[0].clone()];
+    let routed_out = cpu(&down, &d_ins);
+    // The down projection's inputs are the SwiGLU products, far from U(−1, 1).
+    let act_rms = rms(act[0].data.f32s());
+    let t_ins = vec![routed_out[0].clone(), plan[2].clone(), routed[1].clone()];
+    vec![
+        (
+            Box::new(router) as Box<dyn Op>,
+            r_ins,
+            router_tol(EMBD, 1.0 / (EMBD as f32).sqrt() / 1.732_050_8),
+        ),
+        (Box::new(plan_op), p_ins, Tolerance::F32),
+        (Box::new(sw), s_ins, swiglu_tol(EMBD, IQ4_WRMS, U_RMS)),
+        (Box::new(down), d_ins, dot_tol(NFF, IQ4_WRMS, act_rms)),
+        (
+            Box::new(TopKSum { top_k: TOPK }),
+            t_ins,
+            Tolerance::new(0.0, 0.0),
+        ),
+    ]
+}
+
+#[test]
+fn the_moe_chain_at_the_real_shapes_matches_for_one_and_64_tokens() {
+    let Some(gpu) = test_gpu() else { return };
+    for n in [1, 64] {
+        for (op, ins, tol) in real_chain(n) {
+            let r = check(&gpu, op.as_ref(), &ins, tol).expect("parity");
+            report(&format!("{} n={n}", op.name()), &r);
+        }
+    }
+}
+
+#[test]
+fn the_grouped_expert_path_is_bit_reproducible_at_top_four() {
+    let Some(gpu) = test_gpu() else { return };
+    for n in [1, 64] {
+        for (op, ins, _) in real_chain(n) {
+            let a = run_gpu(&gpu, op.as_ref(), &ins).expect("first run");
+            let b = run_gpu(&gpu, op.as_ref(), &ins).expect("second run");
+            for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert!(
+                    x.1 == y.1,
+                    "{} n={n}: output {k} differs between runs",
+                    op.name()
+                );
+            }
+        }
+    }
+}
+
+// ---- timings ----------------------------------------------------------------------------
+
+fn upload(gpu: &GpuCtx, bytes: &[u8]) -> DeviceBuffer<u8> {
+    gpu.device.upload(bytes).expect("upload")
+}
+
+fn view<'a>(meta: &'a TensorMeta, b: &DeviceBuffer<u8>) -> DeviceTensor<'a> {
+    DeviceTensor {
+        meta,
+        ptr: b.device_ptr(),
+        bytes: b.num_bytes(),
+    }
+}
+
+/// Microseconds per call of `call(i)`: `reps` calls captured into one CUDA graph (as the
+/// engine runs a step), replayed for ≥ 0.3 s first so the clocks have ramped up, then the
+/// median of 7 timed replays.
+fn time_calls(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
+    let dev = &gpu.device;
+    call(0).expect("warm-up");
+    let mut failed = None;
+    let graph = dev
+        .capture(|_| {
+            for i in 0..reps {
+                if let Err(e) = call(i) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            Ok(())
+        })
+        .expect("capture");
+    assert!(failed.is_none(), "{failed:?}");
+    graph.upload().expect("graph upload");
+    let start = std::time::Instant::now();
+    while start.elapsed().as_secs_f64() < 0.3 {
+        graph.launch().expect("replay");
+        dev.synchronize().expect("sync");
+    }
+    let timer = cuda::Timer::new(dev).expect("timer");
+    let mut ms: Vec<f64> = (0..7)
+        .map(|_| {
+            timer.start().expect("timer");
+            graph.launch().expect("replay");
+            timer.stop().expect("timer") as f64
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    ms[3] * 1e3 / reps as f64
+}
+
+fn line(what: &str, us: f64, bytes: f64, flops: f64) {
+    println!(
+        "{what:<40} {us:>9.2} µs {:>7.0} GB/s {:>6.1} TFLOP/s",
+        bytes / us / 1e3,
+        flops / us / 1e6
+    );
+}
+
+/// One device copy of a host value.
+struct Dev {
+    meta: TensorMeta,
+    buf: DeviceBuffer<u8>,
+}
+
+fn dev(gpu: &GpuCtx, v: &HostValue) -> Dev {
+    Dev {
+        meta: v.meta.clone(),
+        buf: upload(gpu, v.data.bytes()),
+    }
+}
+
+fn out(gpu: &GpuCtx, meta: TensorMeta) -> Dev {
+    let n = meta.bytes().expect("whole blocks");
+    Dev {
+        meta,
+        buf: upload(gpu, &vec![0u8; n]),
+    }
+}
+
+fn time_moe(gpu: &GpuCtx, n: usize) {
+    let w = real_weights();
+    let mut r = Rng::new(7 + n as u64);
+    let rt = n * TOPK;
+    // Several route sets for decode, each a different 4 experts per token, so successive
+    // calls read different expert weights (as successive layers do) rather than L2 hits.
+    let sets = if n == 1 { 16 } else { 1 };
+    let plans: Vec<Vec<Dev>> = (0..sets)
+        .map(|s| {
+            let ids: Vec<i32> = if n == 1 {
+                (0..TOPK as i32)
+                    .map(|j| (4 * s as i32 + j) % NE as i32)
+                    .collect()
+            } else {
+                (0..n).flat_map(|_| r.distinct(TOPK, NE)).collect()
+            };
+            let ids = HostValue::i32([n, TOPK], &ids);
+            let plan = cpu(
+                &RoutePlan {
+                    n_expert: NE,
+                    top_k: TOPK,
+                },
+                std::slice::from_ref(&ids),
+            );
+            let mut v = vec![dev(gpu, &ids)];
+            v.extend(plan.iter().map(|p| dev(gpu, p)));
+            v
+        })
+        .collect();
+    let z = dev(gpu, &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)));
+    let (rw, bias) = (dev(gpu, &w.router_w), dev(gpu, &w.bias));
+    let (gate, up, down) = (dev(gpu, &w.gate), dev(gpu, &w.up), dev(gpu, &w.down));
+    let ids_o = out(gpu, TensorMeta::i32([n, TOPK]));
+    let wts = dev(gpu, &HostValue::f32([n, TOPK], &r.vec(n * TOPK, 0.1, 0.9)));
+    let act = dev(gpu, &HostValue::f32([rt, NFF], &r.vec(rt * NFF, -1.0, 1.0)));
+    let ro = out(gpu, TensorMeta::f32([rt, EMBD]));
+    let y = out(gpu, TensorMeta::f32([n, EMBD]));
+    let plan_o = [
+        out(gpu, TensorMeta::i32([NE + 1])),
+        out(gpu, TensorMeta::i32([rt])),
+        out(gpu, TensorMeta::i32([rt])),
+    ];
+    let router = real_router();
+    let rs = router.cuda_scratch_bytes(&[&z.meta, &rw.meta, &bias.meta]);
+    let scratch = upload(gpu, &vec![0u8; rs.max(16)]);
+    let wts_o = out(gpu, TensorMeta::f32([n, TOPK]));
+    fn v(d: &Dev) -> DeviceTensor<'_> {
+        view(&d.meta, &d.buf)
+    }
+    let reps = if n == 1 { 64 } else { 4 };
+
+    let us = time_calls(gpu, reps, &|_| {
+        router.cuda(
+            gpu,
+            &[v(&z), v(&rw), v(&bias)],
+            &[v(&ids_o), v(&wts_o)],
+            Scratch {
+                ptr: scratch.device_ptr(),
+                bytes: rs,
+            },
+        )
+    });
+    line(
+        &format!("router n={n} (F32 64x3584, 2 kernels)"),
+        us,
+        (NE * EMBD * 4 + n * EMBD * 4) as f64,
+        2.0 * (n * NE * EMBD) as f64,
+    );
+    let plan_op = RoutePlan {
+        n_expert: NE,
+        top_k: TOPK,
+    };
+    let us = time_calls(gpu, reps, &|i| {
+        plan_op.cuda(
+            gpu,
+            &[v(&plans[i % sets][0])],
+            &[v(&plan_o[0]), v(&plan_o[1]), v(&plan_o[2])],
+            Scratch::default(),
+        )
+    });
+    line(&format!("route_plan n={n}"), us, (rt * 12) as f64, 0.0);
+
+    // Expert bytes read: each touched expert's slices once.
+    let touched = |set: &Vec<Dev>| -> usize {
+        let off = set[1].buf.to_vec().expect("download");
+        let off: Vec<i32> = off
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        off.windows(2).filter(|p| p[1] > p[0]).count()
+    };
+    let experts = touched(&plans[0]) as f64;
+    let slice = (NFF * EMBD / 32 * 18) as f64;
+    let sw = ExpertSwiGlu {
+        n_expert: NE,
+        n_ff: NFF,
+    };
+    let us = time_calls(gpu, reps, &|i| {
+        let p = &plans[i % sets];
+        sw.cuda(
+            gpu,
+            &[v(&z), v(&gate), v(&up), v(&p[1]), v(&p[2])],
+            &[v(&act)],
+            Scratch::default(),
+        )
+    });
+    line(
+        &format!("expert_swiglu n={n} ({experts} experts, IQ4_NL)"),
+        us,
+        2.0 * experts * slice + (n * EMBD * 4 + rt * NFF * 4) as f64,
+        4.0 * (rt * NFF * EMBD) as f64,
+    );
+    let dn = ExpertDown {
+        n_expert: NE,
+        n_embd: EMBD,
+    };
+    let us = time_calls(gpu, reps, &|i| {
+        let p = &plans[i % sets];
+        dn.cuda(
+            gpu,
+            &[v(&act), v(&down), v(&p[1])],
+            &[v(&ro)],
+            Scratch::default(),
+        )
+    });
+    line(
+        &format!("expert_down n={n} ({experts} experts, IQ4_NL)"),
+        us,
+        experts * slice + (rt * NFF * 4 + rt * EMBD * 4) as f64,
+        2.0 * (rt * NFF * EMBD) as f64,
+    );
+    let ts = TopKSum { top_k: TOPK };
+    let us = time_calls(gpu, reps, &|i| {
+        let p = &plans[i % sets];
+        ts.cuda(
+            gpu,
+            &[v(&ro), v(&p[3]), v(&wts)],
+            &[v(&y)],
+            Scratch::default(),
+        )
+    });
+    line(
+        &format!("topk_sum n={n}"),
+        us,
+        (rt * EMBD * 4 + n * EMBD * 4) as f64,
+        0.0,
+    );
+    // The whole routed chain as a step runs it (router → plan → experts → sum).
+    let us = time_calls(gpu, reps, &|i| {
+        let p = &plans[i % sets];
+        router.cuda(
+            gpu,
+            &[v(&z), v(&rw), v(&bias)],
+            &[v(&ids_o), v(&wts_o)],
+            Scratch {
+                ptr: scratch.device_ptr(),
+                bytes: rs,
+            },
+        )?;
+        plan_op.cuda(
+            gpu,
+            &[v(&p[0])],
+            &[v(&plan_o[0]), v(&plan_o[1]), v(&plan_o[2])],
+            Scratch::default(),
+        )?;
+        sw.cuda(
+            gpu,
+            &[v(&z), v(&gate), v(&up), v(&p[1]), v(&p[2])],
+            &[v(&act)],
+            Scratch::default(),
+        )?;
+        dn.cuda(
+            gpu,
+            &[v(&act), v(&down), v(&p[1])],
+            &[v(&ro)],
+            Scratch::default(),
+        )?;
+        ts.cuda(
+            gpu,
+            &[v(&ro), v(&p[3]), v(&wts)],
+            &[v(&y)],
+            Scratch::default(),
+        )
+    });
+    line(
+        &format!("moe chain n={n} (6 kernels)"),
+        us,
+        3.0 * experts * slice + (NE * EMBD * 4) as f64,
+        6.0 * (rt * NFF * EMBD) as f64,
+    );
+}
+
+#[test]
+#[ignore = "timing table at the real shapes: run on the GPU host with --include-ignored"]
+fn moe_timings_at_the_real_shapes() {
+    let Some(gpu) = test_gpu() else { return };
+    for n in [1, 512] {
+        time_moe(&gpu, n);
+    }
+}
