@@ -10,9 +10,39 @@ use rayon::prelude::*;
 
 use crate::cpu::matmul;
 use crate::elementwise::{arity, check_io, want_dtype};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
+use crate::linear::{as_i32, device_io};
 use crate::norm::rms_norm_rows;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
+
+const HC_CU: &str = include_str!("../kernels/hc.cu");
+
+/// Suffix of the kernels specialised on the stream count (loops over streams unrolled,
+/// so a thread's stream loads are in flight together); 0 is the run-time-hc variant.
+fn hc_variant(hc: usize) -> usize {
+    if matches!(hc, 1 | 2 | 4) { hc } else { 0 }
+}
+
+/// Grid of a grid-stride element-wise kernel over `total` items.
+fn stride_grid(total: usize) -> u32 {
+    blocks_for(total, 256).min(32768)
+}
+
+/// Column segment of `hc_pre`'s split-K pass for rows of `w` values: about 128
+/// segments (one a block, so one decode token spreads over the chip), whole groups
+/// of 8 so the 16-byte loads stay aligned.
+fn pre_segment(w: usize) -> usize {
+    w.div_ceil(128).next_multiple_of(8).max(32)
+}
+
+/// `(n, hc·D, mixes, splits)` of an `hc_pre` call, from its input metadata.
+fn pre_dims(p: &HcPre, inputs: &[&TensorMeta]) -> Option<(usize, usize, usize, usize)> {
+    p.infer(inputs).ok()?;
+    let (n, d) = (inputs[0].shape[0], inputs[0].shape[2]);
+    let w = p.hc * d;
+    Some((n, w, p.mixes(), w.div_ceil(pre_segment(w))))
+}
 
 fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + (-z).exp())
@@ -273,6 +303,37 @@ impl Op for HcExpand {
     fn describe(&self) -> String {
         format!("hc_expand(hc={})", self.hc)
     }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        device_io(self, inputs, outputs)?;
+        let op = self.name();
+        let total = outputs[0].meta.numel();
+        if total == 0 {
+            return Ok(());
+        }
+        let k = ctx.kernel("hc.cu", HC_CU, "hc_expand")?;
+        // SAFETY: hc_expand(x, out, hc, D, total); device_io checked x is n×D and out
+        // n×hc×D f32 = total elements.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(stride_grid(total))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "hc", self.hc)?)
+                .arg(as_i32(op, "D", inputs[0].meta.shape[1])?)
+                .arg(total as i64)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
 }
 
 /// The hyper-connection's entry (spec §3.2–3.4).
@@ -373,6 +434,132 @@ impl Op for HcPre {
             self.hc, self.sinkhorn_iters, self.rms_eps, self.hc_eps, self.clamp
         )
     }
+
+    /// Split-K partial dots and sums of squares of every token, `[n][splits][mixes]`
+    /// and `[n][splits]` f32.
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        pre_dims(self, inputs).map_or(0, |(n, _, k, splits)| n * splits * (k + 1) * 4)
+    }
+
+    /// Two launches: ~128 blocks each take a column segment of `fn` (and up to 8
+    /// tokens) and write partial dots and sums of squares to scratch; then per token
+    /// one block runs the gates and the Sinkhorn chain while others collapse slices
+    /// of D. Partials are summed in split order (deterministic). The mixes are
+    /// `(Σ fn·f)·r` rather than the reference's `Σ fn·(f·r)`, and the dot order
+    /// differs, so this is the reference up to f32 rounding (not bit-identical).
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        device_io(self, inputs, outputs)?;
+        let op = self.name();
+        let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+        let (n, w, k, splits) =
+            pre_dims(self, &metas).ok_or_else(|| OpError::shape(op, "inputs refused"))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let need = self.cuda_scratch_bytes(&metas);
+        if scratch.bytes < need {
+            return Err(OpError::Type(format!(
+                "hc_pre: scratch of {} bytes, {need} needed",
+                scratch.bytes
+            )));
+        }
+        let (h, f) = (&inputs[0], &inputs[1]);
+        let d = w / self.hc;
+        let tb = if n >= 8 { 8 } else { 1 };
+        let groups = n.div_ceil(tb);
+        if groups > 65535 {
+            return Err(OpError::shape(op, format!("{n} tokens in one launch")));
+        }
+        let vec = w.is_multiple_of(8) && f.ptr.is_multiple_of(16) && h.ptr.is_multiple_of(16);
+        let seg = pre_segment(w);
+        let fn_ty = if f.meta.dtype == DType::BF16 {
+            "bf16"
+        } else {
+            "f32"
+        };
+        // The pair kernel keeps every (mix, 8-column) product of its tokens in shared memory.
+        let pair_smem = tb * (k + 1) * (seg / 8) * 4;
+        let (name, smem) = if vec && pair_smem <= 48 << 10 {
+            (format!("hc_pre_pairs_{fn_ty}_{tb}"), pair_smem as u32)
+        } else {
+            let v = if vec { "vec" } else { "any" };
+            (format!("hc_pre_partial_{fn_ty}_{v}_{tb}"), 0)
+        };
+        let (part, ss) = (scratch.ptr, scratch.ptr + (n * splits * k * 4) as u64);
+        let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
+        let kp = ctx.kernel("hc.cu", HC_CU, &name)?;
+        // SAFETY: the partial kernel reads H (n×W f32) and fn (K×W) and writes
+        // part[n][splits][K] and ss[n][splits] inside the scratch checked above.
+        unsafe {
+            ctx.device
+                .launch(&kp)
+                .grid((splits as u32, groups as u32))
+                .block(256)
+                .shared_mem(smem)
+                .arg(h.ptr)
+                .arg(f.ptr)
+                .arg(part)
+                .arg(ss)
+                .arg(as_i32(op, "n", n)?)
+                .arg(wi)
+                .arg(ki)
+                .arg(as_i32(op, "segment", seg)?)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
+        // One collapse column per thread, so every stream load of the token is issued at once.
+        let cb = d.div_ceil(256);
+        let smem = (splits * (k + 1) + 2 * k + 1 + self.hc * self.hc) * 4;
+        if smem > 200 << 10 {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "hc = {}: the finishing kernel's {smem} bytes of partials exceed shared memory",
+                    self.hc
+                ),
+            ));
+        }
+        let kf = ctx.kernel(
+            "hc.cu",
+            HC_CU,
+            &format!("hc_pre_finish_{}", hc_variant(self.hc)),
+        )?;
+        let n32 = u32::try_from(n).map_err(|_| OpError::shape(op, format!("{n} tokens")))?;
+        // SAFETY: hc_pre_finish reads the partials written above, base (K) and scale (3),
+        // and writes x (n×D), post (n×hc) and comb (n×hc×hc), all checked by device_io.
+        unsafe {
+            ctx.device
+                .launch(&kf)
+                .grid((n32, (cb + 1) as u32))
+                .block(256)
+                .shared_mem(smem as u32)
+                .arg(h.ptr)
+                .arg(part)
+                .arg(ss)
+                .arg(inputs[2].ptr)
+                .arg(inputs[3].ptr)
+                .arg(outputs[0].ptr)
+                .arg(outputs[1].ptr)
+                .arg(outputs[2].ptr)
+                .arg(as_i32(op, "hc", self.hc)?)
+                .arg(as_i32(op, "D", d)?)
+                .arg(ki)
+                .arg(as_i32(op, "splits", splits)?)
+                .arg(self.rms_eps)
+                .arg(self.hc_eps)
+                .arg(self.clamp)
+                .arg(as_i32(op, "iters", self.sinkhorn_iters)?)
+                .arg(cb as i32)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
 }
 
 /// The hyper-connection's exit (spec §3.6).
@@ -428,6 +615,42 @@ impl Op for HcPost {
     fn describe(&self) -> String {
         format!("hc_post(hc={})", self.hc)
     }
+
+    /// One thread per (token, column) writing all hc destinations; bit-identical to
+    /// the reference (separately rounded products and sums, in its order).
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        device_io(self, inputs, outputs)?;
+        let op = self.name();
+        let total = inputs[0].meta.numel();
+        if total == 0 {
+            return Ok(());
+        }
+        let k = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_{}", hc_variant(self.hc)))?;
+        // SAFETY: hc_post(y, h, post, comb, out, hc, D, n·D); device_io checked every
+        // view against the shape rule (y n×D, H and out n×hc×D, post n×hc, comb n×hc×hc).
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(stride_grid(total))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(inputs[1].ptr)
+                .arg(inputs[2].ptr)
+                .arg(inputs[3].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "hc", self.hc)?)
+                .arg(as_i32(op, "D", inputs[0].meta.shape[1])?)
+                .arg(total as i64)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
 }
 
 /// F32 `[n, hc, D]` → F32 `[n, D]`: the mean of the streams (spec §3.8), added in
@@ -468,6 +691,42 @@ impl Op for StreamMean {
 
     fn describe(&self) -> String {
         format!("stream_mean(hc={})", self.hc)
+    }
+
+    /// Bit-identical to the reference: adds in stream order, then the 1/hc scale.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        device_io(self, inputs, outputs)?;
+        let op = self.name();
+        let total = outputs[0].meta.numel();
+        if total == 0 {
+            return Ok(());
+        }
+        let k = ctx.kernel(
+            "hc.cu",
+            HC_CU,
+            &format!("stream_mean_{}", hc_variant(self.hc)),
+        )?;
+        // SAFETY: stream_mean(h, out, hc, D, n·D); device_io checked H is n×hc×D and
+        // out n×D f32.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(stride_grid(total))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "hc", self.hc)?)
+                .arg(as_i32(op, "D", inputs[0].meta.shape[2])?)
+                .arg(total as i64)
+                .enqueue()
+                .map_err(dev_err)
+        }
     }
 }
 

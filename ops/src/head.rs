@@ -4,8 +4,12 @@
 use rayon::prelude::*;
 
 use crate::elementwise::{arity, check_io, want_dtype};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
+use crate::linear::{as_i32, device_io};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
+
+const HEAD_CU: &str = include_str!("../kernels/head.cu");
 
 /// Index of the first largest value, or the index of the first NaN as `Err`.
 pub fn argmax_row(x: &[f32]) -> Result<usize, usize> {
@@ -80,6 +84,38 @@ impl Op for Argmax {
     fn describe(&self) -> String {
         "argmax".to_string()
     }
+
+    /// One block a row. A kernel cannot raise the reference's data error: a row
+    /// holding NaN is written as -1 (never a token id), for the caller to check.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        device_io(self, inputs, outputs)?;
+        let op = self.name();
+        let (n, v) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        if n == 0 {
+            return Ok(());
+        }
+        let n =
+            u32::try_from(n).map_err(|_| OpError::shape(op, format!("{n} rows in one launch")))?;
+        let k = ctx.kernel("head.cu", HEAD_CU, "argmax_rows")?;
+        // SAFETY: argmax_rows(x, out, V); device_io checked x holds n×V f32 and out n i32.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(n)
+                .block(1024)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "V", v)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
 }
 
 /// F32 `[n, ..]` → F32 `[len, ..]`: rows `start..start+len` (copied).
@@ -132,6 +168,36 @@ impl Op for SliceRows {
 
     fn describe(&self) -> String {
         format!("slice_rows(start={}, len={})", self.start, self.len)
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        device_io(self, inputs, outputs)?;
+        let row: usize = inputs[0].meta.shape[1..].iter().product();
+        let total = self.len * row;
+        if total == 0 {
+            return Ok(());
+        }
+        let k = ctx.kernel("head.cu", HEAD_CU, "slice_rows")?;
+        // SAFETY: slice_rows(x, out, offset, total); the shape rule keeps
+        // start+len ≤ n, so offset+total elements lie inside x, and out holds total.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(blocks_for(total, 256).min(32768))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg((self.start * row) as i64)
+                .arg(total as i64)
+                .enqueue()
+                .map_err(dev_err)
+        }
     }
 }
 

@@ -2,8 +2,123 @@
 
 use crate::cpu::matmul;
 use crate::elementwise::{arity, check_io, want_dtype};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch, dev_err};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
+
+const LINEAR_CU: &str = concat!(
+    include_str!("../kernels/dequant.cuh"),
+    include_str!("../kernels/linear.cu")
+);
+
+/// The device-side twin of `check_io`: the op's shape rule over the views' metadata,
+/// the inferred output metadata, and enough bytes behind every view, so a kernel
+/// indexing by the inferred shape stays inside its buffers.
+pub(crate) fn device_io(
+    op: &dyn Op,
+    inputs: &[DeviceTensor<'_>],
+    outputs: &[DeviceTensor<'_>],
+) -> Result<(), OpError> {
+    let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+    let want = op.infer(&metas)?;
+    if outputs.len() != want.len() {
+        return Err(OpError::shape(
+            op.name(),
+            format!("has {} outputs, {} were given", want.len(), outputs.len()),
+        ));
+    }
+    for (i, (o, w)) in outputs.iter().zip(&want).enumerate() {
+        if o.meta != w {
+            return Err(OpError::shape(
+                op.name(),
+                format!("output {i} must be {w}, found {}", o.meta),
+            ));
+        }
+    }
+    for t in inputs.iter().chain(outputs) {
+        let need = t
+            .meta
+            .bytes()
+            .ok_or_else(|| OpError::Type(format!("{} is not whole blocks", t.meta)))?;
+        if t.bytes < need {
+            return Err(OpError::Type(format!(
+                "{}: device view of {} needs {need} bytes, has {}",
+                op.name(),
+                t.meta,
+                t.bytes
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A launch dimension or size as the kernels' `int`, or a shape error naming it.
+pub(crate) fn as_i32(op: &'static str, what: &str, v: usize) -> Result<i32, OpError> {
+    i32::try_from(v)
+        .map_err(|_| OpError::shape(op, format!("{what} = {v} exceeds the kernels' i32 range")))
+}
+
+/// The weight-type code of `kernels/dequant.cuh`.
+pub(crate) fn wt_code(dtype: DType) -> Option<i32> {
+    Some(match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::Q8_0 => 3,
+        DType::Q6_K => 4,
+        DType::IQ4_NL => 5,
+        DType::I32 => return None,
+    })
+}
+
+fn kernel_suffix(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::Q8_0 => "q8_0",
+        DType::Q6_K => "q6_k",
+        DType::IQ4_NL => "iq4_nl",
+        DType::I32 => "i32",
+    }
+}
+
+/// Token counts up to this take the weight-streaming GEMV; more take tensor-core tiles.
+pub const GEMV_MAX_TOKENS: usize = 8;
+/// Warps a GEMV block, shared bytes a warp (two stages of 4096 + 32) — as in linear.cu.
+const GEMV_WARPS: usize = 4;
+const GEMV_SMEM: u32 = (GEMV_WARPS * 2 * (4096 + 32)) as u32;
+/// GEMV blocks resident per SM (its `__launch_bounds__`); the grid never exceeds one wave.
+const GEMV_BLOCKS_PER_SM: usize = 6;
+
+enum LinearPath {
+    Gemv(usize),
+    Tensor,
+    Generic,
+}
+
+/// Which kernel a call takes: the GEMV when n ≤ 8 and K is whole units of the weight's
+/// 16-byte decode group (4 F32, 8 F16/BF16, 32 Q8_0/IQ4_NL, 256 Q6_K); tensor-core tiles
+/// when n > 8 and K % 32 == 0; otherwise (and for views not 16-byte aligned) the
+/// element-wise fallback.
+fn linear_path(dtype: DType, n: usize, k: usize, x_ptr: u64, w_ptr: u64) -> LinearPath {
+    let unit = match dtype {
+        DType::F32 => 4,
+        DType::F16 | DType::BF16 => 8,
+        DType::Q8_0 | DType::IQ4_NL => 32,
+        DType::Q6_K => 256,
+        DType::I32 => return LinearPath::Generic,
+    };
+    if k == 0 || !x_ptr.is_multiple_of(16) || !w_ptr.is_multiple_of(16) {
+        LinearPath::Generic
+    } else if n <= GEMV_MAX_TOKENS && k.is_multiple_of(unit) {
+        LinearPath::Gemv(n.next_power_of_two())
+    } else if n > GEMV_MAX_TOKENS && k.is_multiple_of(32) {
+        LinearPath::Tensor
+    } else {
+        LinearPath::Generic
+    }
+}
 
 /// Inputs: `x` F32 `[n, in]`, `W` `[out, in]` of F32/F16/BF16/Q8_0/Q6_K/IQ4_NL
 /// (`in` whole blocks of W's type). Output F32 `[n, out]`, `y[t][o] = Σ_i W[o][i]·x[t][i]`.
@@ -71,6 +186,94 @@ impl Op for Linear {
 
     fn describe(&self) -> String {
         "linear".to_string()
+    }
+
+    /// n ≤ 8: f32 GEMV streaming the weight once (F32 tolerance, reordered sums);
+    /// n > 8: bf16 tensor-core tiles (x and the decoded weight narrowed to bf16, f32
+    /// accumulation: BF16 tolerance). Deterministic either way.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        let op = self.name();
+        device_io(self, inputs, outputs)?;
+        let (x, w, y) = (&inputs[0], &inputs[1], &outputs[0]);
+        let (n, k, o) = (x.meta.shape[0], x.meta.shape[1], w.meta.shape[0]);
+        if n == 0 || o == 0 {
+            return Ok(());
+        }
+        let dtype = w.meta.dtype;
+        let rb = dtype
+            .row_bytes(k)
+            .ok_or_else(|| OpError::shape(op, format!("weight {}: partial blocks", w.meta)))?;
+        let (ni, ki, oi) = (
+            as_i32(op, "n", n)?,
+            as_i32(op, "in", k)?,
+            as_i32(op, "out", o)?,
+        );
+        let launch = |name: &str, grid: (u32, u32), block: u32, smem: u32, wt: Option<i32>| {
+            let kern = ctx.kernel("linear.cu", LINEAR_CU, name)?;
+            let l = ctx
+                .device
+                .launch(&kern)
+                .grid(grid)
+                .block(block)
+                .shared_mem(smem)
+                .arg(w.ptr)
+                .arg(x.ptr)
+                .arg(y.ptr)
+                .arg(ni)
+                .arg(ki)
+                .arg(oi)
+                .arg(rb as i64);
+            let l = match wt {
+                Some(code) => l.arg(code),
+                None => l,
+            };
+            // SAFETY: the arguments follow the kernel's C signature; device_io checked
+            // that x, W and y hold n×in f32, out rows of `rb` bytes and n×out f32, which
+            // is all the kernels touch; the executor keeps the buffers alive.
+            unsafe { l.enqueue() }.map_err(dev_err)
+        };
+        match linear_path(dtype, n, k, x.ptr, w.ptr) {
+            LinearPath::Gemv(nt) => {
+                let sms = ctx.device.sm_count() as usize;
+                let blocks = o.div_ceil(GEMV_WARPS).min(sms * GEMV_BLOCKS_PER_SM);
+                let name = format!("gemv_{}_{nt}", kernel_suffix(dtype));
+                launch(&name, (blocks as u32, 1), 128, GEMV_SMEM, None)
+            }
+            LinearPath::Tensor => {
+                let grid = (o.div_ceil(64), n.div_ceil(64));
+                if grid.1 > 65535 {
+                    return Err(OpError::shape(
+                        op,
+                        format!("n = {n} is more than 65535 tiles of 64"),
+                    ));
+                }
+                let name = format!("linear_tc_{}", kernel_suffix(dtype));
+                launch(&name, (grid.0 as u32, grid.1 as u32), 128, 0, None)
+            }
+            LinearPath::Generic => {
+                let grid = (o.div_ceil(4), n.div_ceil(8));
+                if grid.1 > 65535 {
+                    return Err(OpError::shape(
+                        op,
+                        format!("n = {n} is more than 65535 groups of 8"),
+                    ));
+                }
+                let code = wt_code(dtype).ok_or_else(|| OpError::shape(op, "weight is I32"))?;
+                launch(
+                    "linear_generic",
+                    (grid.0 as u32, grid.1 as u32),
+                    128,
+                    0,
+                    Some(code),
+                )
+            }
+        }
     }
 }
 

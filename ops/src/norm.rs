@@ -3,8 +3,12 @@
 use rayon::prelude::*;
 
 use crate::elementwise::{check_io, want_dtype};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch, dev_err};
+use crate::linear::{as_i32, device_io};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
+
+const NORM_CU: &str = include_str!("../kernels/norm.cu");
 
 /// `(mean(x²) + eps)^{−½}` the way ggml's CPU kernel forms it: each square in
 /// f32, summed in f64, the mean narrowed to f32 before `eps` and the root.
@@ -105,6 +109,44 @@ impl Op for RmsNorm {
 
     fn describe(&self) -> String {
         format!("rms_norm(eps={:e})", self.eps)
+    }
+
+    /// One block a row; the sum of squares is f32 in a fixed order (deterministic),
+    /// within `Tolerance::F32` of the reference's f64 sum.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        device_io(self, inputs, outputs)?;
+        let x = &inputs[0];
+        let rows = x.meta.rows();
+        if rows == 0 {
+            return Ok(());
+        }
+        let op = self.name();
+        let d = as_i32(op, "D", x.meta.inner())?;
+        let rows = u32::try_from(rows)
+            .map_err(|_| OpError::shape(op, format!("{rows} rows in one launch")))?;
+        let w = inputs.get(1).map_or(0, |w| w.ptr);
+        let k = ctx.kernel("norm.cu", NORM_CU, "rms_norm_f32")?;
+        // SAFETY: rms_norm_f32(x, w or null, y, D, eps); device_io checked x and y hold
+        // rows×D f32 and w (when given) D f32.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(rows)
+                .block(256)
+                .arg(x.ptr)
+                .arg(w)
+                .arg(outputs[0].ptr)
+                .arg(d)
+                .arg(self.eps)
+                .enqueue()
+                .map_err(dev_err)
+        }
     }
 }
 

@@ -1,0 +1,417 @@
+// Hyper-connection kernels (spec §3.1–3.4, §3.6, §3.8). Streams are [n, hc, D] f32.
+//
+// Element-wise arithmetic uses __fmul_rn/__fadd_rn: the CPU reference rounds every
+// product and sum separately, and these are never contracted into an FMA, so the
+// element-wise kernels give the reference's bits.
+#include <cuda_bf16.h>
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// out[t][s][i] = x[t][i].
+extern "C" __global__ void hc_expand(const float* __restrict__ x, float* __restrict__ out, int hc, int D,
+                                     long long total) {
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long ts = e / D, i = e % D, t = ts / hc;
+        out[e] = x[t * D + i];
+    }
+}
+
+// Kernels that loop over the streams come in HC = 1, 2, 4 (the loops unroll, so a thread's
+// stream loads are all in flight at once) and HC = 0 (hc at run time).
+#define HC_VARIANTS(M) M(1) M(2) M(4) M(0)
+
+// out[t][i] = (((H0 + H1) + H2) + …) · (1/hc).
+template <int HCT>
+__device__ __forceinline__ void stream_mean_body(const float* __restrict__ h, float* __restrict__ out, int hc_rt,
+                                                 int D, long long total) {
+    const int hc = HCT ? HCT : hc_rt;
+    const float inv = 1.0f / (float)hc;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long t = e / D, i = e % D;
+        const float* p = h + t * hc * D + i;
+        float v = p[0];
+#pragma unroll
+        for (int s = 1; s < hc; ++s) v = __fadd_rn(v, p[(long long)s * D]);
+        out[e] = __fmul_rn(v, inv);
+    }
+}
+#define STREAM_MEAN(HCT)                                                                          \
+    extern "C" __global__ void stream_mean_##HCT(const float* h, float* out, int hc, int D,       \
+                                                 long long total) {                               \
+        stream_mean_body<HCT>(h, out, hc, D, total);                                              \
+    }
+HC_VARIANTS(STREAM_MEAN)
+
+// One thread per (t, i): out[t][d][i] = post[t][d]·y[t][i] + Σ_s comb[t][d][s]·H[t][s][i].
+template <int HCT>
+__device__ __forceinline__ void hc_post_body(const float* __restrict__ y, const float* __restrict__ h,
+                                             const float* __restrict__ post, const float* __restrict__ comb,
+                                             float* __restrict__ out, int hc_rt, int D, long long total) {
+    const int hc = HCT ? HCT : hc_rt;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long t = e / D, i = e % D;
+        const float yv = y[e];
+        const float* hp = h + t * hc * D + i;
+        const float* cp = comb + t * hc * hc;
+#pragma unroll
+        for (int d = 0; d < hc; ++d) {
+            float o = __fmul_rn(post[t * hc + d], yv);
+#pragma unroll
+            for (int s = 0; s < hc; ++s) o = __fadd_rn(o, __fmul_rn(cp[d * hc + s], hp[(long long)s * D]));
+            out[(t * hc + d) * D + i] = o;
+        }
+    }
+}
+#define HC_POST(HCT)                                                                              \
+    extern "C" __global__ void hc_post_##HCT(const float* y, const float* h, const float* post,  \
+                                             const float* comb, float* out, int hc, int D,        \
+                                             long long total) {                                   \
+        hc_post_body<HCT>(y, h, post, comb, out, hc, D, total);                                   \
+    }
+HC_VARIANTS(HC_POST)
+
+// ---------------------------------------------------------------------------------------------
+// hc_pre, split across the chip (DESIGN §6): the 2hc+hc² mixes of a token are dots over its
+// hc·D values. Kernel 1 gives every block one column segment of `fn` and up to TB tokens and
+// writes partial dots and a partial sum of squares to scratch; kernel 2 finishes (RMS scale,
+// gates, Sinkhorn, collapse). Partials are summed in split order: no atomics, same bits on
+// every run. The mixes are (Σ fn·f)·r rather than Σ fn·(f·r): one pass over the streams.
+
+// Eight fn values of row k from column j (j a multiple of 8, 16-byte aligned).
+template <bool BF>
+__device__ __forceinline__ void fn8(const void* fn, long long off, float (&w)[8]) {
+    if constexpr (BF) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned short*>(fn) + off));
+        const unsigned q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[2 * i] = __uint_as_float(q[i] << 16);
+            w[2 * i + 1] = __uint_as_float(q[i] & 0xffff0000u);
+        }
+    } else {
+        const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(fn) + off);
+        const float4 a = __ldg(p), b = __ldg(p + 1);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    }
+}
+
+template <bool BF>
+__device__ __forceinline__ float fn1(const void* fn, long long off) {
+    if constexpr (BF) {
+        return __uint_as_float(((unsigned)reinterpret_cast<const unsigned short*>(fn)[off]) << 16);
+    } else {
+        return reinterpret_cast<const float*>(fn)[off];
+    }
+}
+
+// grid (splits, ceil(n/TB)), block 256. part: [n][splits][K]; ss: [n][splits].
+template <bool BF, bool VEC, int TB>
+__device__ __forceinline__ void pre_partial(const float* __restrict__ h, const void* __restrict__ fn,
+                                            float* __restrict__ part, float* __restrict__ ss, int n, int W,
+                                            int K, int L) {
+    __shared__ float red[8][TB];
+    const int sp = blockIdx.x, splits = gridDim.x, t0 = blockIdx.y * TB;
+    const int s0 = sp * L, s1 = min(W, s0 + L);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+    float q[TB];
+#pragma unroll
+    for (int t = 0; t < TB; ++t) q[t] = 0.f;
+    for (int j = s0 + threadIdx.x; j < s1; j += 256) {
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            if (t0 + t < n) {
+                const float v = h[(long long)(t0 + t) * W + j];
+                q[t] = fmaf(v, v, q[t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TB; ++t) {
+        const float v = warp_sum(q[t]);
+        if (lane == 0) red[warp][t] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < TB && t0 + threadIdx.x < n) {
+        float v = 0.f;
+        for (int w = 0; w < 8; ++w) v += red[w][threadIdx.x];
+        ss[(long long)(t0 + threadIdx.x) * splits + sp] = v;
+    }
+
+    for (int k = warp; k < K; k += 8) {
+        float a[TB];
+#pragma unroll
+        for (int t = 0; t < TB; ++t) a[t] = 0.f;
+        const long long row = (long long)k * W;
+        if constexpr (VEC) {
+            for (int j = s0 + 8 * lane; j < s1; j += 256) {
+                float w[8];
+                fn8<BF>(fn, row + j, w);
+#pragma unroll
+                for (int t = 0; t < TB; ++t) {
+                    if (t0 + t < n) {
+                        const float4* hp = reinterpret_cast<const float4*>(h + (long long)(t0 + t) * W + j);
+                        const float4 x0 = __ldg(hp), x1 = __ldg(hp + 1);
+                        float r = a[t];
+                        r = fmaf(w[0], x0.x, r); r = fmaf(w[1], x0.y, r); r = fmaf(w[2], x0.z, r); r = fmaf(w[3], x0.w, r);
+                        r = fmaf(w[4], x1.x, r); r = fmaf(w[5], x1.y, r); r = fmaf(w[6], x1.z, r); r = fmaf(w[7], x1.w, r);
+                        a[t] = r;
+                    }
+                }
+            }
+        } else {
+            for (int j = s0 + lane; j < s1; j += 32) {
+                const float w = fn1<BF>(fn, row + j);
+#pragma unroll
+                for (int t = 0; t < TB; ++t)
+                    if (t0 + t < n) a[t] = fmaf(w, h[(long long)(t0 + t) * W + j], a[t]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            const float v = warp_sum(a[t]);
+            if (lane == 0 && t0 + t < n) part[((long long)(t0 + t) * splits + sp) * K + k] = v;
+        }
+    }
+}
+
+#define PRE_PARTIAL(NAME, BF, VEC, TB)                                                            \
+    extern "C" __global__ void __launch_bounds__(256) hc_pre_partial_##NAME(                      \
+        const float* h, const void* fn, float* part, float* ss, int n, int W, int K, int L) {     \
+        pre_partial<BF, VEC, TB>(h, fn, part, ss, n, W, K, L);                                     \
+    }
+PRE_PARTIAL(bf16_vec_1, true, true, 1)
+PRE_PARTIAL(bf16_vec_8, true, true, 8)
+PRE_PARTIAL(bf16_any_1, true, false, 1)
+PRE_PARTIAL(bf16_any_8, true, false, 8)
+PRE_PARTIAL(f32_vec_1, false, true, 1)
+PRE_PARTIAL(f32_vec_8, false, true, 8)
+PRE_PARTIAL(f32_any_1, false, false, 1)
+PRE_PARTIAL(f32_any_8, false, false, 8)
+
+// The fast partial pass (hc·D a multiple of 8, aligned views, small K): every thread of
+// the block takes (mix k, 8-column unit u) pairs of the segment, so all of the segment's
+// fn bytes are requested at once (one memory latency); the per-unit products meet in
+// shared memory and are summed in unit order. Dynamic shared: TB·(K+1)·U floats.
+template <bool BF, int TB>
+__device__ __forceinline__ void pre_pairs(const float* __restrict__ h, const void* __restrict__ fn,
+                                          float* __restrict__ part, float* __restrict__ ss, int n, int W, int K,
+                                          int L) {
+    extern __shared__ float pair_smem[];
+    const int sp = blockIdx.x, splits = gridDim.x, t0 = blockIdx.y * TB;
+    const int s0 = sp * L, U = (min(W, s0 + L) - s0) >> 3;
+    float* dots = pair_smem;              // [TB][K][U]
+    float* sq = pair_smem + TB * K * U;   // [TB][U]
+    const int pairs = K * U;
+    for (int p0 = threadIdx.x; p0 < pairs; p0 += 2 * blockDim.x) {
+        const int p1 = p0 + blockDim.x;
+        const bool two = p1 < pairs;
+        float w0[8], w1[8];
+        const int k0 = p0 / U, u0 = p0 % U, k1 = p1 / U, u1 = p1 % U;
+        fn8<BF>(fn, (long long)k0 * W + s0 + 8 * u0, w0);
+        if (two) fn8<BF>(fn, (long long)k1 * W + s0 + 8 * u1, w1);
+#pragma unroll
+        for (int t = 0; t < TB; ++t) {
+            if (t0 + t < n) {
+                const float* ht = h + (long long)(t0 + t) * W + s0;
+                const float4* a = reinterpret_cast<const float4*>(ht + 8 * u0);
+                const float4 x0 = __ldg(a), x1 = __ldg(a + 1);
+                float r = w0[0] * x0.x;
+                r = fmaf(w0[1], x0.y, r); r = fmaf(w0[2], x0.z, r); r = fmaf(w0[3], x0.w, r);
+                r = fmaf(w0[4], x1.x, r); r = fmaf(w0[5], x1.y, r); r = fmaf(w0[6], x1.z, r); r = fmaf(w0[7], x1.w, r);
+                dots[(t * K + k0) * U + u0] = r;
+                if (two) {
+                    const float4* c = reinterpret_cast<const float4*>(ht + 8 * u1);
+                    const float4 y0 = __ldg(c), y1 = __ldg(c + 1);
+                    float z = w1[0] * y0.x;
+                    z = fmaf(w1[1], y0.y, z); z = fmaf(w1[2], y0.z, z); z = fmaf(w1[3], y0.w, z);
+                    z = fmaf(w1[4], y1.x, z); z = fmaf(w1[5], y1.y, z); z = fmaf(w1[6], y1.z, z); z = fmaf(w1[7], y1.w, z);
+                    dots[(t * K + k1) * U + u1] = z;
+                }
+            }
+        }
+    }
+    for (int p = threadIdx.x; p < TB * U; p += blockDim.x) {
+        const int t = p / U, u = p % U;
+        float q = 0.f;
+        if (t0 + t < n) {
+            const float4* a = reinterpret_cast<const float4*>(h + (long long)(t0 + t) * W + s0 + 8 * u);
+            const float4 x0 = __ldg(a), x1 = __ldg(a + 1);
+            q = x0.x * x0.x;
+            q = fmaf(x0.y, x0.y, q); q = fmaf(x0.z, x0.z, q); q = fmaf(x0.w, x0.w, q);
+            q = fmaf(x1.x, x1.x, q); q = fmaf(x1.y, x1.y, q); q = fmaf(x1.z, x1.z, q); q = fmaf(x1.w, x1.w, q);
+        }
+        sq[p] = q;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < TB * (K + 1); p += blockDim.x) {
+        const int t = p / (K + 1), k = p % (K + 1);
+        if (t0 + t >= n) continue;
+        const float* src = k < K ? dots + (t * K + k) * U : sq + t * U;
+        float v = 0.f;
+        for (int u = 0; u < U; ++u) v += src[u];
+        if (k < K) part[((long long)(t0 + t) * splits + sp) * K + k] = v;
+        else ss[(long long)(t0 + t) * splits + sp] = v;
+    }
+}
+
+#define PRE_PAIRS(NAME, BF, TB)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) hc_pre_pairs_##NAME(                        \
+        const float* h, const void* fn, float* part, float* ss, int n, int W, int K, int L) {     \
+        pre_pairs<BF, TB>(h, fn, part, ss, n, W, K, L);                                            \
+    }
+PRE_PAIRS(bf16_1, true, 1)
+PRE_PAIRS(bf16_8, true, 8)
+PRE_PAIRS(f32_1, false, 1)
+PRE_PAIRS(f32_8, false, 8)
+
+__device__ __forceinline__ float sigmoid_ref(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+// grid (n, cb + 1), block 256, dynamic shared (splits·(K+1) + 2K+1 + hc²) floats. Every
+// block first copies its token's partials to shared memory in one coalesced sweep (one
+// memory latency), then sums them in split order. Blocks y < cb collapse a slice of D;
+// block y == cb computes post and comb (the Sinkhorn chain runs beside the collapse).
+template <int HCT>
+__device__ __forceinline__ void finish_body(const float* __restrict__ h, const float* __restrict__ part,
+                                            const float* __restrict__ ss, const float* __restrict__ base,
+                                            const float* __restrict__ scale, float* __restrict__ x,
+                                            float* __restrict__ post, float* __restrict__ comb, int hc_rt, int D,
+                                            int K, int splits, float rms_eps, float hc_eps, float clamp, int iters,
+                                            int cb) {
+    extern __shared__ float fin_smem[];
+    const int hc = HCT ? HCT : hc_rt;
+    float* pbuf = fin_smem;                   // [splits][K] then [splits] sums of squares
+    float* tot = pbuf + splits * (K + 1);     // K+1 totals
+    float* m = tot + K + 1;                   // K mixes
+    float* M = m + K;                         // hc² Sinkhorn matrix, or hc pre gates
+    const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool gates = blockIdx.y == cb;
+    const long long W = (long long)hc * D;
+
+    const float* pt = part + (long long)t * splits * K;
+    for (int i = threadIdx.x; i < splits * K; i += blockDim.x) pbuf[i] = pt[i];
+    for (int i = threadIdx.x; i < splits; i += blockDim.x) pbuf[splits * K + i] = ss[(long long)t * splits + i];
+    __syncthreads();
+    const int kneed = gates ? K : hc;
+    for (int q = warp; q <= kneed; q += blockDim.x >> 5) {
+        const int k = q == kneed ? K : q;  // the last quantity is the sum of squares
+        float a = 0.f;
+        for (int sp = lane; sp < splits; sp += 32) a += k < K ? pbuf[sp * K + k] : pbuf[splits * K + sp];
+        a = warp_sum(a);
+        if (lane == 0) tot[k] = a;
+    }
+    __syncthreads();
+    const float r = 1.0f / sqrtf(tot[K] / (float)W + rms_eps);
+    for (int k = threadIdx.x; k < kneed; k += blockDim.x) m[k] = tot[k] * r;
+    __syncthreads();
+    const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
+
+    if (!gates) {
+        if (threadIdx.x < hc) M[threadIdx.x] = sigmoid_ref(__fadd_rn(__fmul_rn(m[threadIdx.x], s0), base[threadIdx.x]));
+        __syncthreads();
+        const float* hp = h + (long long)t * W;
+        for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < D; i += cb * blockDim.x) {
+            float v = __fmul_rn(M[0], hp[i]);
+#pragma unroll
+            for (int s = 1; s < hc; ++s) v = __fadd_rn(v, __fmul_rn(M[s], hp[(long long)s * D + i]));
+            x[(long long)t * D + i] = v;
+        }
+        return;
+    }
+
+    if (threadIdx.x < hc) {
+        const int d = threadIdx.x;
+        post[(long long)t * hc + d] = 2.0f * sigmoid_ref(__fadd_rn(__fmul_rn(m[hc + d], s1), base[hc + d]));
+    }
+    if (hc * hc <= 32) {
+        // One warp, lane e = hc·d + s holding M[d][s]: sums gather the row or column by
+        // shuffles, in the reference's order, with no block barrier in the 40-step chain.
+        if (warp != 0) return;
+        const int e = lane, d = e / hc, s = e % hc;
+        const bool live = e < hc * hc;
+        float l = 0.f;
+        if (live) {
+            const int k = 2 * hc + e;
+            l = __fadd_rn(__fmul_rn(m[k], s2), base[k]);
+            l = l > clamp ? clamp : (l < -clamp ? -clamp : l);  // NaN passes, as in the reference
+        }
+        float mx = __int_as_float(0xff800000);
+#pragma unroll
+        for (int j = 0; j < hc; ++j) mx = fmaxf(mx, __shfl_sync(0xffffffffu, l, (d * hc + j) & 31));
+        float v = expf(l - mx);
+        for (int it = 0; it < iters; ++it) {
+            float g[HCT ? HCT : 1];
+            float den = 0.f;
+            if constexpr (HCT > 0) {
+                // All hc shuffles issued before the adds, which then run in source order.
+#pragma unroll
+                for (int j = 0; j < HCT; ++j) g[j] = __shfl_sync(0xffffffffu, v, (d * HCT + j) & 31);
+#pragma unroll
+                for (int j = 0; j < HCT; ++j) den = __fadd_rn(den, g[j]);
+            } else {
+                for (int j = 0; j < hc; ++j) den = __fadd_rn(den, __shfl_sync(0xffffffffu, v, (d * hc + j) & 31));
+            }
+            v = v / __fadd_rn(den, hc_eps);
+            den = 0.f;
+            if constexpr (HCT > 0) {
+#pragma unroll
+                for (int j = 0; j < HCT; ++j) g[j] = __shfl_sync(0xffffffffu, v, (j * HCT + s) & 31);
+#pragma unroll
+                for (int j = 0; j < HCT; ++j) den = __fadd_rn(den, g[j]);
+            } else {
+                for (int j = 0; j < hc; ++j) den = __fadd_rn(den, __shfl_sync(0xffffffffu, v, (j * hc + s) & 31));
+            }
+            v = v / __fadd_rn(den, hc_eps);
+        }
+        if (live) comb[(long long)t * hc * hc + e] = v;
+        return;
+    }
+    const int d = threadIdx.x;
+    if (d < hc) {
+        float* row = M + d * hc;
+        float mx = __int_as_float(0xff800000);
+        for (int s = 0; s < hc; ++s) {
+            const int k = 2 * hc + hc * d + s;
+            float l = __fadd_rn(__fmul_rn(m[k], s2), base[k]);
+            l = l > clamp ? clamp : (l < -clamp ? -clamp : l);
+            row[s] = l;
+            mx = fmaxf(mx, l);
+        }
+        for (int s = 0; s < hc; ++s) row[s] = expf(row[s] - mx);
+    }
+    __syncthreads();
+    for (int it = 0; it < iters; ++it) {
+        if (d < hc) {  // normalise destination row d over its sources
+            float* row = M + d * hc;
+            float den = 0.f;
+            for (int s = 0; s < hc; ++s) den = __fadd_rn(den, row[s]);
+            den = __fadd_rn(den, hc_eps);
+            for (int s = 0; s < hc; ++s) row[s] = row[s] / den;
+        }
+        __syncthreads();
+        if (d < hc) {  // normalise source column d over its destinations
+            float den = 0.f;
+            for (int e = 0; e < hc; ++e) den = __fadd_rn(den, M[e * hc + d]);
+            den = __fadd_rn(den, hc_eps);
+            for (int e = 0; e < hc; ++e) M[e * hc + d] = M[e * hc + d] / den;
+        }
+        __syncthreads();
+    }
+    for (int e = threadIdx.x; e < hc * hc; e += blockDim.x) comb[(long long)t * hc * hc + e] = M[e];
+}
+
+#define PRE_FINISH(HCT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) hc_pre_finish_##HCT(                        \
+        const float* h, const float* part, const float* ss, const float* base, const float* scale, \
+        float* x, float* post, float* comb, int hc, int D, int K, int splits, float rms_eps,       \
+        float hc_eps, float clamp, int iters, int cb) {                                           \
+        finish_body<HCT>(h, part, ss, base, scale, x, post, comb, hc, D, K, splits, rms_eps,       \
+                         hc_eps, clamp, iters, cb);                                               \
+    }
+HC_VARIANTS(PRE_FINISH)
