@@ -271,7 +271,7 @@ pub fn compare(
                     ));
                 }
                 let d = (g - c).abs();
-                if !(d <= tol.abs + tol.rel * c.abs()) {
+                if d > tol.abs + tol.rel * c.abs() {
                     return Err(format!(
                         "{meta} element {i}: cpu {c}, gpu {g}, |Δ| {d:.3e} over {tol:?}"
                     ));
