@@ -27,7 +27,8 @@ pub struct TokenEvent<'a> {
     pub id: u32,
     /// Text that became final with this token (held back while it might start a stop string).
     pub text: &'a str,
-    /// The logits row this token was sampled from.
+    /// The logits row this token was sampled from; empty when a greedy step on a
+    /// GPU chose the token on the card (only its id came back).
     pub logits: &'a [f32],
 }
 
@@ -92,7 +93,11 @@ fn held_back(text: &str, stops: &[String]) -> usize {
     let mut hold = 0;
     for s in stops {
         for k in (1..s.len()).rev() {
-            if k <= text.len() && text.is_char_boundary(text.len() - k) && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
+            if k <= text.len()
+                && text.is_char_boundary(text.len() - k)
+                && s.is_char_boundary(k)
+                && text.ends_with(&s[..k])
+            {
                 hold = hold.max(k);
                 break;
             }
@@ -132,8 +137,18 @@ impl Engine {
             prefilled_tokens: req.prompt.len() - reuse,
             ..Stats::default()
         };
+        // Greedy without a penalty needs no logits on the host: on a GPU the step ends
+        // in an argmax and 4 bytes come back.
+        let p = &req.sampling;
+        let on_device = self.on_gpu() && p.temperature == 0.0 && p.repetition_penalty == 1.0;
+        let mut logits = Vec::new();
+        let mut next = None;
         let t0 = Instant::now();
-        let mut logits = self.forward(&req.prompt[reuse..], LogitRows::Last)?;
+        if on_device {
+            next = Some(self.forward_argmax(&req.prompt[reuse..])?);
+        } else {
+            logits = self.forward(&req.prompt[reuse..], LogitRows::Last)?;
+        }
         stats.prefill_seconds = t0.elapsed().as_secs_f64();
 
         let mut sampler = Sampler::new(req.sampling.clone());
@@ -145,7 +160,10 @@ impl Engine {
         let mut finish = FinishReason::Length;
         let max_len = self.config().max_model_len;
         while tokens.len() < req.max_tokens {
-            let id = sampler.sample(&logits, &history);
+            let id = match next.take() {
+                Some(id) => id,
+                None => sampler.sample(&logits, &history),
+            };
             if req.stop_tokens.contains(&id) {
                 finish = FinishReason::Stop;
                 break;
@@ -153,16 +171,32 @@ impl Engine {
             tokens.push(id);
             history.push(id);
             if let Some(d) = decoder.as_mut() {
-                text.push_str(&d.push(id).map_err(|e| EngineError::Tokenizer(e.to_string()))?);
+                text.push_str(
+                    &d.push(id)
+                        .map_err(|e| EngineError::Tokenizer(e.to_string()))?,
+                );
             }
             let mut stop_hit = false;
-            if let Some(pos) = req.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
+            if let Some(pos) = req
+                .stop_strings
+                .iter()
+                .filter_map(|s| text.find(s.as_str()))
+                .min()
+            {
                 text.truncate(pos);
                 stop_hit = true;
             }
-            let ready = if stop_hit { text.len() } else { text.len() - held_back(&text, &req.stop_strings) };
+            let ready = if stop_hit {
+                text.len()
+            } else {
+                text.len() - held_back(&text, &req.stop_strings)
+            };
             let delta = &text[emitted.min(ready)..ready];
-            let flow = on_token(TokenEvent { id, text: delta, logits: &logits });
+            let flow = on_token(TokenEvent {
+                id,
+                text: delta,
+                logits: &logits,
+            });
             emitted = emitted.max(ready);
             if stop_hit {
                 finish = FinishReason::Stop;
@@ -177,7 +211,11 @@ impl Engine {
                 break;
             }
             let t = Instant::now();
-            logits = self.forward(&[id], LogitRows::Last)?;
+            if on_device {
+                next = Some(self.forward_argmax(&[id])?);
+            } else {
+                logits = self.forward(&[id], LogitRows::Last)?;
+            }
             let dt = t.elapsed().as_secs_f64();
             if tokens.len() == 1 {
                 stats.first_step_seconds = dt;
@@ -186,10 +224,10 @@ impl Engine {
                 stats.steady_seconds += dt;
             }
         }
-        if let Some(d) = decoder.as_mut() {
-            if finish != FinishReason::Stop || text.len() == emitted {
-                text.push_str(&d.finish());
-            }
+        if let Some(d) = decoder.as_mut()
+            && (finish != FinishReason::Stop || text.len() == emitted)
+        {
+            text.push_str(&d.finish());
         }
         stats.generated_tokens = tokens.len();
         Ok(Generation {

@@ -2,18 +2,23 @@
 //! absolute positions, the decode loop, sampling, stop conditions, streaming with
 //! cancellation at token boundaries, and rate statistics.
 
+mod backend;
 mod generate;
 mod model;
+pub mod prefix;
 pub mod sampling;
 
+pub use backend::{DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, build_plan};
 pub use generate::{FinishReason, GenerateRequest, Generation, Stats, TokenEvent};
+pub use graph::StepTiming;
 pub use model::Model;
 pub use sampling::{Sampler, SamplingParams};
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use graph::{Bucket, CpuExecutor, GraphBuilder, HostState, LogitRows, Plan, StepShape};
+use backend::{Backend, mib};
+use graph::{Bucket, LogitRows, Plan, StepShape};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -33,6 +38,34 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("{0}")]
     Tokenizer(String),
+    #[error(transparent)]
+    Cuda(Box<graph::CudaExecError>),
+    #[error("{device} is not usable: {reason}")]
+    DeviceUnavailable { device: String, reason: String },
+    #[error(
+        "--max-model-len {} needs {} of KV cache ({} rows) + {} of weights + {} of step memory + {} reserve = {}, but {device} has {} free of {}; lower --max-model-len, or run on a card with more free memory",
+        budget.max_model_len,
+        mib(budget.cache),
+        budget.rows,
+        mib(budget.weights),
+        mib(budget.arena),
+        mib(budget.reserve),
+        mib(budget.need()),
+        mib(*free),
+        mib(*total)
+    )]
+    DeviceMemory {
+        device: String,
+        budget: DeviceBudget,
+        free: usize,
+        total: usize,
+    },
+}
+
+impl From<graph::CudaExecError> for EngineError {
+    fn from(e: graph::CudaExecError) -> Self {
+        EngineError::Cuda(Box::new(e))
+    }
 }
 
 /// Engine settings fixed for a session's life.
@@ -44,6 +77,11 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// The smallest decode KV bucket (buckets are powers of two from here).
     pub min_kv_bucket: usize,
+    /// Where the steps run.
+    pub device: Device,
+    /// On a GPU, replay one captured CUDA graph per decode bucket (false: eager
+    /// launches every step, for A/B measurements).
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -52,6 +90,8 @@ impl Default for EngineConfig {
             max_model_len: 4096,
             prefill_chunk: 256,
             min_kv_bucket: 64,
+            device: Device::Cpu,
+            cuda_graphs: true,
         }
     }
 }
@@ -69,34 +109,51 @@ impl CacheSnapshot {
     }
 }
 
-/// One sequence's state on the CPU backend: the latent KV cache and the plans built so far.
+/// A plan's identity: its shape, and whether it ends in a device argmax.
+type PlanKey = (StepShape, bool);
+
+/// One sequence's state on one backend: the latent KV cache and the plans built so far.
 pub struct Engine {
     model: Arc<Model>,
     config: EngineConfig,
-    exec: CpuExecutor,
-    plans: HashMap<StepShape, Plan>,
-    state: HostState,
+    backend: Backend,
+    plans: HashMap<PlanKey, Plan>,
     /// Positions `0..len` of the cache hold the current context.
     len: usize,
 }
 
 impl Engine {
+    /// A session on `config.device`. On a GPU the weights are uploaded here, and a
+    /// `max_model_len` whose cache, weights and step memory do not fit the card's free
+    /// memory is refused with the numbers.
     pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Engine, EngineError> {
         let rows = Bucket::kv_bucket_for(config.max_model_len, config.min_kv_bucket);
-        let probe = StepShape {
-            bucket: Bucket::Decode { batch: 1, kv: rows },
-            logits: LogitRows::Last,
-        };
-        let plan = build_plan(&model, probe)?;
-        let state = HostState::for_plan(&plan, rows)?;
+        let (probe, prefill) = backend::sizing_plans(
+            &model,
+            config.device,
+            config.prefill_chunk,
+            config.max_model_len,
+            rows,
+        )?;
+        let backend = Backend::new(
+            &model,
+            config.device,
+            config.cuda_graphs,
+            config.max_model_len,
+            rows,
+            &probe,
+            prefill.as_ref(),
+        )?;
         let mut plans = HashMap::new();
-        plans.insert(probe, plan);
+        plans.insert((probe.shape, false), probe);
+        if let Some(p) = prefill {
+            plans.insert((p.shape, false), p);
+        }
         Ok(Engine {
             model,
             config,
-            exec: CpuExecutor::new(),
+            backend,
             plans,
-            state,
             len: 0,
         })
     }
@@ -127,39 +184,37 @@ impl Engine {
 
     /// Bytes of the persistent cache.
     pub fn cache_bytes(&self) -> usize {
-        self.state.total_bytes()
+        self.backend.cache_bytes()
+    }
+
+    /// True when the steps run on a GPU.
+    pub fn on_gpu(&self) -> bool {
+        self.backend.is_cuda()
     }
 
     /// Copies the first `len` cached positions of every layer to the host (for
-    /// a prefix store). `len` is clamped to what the cache holds.
+    /// a prefix store). `len` is clamped to what the cache holds. Never fails on
+    /// the CPU; a failed device read gives an empty snapshot (nothing to reuse) —
+    /// [`Self::try_snapshot`] reports it instead.
     pub fn snapshot(&self, len: usize) -> CacheSnapshot {
+        self.try_snapshot(len).unwrap_or_default()
+    }
+
+    /// [`Self::snapshot`], with a device read failure as an error.
+    pub fn try_snapshot(&self, len: usize) -> Result<CacheSnapshot, EngineError> {
         let len = len.min(self.len);
-        let rows = self.state.rows().max(1);
-        let mut names: Vec<&str> = self.state.names().collect();
-        names.sort_unstable();
-        let layers = names
-            .iter()
-            .filter_map(|n| self.state.get(n).map(|b| (n.to_string(), b)))
-            .map(|(n, b)| {
-                let row = b.len() / rows;
-                (n, b.bytes()[..row * len].to_vec())
-            })
-            .collect();
-        CacheSnapshot { len, layers }
+        Ok(CacheSnapshot {
+            len,
+            layers: self.backend.read_rows(len)?,
+        })
     }
 
     /// Restores the first `len` positions of `snap` (len ≤ snap.len) and makes
     /// them the whole context.
     pub fn restore(&mut self, snap: &CacheSnapshot, len: usize) -> Result<(), EngineError> {
         let len = len.min(snap.len).min(self.config.max_model_len);
-        let rows = self.state.rows().max(1);
         for (name, bytes) in &snap.layers {
-            let buf = self
-                .state
-                .get_mut(name)
-                .ok_or_else(|| graph::GraphError::MissingState(name.clone()))?;
-            let row = buf.len() / rows;
-            buf.bytes_mut()[..row * len].copy_from_slice(&bytes[..row * len]);
+            self.backend.write_rows(name, bytes, len)?;
         }
         self.len = len;
         Ok(())
@@ -167,16 +222,57 @@ impl Engine {
 
     /// The plan for a shape, built once.
     pub fn plan(&mut self, shape: StepShape) -> Result<&Plan, EngineError> {
-        if !self.plans.contains_key(&shape) {
-            let plan = build_plan(&self.model, shape)?;
-            self.plans.insert(shape, plan);
+        self.plan_for((shape, false))
+    }
+
+    fn plan_for(&mut self, key: PlanKey) -> Result<&Plan, EngineError> {
+        if !self.plans.contains_key(&key) {
+            let plan = build_plan(&self.model, key.0, key.1)?;
+            self.plans.insert(key, plan);
         }
-        Ok(&self.plans[&shape])
+        Ok(&self.plans[&key])
     }
 
     /// Appends `tokens` at positions `len..len+n` in chunks and returns logits:
     /// every row (`All`, `n × vocab`) or the last token's (`Last`, one row).
     pub fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>, EngineError> {
+        let mut out = Vec::new();
+        let n_chunks = self.check_tokens(tokens)?;
+        let chunk = self.config.prefill_chunk.max(1);
+        for (k, piece) in tokens.chunks(chunk).enumerate() {
+            let key = self.step(piece, rows, false)?;
+            // With `Last`, only the final chunk's row is the answer: skip the others' read-back.
+            if rows == LogitRows::All || k + 1 == n_chunks {
+                let plan = &self.plans[&key];
+                out.extend(self.backend.output_f32(plan, "logits")?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Appends `tokens` like [`Self::forward`] and returns the argmax of the last
+    /// token's logits, computed where the step ran: on a GPU, 4 bytes come back.
+    pub fn forward_argmax(&mut self, tokens: &[u32]) -> Result<u32, EngineError> {
+        let n_chunks = self.check_tokens(tokens)?;
+        let chunk = self.config.prefill_chunk.max(1);
+        let mut key = None;
+        for (k, piece) in tokens.chunks(chunk).enumerate() {
+            key = Some(self.step(piece, LogitRows::Last, k + 1 == n_chunks)?);
+        }
+        let key = key.ok_or(EngineError::EmptyPrompt)?;
+        let ids = self.backend.output_i32(&self.plans[&key], NEXT_TOKEN)?;
+        let id = ids
+            .last()
+            .copied()
+            .ok_or_else(|| graph::GraphError::MissingOutput(NEXT_TOKEN.to_string()))?;
+        u32::try_from(id).map_err(|_| EngineError::TokenOutOfRange {
+            id: id as u32,
+            vocab: self.model.decl.n_vocab(),
+        })
+    }
+
+    /// Refuses an empty, out-of-vocabulary or too long input; returns its chunk count.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<usize, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -191,44 +287,43 @@ impl Engine {
                 max: self.config.max_model_len,
             });
         }
-        let mut out = Vec::new();
-        let chunk = self.config.prefill_chunk.max(1);
-        for piece in tokens.chunks(chunk) {
-            let start = self.len;
-            let n = piece.len();
-            let kv = Bucket::kv_bucket_for(start + n, self.config.min_kv_bucket);
-            let bucket = if n == 1 {
-                Bucket::Decode { batch: 1, kv }
-            } else {
-                Bucket::Prefill { chunk: n, kv }
-            };
-            let shape = StepShape { bucket, logits: rows };
-            let ids: Vec<u8> = piece.iter().flat_map(|&t| (t as i32).to_le_bytes()).collect();
-            let pos: Vec<u8> = (start..start + n)
-                .flat_map(|p| (p as i32).to_le_bytes())
-                .collect();
-            self.plan(shape)?;
-            let plan = &self.plans[&shape];
-            self.exec.run(
-                plan,
-                self.model.as_ref(),
-                &mut self.state,
-                &[("tokens", &ids), ("positions", &pos)],
-            )?;
-            self.len = start + n;
-            let logits = self.exec.output_f32(plan, "logits")?;
-            if rows == LogitRows::Last {
-                // Only the final chunk's last row is the answer.
-                out.clear();
-            }
-            out.extend_from_slice(logits);
-        }
-        Ok(out)
+        Ok(tokens.len().div_ceil(self.config.prefill_chunk.max(1)))
     }
-}
 
-fn build_plan(model: &Model, shape: StepShape) -> Result<Plan, EngineError> {
-    let mut b = GraphBuilder::new(model);
-    model.decl.declare(&mut b, &shape)?;
-    Ok(Plan::new(b.finish(), shape)?)
+    /// Runs one chunk at positions `len..len+n`; returns the key of the plan it ran.
+    fn step(
+        &mut self,
+        piece: &[u32],
+        rows: LogitRows,
+        argmax: bool,
+    ) -> Result<PlanKey, EngineError> {
+        let start = self.len;
+        let n = piece.len();
+        let kv = Bucket::kv_bucket_for(start + n, self.config.min_kv_bucket);
+        let bucket = if n == 1 {
+            Bucket::Decode { batch: 1, kv }
+        } else {
+            Bucket::Prefill { chunk: n, kv }
+        };
+        let key = (
+            StepShape {
+                bucket,
+                logits: rows,
+            },
+            argmax,
+        );
+        let ids: Vec<u8> = piece
+            .iter()
+            .flat_map(|&t| (t as i32).to_le_bytes())
+            .collect();
+        let pos: Vec<u8> = (start..start + n)
+            .flat_map(|p| (p as i32).to_le_bytes())
+            .collect();
+        self.plan_for(key)?;
+        let plan = &self.plans[&key];
+        self.backend
+            .run(&self.model, plan, &[("tokens", &ids), ("positions", &pos)])?;
+        self.len = start + n;
+        Ok(key)
+    }
 }

@@ -38,7 +38,10 @@ impl SamplingParams {
     /// A field outside its range, named as an API request would name it.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!("temperature must be >= 0, got {}", self.temperature));
+            return Err(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -119,7 +122,11 @@ impl Sampler {
             seen.dedup();
             for &t in &seen {
                 if let Some(v) = row.get_mut(t as usize) {
-                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                    *v = if *v > 0.0 {
+                        *v / p.repetition_penalty
+                    } else {
+                        *v * p.repetition_penalty
+                    };
                 }
             }
         }
@@ -222,8 +229,16 @@ mod tests {
     fn min_p_and_top_p_keep_only_the_head() {
         let logits = [10.0f32, 9.9, 0.0, -1.0];
         for p in [
-            SamplingParams { temperature: 1.0, min_p: 0.5, ..Default::default() },
-            SamplingParams { temperature: 1.0, top_p: 0.9, ..Default::default() },
+            SamplingParams {
+                temperature: 1.0,
+                min_p: 0.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 0.9,
+                ..Default::default()
+            },
         ] {
             let mut s = Sampler::new(p);
             for _ in 0..200 {
@@ -234,7 +249,10 @@ mod tests {
 
     #[test]
     fn out_of_range_values_are_refused_by_name() {
-        let p = SamplingParams { top_p: 0.0, ..Default::default() };
+        let p = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        };
         assert!(p.validate().unwrap_err().contains("top_p"));
     }
 }

@@ -2,10 +2,12 @@
 //! schedule + arena layout), and executors that run them.
 
 mod builder;
+mod cuda_exec;
 mod exec;
 mod plan;
 
 pub use builder::{Graph, GraphBuilder, Node, ValueId, ValueInfo, ValueKind, WeightSource};
+pub use cuda_exec::{CudaExecError, CudaExecutor, StepTiming, lowered_launches, weight_layout};
 pub use exec::{AlignedBuf, CpuExecutor, HostState, HostWeights};
 pub use plan::{Bucket, LogitRows, Plan, SLOT_ALIGN, Slot, StepShape};
 

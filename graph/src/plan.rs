@@ -1,6 +1,7 @@
 //! A graph bound to a bucket: its topological schedule and its arena layout.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -69,13 +70,36 @@ pub struct Slot {
 /// A schedule and memory layout for one step shape.
 #[derive(Clone, Debug)]
 pub struct Plan {
+    /// Unique per `Plan::new` (clones share it): what executors key captured work by.
+    pub id: u64,
     pub shape: StepShape,
     pub graph: Graph,
     /// Node indices in execution order.
     pub schedule: Vec<usize>,
     /// Arena slot of every Input and Intermediate value (None for weights and state).
     pub slots: Vec<Option<Slot>>,
+    /// Bytes the values need (what the CPU executor allocates).
     pub arena_bytes: usize,
+    /// Per node (indexed like `graph.nodes`): the device scratch its CUDA kernels asked
+    /// for (`Op::cuda_scratch_bytes`), live only while that node runs.
+    pub scratch: Vec<Option<Slot>>,
+    /// Bytes the values and every scratch slot need (what a device arena holds).
+    pub device_arena_bytes: usize,
+}
+
+static NEXT_PLAN_ID: AtomicU64 = AtomicU64::new(1);
+
+/// First offset where `bytes` fit between the `busy` ranges.
+fn first_fit(mut busy: Vec<(usize, usize)>, bytes: usize) -> usize {
+    busy.sort();
+    let mut offset = 0;
+    for (s, e) in busy {
+        if offset + bytes <= s {
+            break;
+        }
+        offset = offset.max(e);
+    }
+    offset
 }
 
 fn align(n: usize) -> usize {
@@ -177,19 +201,12 @@ impl Plan {
                 // Declared but never produced nor consumed: an unused input still gets room.
                 first[i] = 0;
             }
-            let mut busy: Vec<(usize, usize)> = placed
+            let busy: Vec<(usize, usize)> = placed
                 .iter()
                 .filter(|&&j| first[j] <= last[i] && first[i] <= last[j])
                 .filter_map(|&j| slots[j].map(|s| (s.offset, s.offset + s.bytes)))
                 .collect();
-            busy.sort();
-            let mut offset = 0;
-            for (s, e) in busy {
-                if offset + sizes[i] <= s {
-                    break;
-                }
-                offset = offset.max(e);
-            }
+            let offset = first_fit(busy, sizes[i]);
             slots[i] = Some(Slot {
                 offset,
                 bytes: sizes[i],
@@ -197,12 +214,45 @@ impl Plan {
             arena_bytes = arena_bytes.max(offset + sizes[i]);
             placed.push(i);
         }
+
+        // Scratch is placed after the values so the CPU layout is the same with or
+        // without it: each node's scratch goes into a gap among the values live at its
+        // step (or past them), largest first.
+        let mut scratch: Vec<Option<Slot>> = vec![None; graph.nodes.len()];
+        let mut wants: Vec<(usize, usize, usize)> = Vec::new();
+        for (step, &n) in schedule.iter().enumerate() {
+            let node = &graph.nodes[n];
+            let metas: Vec<&ops::TensorMeta> = node
+                .inputs
+                .iter()
+                .map(|i| &graph.values[i.0].meta)
+                .collect();
+            let bytes = node.op.cuda_scratch_bytes(&metas);
+            if bytes > 0 {
+                wants.push((align(bytes), step, n));
+            }
+        }
+        wants.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut device_arena_bytes = arena_bytes;
+        for &(bytes, step, n) in &wants {
+            let busy: Vec<(usize, usize)> = placed
+                .iter()
+                .filter(|&&j| first[j] <= step && step <= last[j])
+                .filter_map(|&j| slots[j].map(|s| (s.offset, s.offset + s.bytes)))
+                .collect();
+            let offset = first_fit(busy, bytes);
+            scratch[n] = Some(Slot { offset, bytes });
+            device_arena_bytes = device_arena_bytes.max(offset + bytes);
+        }
         Ok(Plan {
+            id: NEXT_PLAN_ID.fetch_add(1, Ordering::Relaxed),
             shape,
             graph,
             schedule,
             slots,
             arena_bytes,
+            scratch,
+            device_arena_bytes,
         })
     }
 

@@ -56,26 +56,47 @@ pub fn declaration(h: &HParams, release: Option<&Release>) -> Result<Box<dyn Mod
 
 /// Opens `gguf` (+ the release directory, when there is one) and checks it.
 pub fn load(gguf_path: &Path, release_dir: Option<&Path>, progress: bool) -> Result<Loaded> {
-    let gguf = GgufFile::open(gguf_path).with_context(|| format!("opening {}", gguf_path.display()))?;
-    let hparams = loader::schema::check(&gguf.metadata, &gguf.tensors)
-        .with_context(|| format!("{} does not match its architecture's schema", gguf_path.display()))?;
+    let gguf =
+        GgufFile::open(gguf_path).with_context(|| format!("opening {}", gguf_path.display()))?;
+    let hparams = loader::schema::check(&gguf.metadata, &gguf.tensors).with_context(|| {
+        format!(
+            "{} does not match its architecture's schema",
+            gguf_path.display()
+        )
+    })?;
     let release = match release_dir {
-        Some(dir) => Some(Release::open(dir).with_context(|| format!("reading the release directory {}", dir.display()))?),
+        Some(dir) => Some(
+            Release::open(dir)
+                .with_context(|| format!("reading the release directory {}", dir.display()))?,
+        ),
         None => None,
     };
     if let Some(cfg) = release.as_ref().and_then(|r| r.config.as_ref()) {
         loader::release::cross_check(&gguf.metadata, cfg).with_context(|| {
-            format!("{} disagrees with config.json in {}", gguf_path.display(), release_dir.map(|d| d.display().to_string()).unwrap_or_default())
+            format!(
+                "{} disagrees with config.json in {}",
+                gguf_path.display(),
+                release_dir
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default()
+            )
         })?;
     }
     let tokenizer = match release.as_ref().and_then(|r| r.tokenizer_json.clone()) {
-        Some(p) => Some(Tokenizer::from_file(&p).with_context(|| format!("loading {}", p.display()))?),
+        Some(p) => {
+            Some(Tokenizer::from_file(&p).with_context(|| format!("loading {}", p.display()))?)
+        }
         None => Tokenizer::from_gguf(&gguf.metadata).ok(),
     };
     let template_src = release
         .as_ref()
         .and_then(|r| r.chat_template.clone())
-        .or_else(|| gguf.metadata.get_str("tokenizer.chat_template").ok().map(str::to_string));
+        .or_else(|| {
+            gguf.metadata
+                .get_str("tokenizer.chat_template")
+                .ok()
+                .map(str::to_string)
+        });
     let chat_template = match template_src {
         Some(src) => Some(ChatTemplate::new(&src).context("compiling the chat template")?),
         None => None,
@@ -115,7 +136,10 @@ fn prefault(gguf: &GgufFile) {
 }
 
 /// Resolves `--model` / `--tokenizer-path` to a GGUF file and a release directory.
-pub fn resolve(model: Option<&Path>, tokenizer_path: Option<&Path>) -> Result<(PathBuf, Option<PathBuf>)> {
+pub fn resolve(
+    model: Option<&Path>,
+    tokenizer_path: Option<&Path>,
+) -> Result<(PathBuf, Option<PathBuf>)> {
     let Some(model) = model else {
         bail!("no --model given");
     };

@@ -123,7 +123,7 @@ mod tests {
     fn iq4nl_low_nibbles_are_the_first_half_of_the_block() {
         let mut b = [0u8; 18];
         b[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
-        b[2] = 0x0F | (0x00 << 4); // value 0 -> code 15, value 16 -> code 0
+        b[2] = 0x0F; // value 0 -> code 15, value 16 -> code 0 (high nibble 0)
         let mut out = [0f32; 32];
         dequantize(GgmlType::IQ4_NL, &b, &mut out).unwrap();
         assert_eq!(out[0], 0.5 * 113.0);

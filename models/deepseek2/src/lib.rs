@@ -7,6 +7,7 @@
 
 use graph::{GraphBuilder, GraphError, LogitRows, ModelDecl, StepShape, ValueId};
 use loader::hparams::HParams;
+use ops::TensorMeta;
 use ops::elementwise::{Add, SwiGlu};
 use ops::embedding::Embedding;
 use ops::head::SliceRows;
@@ -15,7 +16,6 @@ use ops::mla::{KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut};
 use ops::moe::{ExpertDown, ExpertSwiGlu, Gating, RoutePlan, Router, TopKSum};
 use ops::norm::RmsNorm;
 use ops::rope::{RopeParams, Yarn, kq_scale};
-use ops::TensorMeta;
 
 /// The per-model constants every sub-layer declaration needs.
 #[derive(Clone, Debug)]
@@ -39,7 +39,10 @@ impl Trunk {
                     mscale: 1.0,
                     mscale_all_dim,
                 };
-                (RopeParams::yarn(h.rope_dim, h.rope_freq_base, &yarn), mscale_all_dim)
+                (
+                    RopeParams::yarn(h.rope_dim, h.rope_freq_base, &yarn),
+                    mscale_all_dim,
+                )
             }
             None => (
                 RopeParams {
@@ -69,8 +72,20 @@ impl Trunk {
         b.weight(&format!("blk.{layer}.{name}.weight"))
     }
 
-    fn rms(&self, b: &mut GraphBuilder<'_>, name: &str, x: ValueId, w: ValueId) -> Result<ValueId, GraphError> {
-        b.op1(name, RmsNorm { eps: self.h.rms_eps }, &[x, w])
+    fn rms(
+        &self,
+        b: &mut GraphBuilder<'_>,
+        name: &str,
+        x: ValueId,
+        w: ValueId,
+    ) -> Result<ValueId, GraphError> {
+        b.op1(
+            name,
+            RmsNorm {
+                eps: self.h.rms_eps,
+            },
+            &[x, w],
+        )
     }
 
     /// The step's inputs: token ids and absolute positions, I32 `[n]`.
@@ -166,7 +181,12 @@ impl Trunk {
 
     /// The FFN of layer `layer` over `z = rms(x; ffn_norm)` (spec §3.7): dense for the
     /// leading blocks, otherwise routed experts (reproducible sum) plus the shared expert.
-    pub fn ffn(&self, b: &mut GraphBuilder<'_>, layer: usize, z: ValueId) -> Result<ValueId, GraphError> {
+    pub fn ffn(
+        &self,
+        b: &mut GraphBuilder<'_>,
+        layer: usize,
+        z: ValueId,
+    ) -> Result<ValueId, GraphError> {
         let h = &self.h;
         if layer < h.n_dense_lead {
             return b.scope("ffn", |b| self.swiglu_ffn(b, layer, "", z));
@@ -180,7 +200,11 @@ impl Trunk {
             let router = Router {
                 n_expert: h.n_expert,
                 top_k: h.n_expert_used,
-                gating: if h.expert_gating_func == 2 { Gating::Sigmoid } else { Gating::Softmax },
+                gating: if h.expert_gating_func == 2 {
+                    Gating::Sigmoid
+                } else {
+                    Gating::Softmax
+                },
                 norm_topk: h.expert_weights_norm,
                 scale: h.expert_weights_scale,
             };
@@ -194,23 +218,45 @@ impl Trunk {
                 n_expert: h.n_expert,
                 n_ff: h.n_ff_exp,
             };
-            let act = b.op1("experts_act", experts, &[z, w_gate, w_up, offsets, route_token])?;
+            let act = b.op1(
+                "experts_act",
+                experts,
+                &[z, w_gate, w_up, offsets, route_token],
+            )?;
             let down = ExpertDown {
                 n_expert: h.n_expert,
                 n_embd: h.n_embd,
             };
             let per_route = b.op1("experts_down", down, &[act, w_down, offsets])?;
-            let routed = b.op1("routed", TopKSum { top_k: h.n_expert_used }, &[per_route, route_slot, weights])?;
+            let routed = b.op1(
+                "routed",
+                TopKSum {
+                    top_k: h.n_expert_used,
+                },
+                &[per_route, route_slot, weights],
+            )?;
             let shared = b.scope("shared", |b| self.swiglu_ffn(b, layer, "_shexp", z))?;
             b.op1("sum", Add, &[routed, shared])
         })
     }
 
     /// Final norm and lm head over `x` (`[n, n_embd]`): logits of every row or the last.
-    pub fn head(&self, b: &mut GraphBuilder<'_>, x: ValueId, shape: &StepShape) -> Result<ValueId, GraphError> {
+    pub fn head(
+        &self,
+        b: &mut GraphBuilder<'_>,
+        x: ValueId,
+        shape: &StepShape,
+    ) -> Result<ValueId, GraphError> {
         let n = shape.bucket.n_tokens();
         let x = match shape.logits {
-            LogitRows::Last if n > 1 => b.op1("last_row", SliceRows { start: n - 1, len: 1 }, &[x])?,
+            LogitRows::Last if n > 1 => b.op1(
+                "last_row",
+                SliceRows {
+                    start: n - 1,
+                    len: 1,
+                },
+                &[x],
+            )?,
             _ => x,
         };
         let w_norm = b.weight("output_norm.weight")?;
@@ -230,7 +276,9 @@ pub struct Deepseek2 {
 
 impl Deepseek2 {
     pub fn new(h: HParams) -> Self {
-        Deepseek2 { trunk: Trunk::new(h) }
+        Deepseek2 {
+            trunk: Trunk::new(h),
+        }
     }
 }
 
@@ -244,16 +292,19 @@ impl ModelDecl for Deepseek2 {
         let (tokens, positions) = t.inputs(b, shape);
         let mut x = t.embed(b, tokens)?;
         for layer in 0..t.h.n_layer {
-            x = b.scope(&format!("blk.{layer}"), |b| -> Result<ValueId, GraphError> {
-                let w_attn_norm = t.w(b, layer, "attn_norm")?;
-                let w_ffn_norm = t.w(b, layer, "ffn_norm")?;
-                let a = t.rms(b, "attn_norm", x, w_attn_norm)?;
-                let y = t.attention(b, layer, a, positions, shape)?;
-                let x = b.op1("attn_residual", Add, &[x, y])?;
-                let z = t.rms(b, "ffn_norm", x, w_ffn_norm)?;
-                let y = t.ffn(b, layer, z)?;
-                b.op1("ffn_residual", Add, &[x, y])
-            })?;
+            x = b.scope(
+                &format!("blk.{layer}"),
+                |b| -> Result<ValueId, GraphError> {
+                    let w_attn_norm = t.w(b, layer, "attn_norm")?;
+                    let w_ffn_norm = t.w(b, layer, "ffn_norm")?;
+                    let a = t.rms(b, "attn_norm", x, w_attn_norm)?;
+                    let y = t.attention(b, layer, a, positions, shape)?;
+                    let x = b.op1("attn_residual", Add, &[x, y])?;
+                    let z = t.rms(b, "ffn_norm", x, w_ffn_norm)?;
+                    let y = t.ffn(b, layer, z)?;
+                    b.op1("ffn_residual", Add, &[x, y])
+                },
+            )?;
         }
         t.head(b, x, shape)?;
         Ok(())

@@ -75,21 +75,32 @@ impl ModelDecl for Xing4 {
         let e = t.embed(b, tokens)?;
         let mut streams = b.op1("hc_expand", HcExpand { hc: self.hc }, &[e])?;
         for layer in 0..t.h.n_layer {
-            streams = b.scope(&format!("blk.{layer}"), |b| -> Result<ValueId, GraphError> {
-                let w_attn_norm = b.weight(&format!("blk.{layer}.attn_norm.weight"))?;
-                let w_ffn_norm = b.weight(&format!("blk.{layer}.ffn_norm.weight"))?;
-                let eps = t.h.rms_eps;
+            streams = b.scope(
+                &format!("blk.{layer}"),
+                |b| -> Result<ValueId, GraphError> {
+                    let w_attn_norm = b.weight(&format!("blk.{layer}.attn_norm.weight"))?;
+                    let w_ffn_norm = b.weight(&format!("blk.{layer}.ffn_norm.weight"))?;
+                    let eps = t.h.rms_eps;
 
-                let [x, post, comb] = self.hc_pre(b, layer, "hc_attn", streams)?;
-                let a = b.op1("attn_norm", RmsNorm { eps }, &[x, w_attn_norm])?;
-                let y = t.attention(b, layer, a, positions, shape)?;
-                let streams = b.op1("hc_attn_post", HcPost { hc: self.hc }, &[y, streams, post, comb])?;
+                    let [x, post, comb] = self.hc_pre(b, layer, "hc_attn", streams)?;
+                    let a = b.op1("attn_norm", RmsNorm { eps }, &[x, w_attn_norm])?;
+                    let y = t.attention(b, layer, a, positions, shape)?;
+                    let streams = b.op1(
+                        "hc_attn_post",
+                        HcPost { hc: self.hc },
+                        &[y, streams, post, comb],
+                    )?;
 
-                let [x, post, comb] = self.hc_pre(b, layer, "hc_ffn", streams)?;
-                let z = b.op1("ffn_norm", RmsNorm { eps }, &[x, w_ffn_norm])?;
-                let y = t.ffn(b, layer, z)?;
-                b.op1("hc_ffn_post", HcPost { hc: self.hc }, &[y, streams, post, comb])
-            })?;
+                    let [x, post, comb] = self.hc_pre(b, layer, "hc_ffn", streams)?;
+                    let z = b.op1("ffn_norm", RmsNorm { eps }, &[x, w_ffn_norm])?;
+                    let y = t.ffn(b, layer, z)?;
+                    b.op1(
+                        "hc_ffn_post",
+                        HcPost { hc: self.hc },
+                        &[y, streams, post, comb],
+                    )
+                },
+            )?;
         }
         let h = b.op1("stream_mean", StreamMean { hc: self.hc }, &[streams])?;
         t.head(b, h, shape)?;

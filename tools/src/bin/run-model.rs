@@ -7,12 +7,15 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
+use engine::{Device, Engine, EngineConfig, GenerateRequest, SamplingParams};
 use graph::LogitRows;
 use loader::chat::ChatMessage;
 
 #[derive(Parser, Debug)]
-#[command(version, about = "Generate text with a Xing4.0 (or deepseek2) GGUF checkpoint")]
+#[command(
+    version,
+    about = "Generate text with a Xing4.0 (or deepseek2) GGUF checkpoint"
+)]
 struct Args {
     /// A .gguf file or a release directory holding one. Default: the embedded small checkpoint.
     #[arg(long)]
@@ -49,9 +52,12 @@ struct Args {
     /// Disable the thinking preamble of the chat template.
     #[arg(long)]
     no_thinking: bool,
-    /// `cpu`, or `cuda[:N]`.
-    #[arg(long, default_value = "cpu")]
+    /// `cpu`, `cuda[:N]`, or `auto` (GPU 0 when the driver sees one, else the CPU).
+    #[arg(long, default_value = "auto")]
     device: String,
+    /// Run every GPU decode step eagerly instead of replaying a captured CUDA graph.
+    #[arg(long)]
+    no_cuda_graphs: bool,
     #[arg(long, default_value_t = 4096)]
     max_model_len: usize,
     /// Prefill chunk size in tokens.
@@ -64,12 +70,10 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.device != "cpu" {
-        bail!(
-            "--device {}: this build runs on the CPU only so far (the CUDA backend is not wired into the engine yet); use --device cpu",
-            args.device
-        );
-    }
+    let device: Device = args
+        .device
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--device: {e}"))?;
     let (gguf, release_dir, synthetic) = match &args.model {
         Some(m) => {
             let (g, r) = tools::load::resolve(Some(m), args.tokenizer_path.as_deref())?;
@@ -122,9 +126,23 @@ fn main() -> Result<()> {
     let config = EngineConfig {
         max_model_len: args.max_model_len,
         prefill_chunk: args.prefill_chunk,
+        device,
+        cuda_graphs: !args.no_cuda_graphs,
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(loaded.model.clone(), config)?;
+    let mut engine = Engine::new(loaded.model.clone(), config)
+        .with_context(|| format!("starting the engine on {device}"))?;
+    match engine.device_budget() {
+        Some(b) => eprintln!(
+            "device: {device} ({}), {:.1} MiB weights + {:.1} MiB cache + {:.1} MiB step arena, cuda graphs {}",
+            engine.device_name(),
+            b.weights as f64 / 1048576.0,
+            b.cache as f64 / 1048576.0,
+            b.arena as f64 / 1048576.0,
+            if args.no_cuda_graphs { "off" } else { "on" }
+        ),
+        None => eprintln!("device: cpu"),
+    }
 
     if let Some(path) = &args.dump_logits {
         let logits = engine.forward(&prompt, LogitRows::All)?;
@@ -133,7 +151,11 @@ fn main() -> Result<()> {
         let json = serde_json::json!({ "logits": rows });
         std::fs::write(path, serde_json::to_vec(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote logits of {} positions to {}", rows.len(), path.display());
+        eprintln!(
+            "wrote logits of {} positions to {}",
+            rows.len(),
+            path.display()
+        );
         return Ok(());
     }
 
@@ -150,7 +172,12 @@ fn main() -> Result<()> {
         }
     };
     sampling.validate().map_err(anyhow::Error::msg)?;
-    let stop_tokens: Vec<u32> = loaded.tokenizer.as_ref().and_then(|t| t.eos_id()).into_iter().collect();
+    let stop_tokens: Vec<u32> = loaded
+        .tokenizer
+        .as_ref()
+        .and_then(|t| t.eos_id())
+        .into_iter()
+        .collect();
     let req = GenerateRequest {
         prompt,
         max_tokens: args.max_tokens,

@@ -23,9 +23,9 @@ use tools::load::Loaded;
 
 use crate::api::Defaults;
 use crate::metrics::Metrics;
-use engine::prefix::PrefixStore;
 use crate::routes::{App, Ready};
 use crate::worker::ThinkIds;
+use engine::prefix::PrefixStore;
 
 #[derive(Parser, Debug)]
 #[command(

@@ -1,0 +1,466 @@
+//! Where a session's steps run: the CPU executor over host state, or the CUDA
+//! executor with the weights and the cache on the card. Decode steps on the GPU
+//! replay one captured graph per KV bucket; prefill chunks run eagerly (a chunk's
+//! kernels are long enough that launch cost is a small share of it, and every
+//! distinct chunk length would need its own capture).
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use graph::{
+    Bucket, CpuExecutor, CudaExecutor, GraphBuilder, HostState, LogitRows, Plan, StepShape,
+    StepTiming, ValueKind,
+};
+use ops::gpu::GpuCtx;
+use ops::head::Argmax;
+
+use crate::{EngineError, Model};
+
+/// Name of the extra output a greedy plan ends with: the last row's argmax, I32 `[rows]`.
+pub const NEXT_TOKEN: &str = "next_token";
+
+/// Device memory kept free beyond weights, cache and arena: cuBLAS workspace, kernel
+/// modules, instantiated graphs.
+pub const DEVICE_RESERVE_BYTES: usize = 512 << 20;
+
+/// Which processor a session runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// A CUDA GPU by ordinal.
+    Cuda(usize),
+}
+
+impl Device {
+    /// GPU 0 when the CUDA driver sees one, else the CPU.
+    pub fn auto() -> Device {
+        match cuda::Device::available() {
+            Ok(n) if n > 0 => Device::Cuda(0),
+            _ => Device::Cpu,
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = String;
+
+    /// `cpu`, `cuda`, `cuda:N`, or `auto` (see [`Device::auto`]).
+    fn from_str(s: &str) -> Result<Device, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            "auto" => Ok(Device::auto()),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Device::Cuda(n)),
+                _ => Err(format!(
+                    "device {s:?}: expected cpu, cuda, cuda:N (N a GPU ordinal) or auto"
+                )),
+            },
+        }
+    }
+}
+
+/// What a session needs on the card, against what it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceBudget {
+    pub max_model_len: usize,
+    /// Cache rows (the power-of-two bucket at or above `max_model_len`).
+    pub rows: usize,
+    pub weights: usize,
+    pub cache: usize,
+    /// The largest step arena (a decode step at the full bucket or a prefill chunk).
+    pub arena: usize,
+    pub reserve: usize,
+}
+
+impl DeviceBudget {
+    pub fn need(&self) -> usize {
+        self.weights + self.cache + self.arena + self.reserve
+    }
+
+    /// Refuses a budget that does not fit in `free` bytes, with every number (seed §5):
+    /// a load-time error instead of an out-of-memory inside a request.
+    pub fn check(&self, device: Device, free: usize, total: usize) -> Result<(), EngineError> {
+        if self.need() <= free {
+            return Ok(());
+        }
+        Err(EngineError::DeviceMemory {
+            device: device.to_string(),
+            budget: *self,
+            free,
+            total,
+        })
+    }
+}
+
+pub(crate) fn mib(b: usize) -> String {
+    format!("{:.0} MiB", b as f64 / 1048576.0)
+}
+
+/// The plan for `shape`; with `argmax`, the declaration's `logits` feed an
+/// `Argmax` whose I32 result is the output [`NEXT_TOKEN`], so a greedy step
+/// reads back 4 bytes a row instead of a vocabulary of floats.
+pub fn build_plan(model: &Model, shape: StepShape, argmax: bool) -> Result<Plan, EngineError> {
+    let mut b = GraphBuilder::new(model);
+    model.decl.declare(&mut b, &shape)?;
+    let mut g = b.finish();
+    if argmax {
+        let logits = g
+            .output("logits")
+            .ok_or_else(|| graph::GraphError::MissingOutput("logits".into()))?;
+        let op = Argmax;
+        let metas = [&g.value(logits).meta];
+        let out = ops::Op::infer(&op, &metas)
+            .map_err(|source| graph::GraphError::Op {
+                node: "argmax".into(),
+                describe: "argmax".into(),
+                inputs: vec![g.value(logits).meta.to_string()],
+                source,
+            })?
+            .pop()
+            .ok_or_else(|| graph::GraphError::MissingOutput(NEXT_TOKEN.into()))?;
+        let id = graph::ValueId(g.values.len());
+        g.values.push(graph::ValueInfo {
+            name: NEXT_TOKEN.into(),
+            meta: out,
+            kind: ValueKind::Intermediate,
+            alias_of: None,
+        });
+        g.nodes.push(graph::Node {
+            name: "argmax".into(),
+            op: Arc::new(op),
+            inputs: vec![logits],
+            outputs: vec![id],
+        });
+        g.outputs.push((NEXT_TOKEN.into(), id));
+    }
+    Ok(Plan::new(g, shape)?)
+}
+
+/// The executor of a session and the state it owns.
+pub(crate) enum Backend {
+    Cpu {
+        exec: CpuExecutor,
+        state: HostState,
+    },
+    Cuda {
+        exec: Box<CudaExecutor>,
+        /// Replay captured decode steps (false: every step eager, for A/B runs).
+        graphs: bool,
+        budget: DeviceBudget,
+    },
+}
+
+impl Backend {
+    /// The backend for `device`, with cache rows `rows`, sized from `probe` (a decode
+    /// plan at `rows`) and `prefill` (the widest prefill chunk at `rows`).
+    pub(crate) fn new(
+        model: &Model,
+        device: Device,
+        cuda_graphs: bool,
+        max_model_len: usize,
+        rows: usize,
+        probe: &Plan,
+        prefill: Option<&Plan>,
+    ) -> Result<Backend, EngineError> {
+        let ordinal = match device {
+            Device::Cpu => {
+                return Ok(Backend::Cpu {
+                    exec: CpuExecutor::new(),
+                    state: HostState::for_plan(probe, rows)?,
+                });
+            }
+            Device::Cuda(n) => n,
+        };
+        let unavailable = |reason: String| EngineError::DeviceUnavailable {
+            device: device.to_string(),
+            reason,
+        };
+        let ctx = GpuCtx::open(ordinal).map_err(|e| unavailable(e.to_string()))?;
+        let weights: usize = graph::weight_layout(probe)?
+            .iter()
+            .map(|(_, _, b)| b.next_multiple_of(graph::SLOT_ALIGN))
+            .sum();
+        let cache: usize = probe
+            .graph
+            .of_kind(ValueKind::State)
+            .filter(|(_, v)| v.alias_of.is_none())
+            .filter_map(|(_, v)| v.meta.bytes())
+            .map(|b| b.next_multiple_of(graph::SLOT_ALIGN))
+            .sum();
+        let arena = probe
+            .device_arena_bytes
+            .max(prefill.map_or(0, |p| p.device_arena_bytes));
+        let budget = DeviceBudget {
+            max_model_len,
+            rows,
+            weights,
+            cache,
+            arena,
+            reserve: DEVICE_RESERVE_BYTES,
+        };
+        let (free, total) = ctx
+            .device
+            .mem_get_info()
+            .map_err(|e| unavailable(e.to_string()))?;
+        budget.check(device, free, total)?;
+        let mut exec = CudaExecutor::new(Arc::new(ctx), probe, model, rows)?;
+        exec.reserve_arena(arena)?;
+        Ok(Backend::Cuda {
+            exec: Box::new(exec),
+            graphs: cuda_graphs,
+            budget,
+        })
+    }
+
+    pub(crate) fn is_cuda(&self) -> bool {
+        matches!(self, Backend::Cuda { .. })
+    }
+
+    /// Runs one step of `plan` over `inputs`.
+    pub(crate) fn run(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        inputs: &[(&str, &[u8])],
+    ) -> Result<(), EngineError> {
+        match self {
+            Backend::Cpu { exec, state } => Ok(exec.run(plan, model, state, inputs)?),
+            Backend::Cuda { exec, graphs, .. } => {
+                exec.upload_weights(plan, model)?;
+                let decode = matches!(plan.shape.bucket, Bucket::Decode { .. });
+                if *graphs && decode && exec.is_captured(plan) {
+                    exec.replay(plan, inputs)?;
+                } else {
+                    exec.run_eager(plan, inputs)?;
+                    if *graphs && decode {
+                        // Recorded now, replayed from the next step of this bucket on.
+                        exec.capture(plan)?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The f32 output `name` of the last step.
+    pub(crate) fn output_f32(&self, plan: &Plan, name: &str) -> Result<Vec<f32>, EngineError> {
+        match self {
+            Backend::Cpu { exec, .. } => Ok(exec.output_f32(plan, name)?.to_vec()),
+            Backend::Cuda { exec, .. } => Ok(exec.output_f32(plan, name)?),
+        }
+    }
+
+    /// The i32 output `name` of the last step.
+    pub(crate) fn output_i32(&self, plan: &Plan, name: &str) -> Result<Vec<i32>, EngineError> {
+        match self {
+            // The CPU arena is read as f32; an I32 output's elements are its bits.
+            Backend::Cpu { exec, .. } => Ok(exec
+                .output_f32(plan, name)?
+                .iter()
+                .map(|x| x.to_bits() as i32)
+                .collect()),
+            Backend::Cuda { exec, .. } => Ok(exec.output_i32(plan, name)?),
+        }
+    }
+
+    pub(crate) fn cache_bytes(&self) -> usize {
+        match self {
+            Backend::Cpu { state, .. } => state.total_bytes(),
+            Backend::Cuda { exec, .. } => exec.state_bytes(),
+        }
+    }
+
+    /// `(name, first len rows)` of every state buffer, sorted by name.
+    pub(crate) fn read_rows(&self, len: usize) -> Result<Vec<(String, Vec<u8>)>, EngineError> {
+        match self {
+            Backend::Cpu { state, .. } => {
+                let rows = state.rows().max(1);
+                let mut names: Vec<&str> = state.names().collect();
+                names.sort_unstable();
+                Ok(names
+                    .iter()
+                    .filter_map(|n| state.get(n).map(|b| (n.to_string(), b)))
+                    .map(|(n, b)| {
+                        let row = b.len() / rows;
+                        (n, b.bytes()[..row * len].to_vec())
+                    })
+                    .collect())
+            }
+            Backend::Cuda { exec, .. } => exec
+                .state_names()
+                .into_iter()
+                .map(|n| {
+                    let b = exec.read_state_rows(&n, len)?;
+                    Ok((n, b))
+                })
+                .collect(),
+        }
+    }
+
+    /// Overwrites the first `len` rows of state `name` with the start of `bytes`.
+    pub(crate) fn write_rows(
+        &mut self,
+        name: &str,
+        bytes: &[u8],
+        len: usize,
+    ) -> Result<(), EngineError> {
+        match self {
+            Backend::Cpu { state, .. } => {
+                let rows = state.rows().max(1);
+                let buf = state
+                    .get_mut(name)
+                    .ok_or_else(|| graph::GraphError::MissingState(name.to_string()))?;
+                let row = buf.len() / rows;
+                let n = row * len;
+                let src = bytes.get(..n).ok_or_else(|| graph::GraphError::InputSize {
+                    name: name.to_string(),
+                    expected: n,
+                    found: bytes.len(),
+                })?;
+                buf.bytes_mut()[..n].copy_from_slice(src);
+                Ok(())
+            }
+            Backend::Cuda { exec, .. } => {
+                let n = exec.state_row_bytes(name)? * len;
+                let src = bytes.get(..n).ok_or_else(|| graph::GraphError::InputSize {
+                    name: name.to_string(),
+                    expected: n,
+                    found: bytes.len(),
+                })?;
+                Ok(exec.write_state_rows(name, src)?)
+            }
+        }
+    }
+}
+
+/// Timing and memory facts of a GPU session, for benchmarks.
+impl crate::Engine {
+    /// Replay captured decode steps (true, the default) or run every step eagerly.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        if let Backend::Cuda { graphs, .. } = &mut self.backend {
+            *graphs = on;
+        }
+    }
+
+    /// Records host submission and stream time of every following step (GPU only).
+    pub fn set_step_timing(&mut self, on: bool) -> Result<(), EngineError> {
+        if let Backend::Cuda { exec, .. } = &mut self.backend {
+            exec.set_timing(on)?;
+        }
+        Ok(())
+    }
+
+    /// Timing of the last step, when [`Self::set_step_timing`] is on (GPU only).
+    pub fn last_step_timing(&self) -> Option<StepTiming> {
+        match &self.backend {
+            Backend::Cuda { exec, .. } => exec.last_timing(),
+            Backend::Cpu { .. } => None,
+        }
+    }
+
+    /// The device budget checked at load (GPU only).
+    pub fn device_budget(&self) -> Option<DeviceBudget> {
+        match &self.backend {
+            Backend::Cuda { budget, .. } => Some(*budget),
+            Backend::Cpu { .. } => None,
+        }
+    }
+
+    /// The GPU's name, or `cpu`.
+    pub fn device_name(&self) -> String {
+        match &self.backend {
+            Backend::Cuda { exec, .. } => exec.ctx().device.name().to_string(),
+            Backend::Cpu { .. } => "cpu".into(),
+        }
+    }
+}
+
+/// The plans sizing a session: a decode step at the full bucket and, for a GPU,
+/// the widest prefill chunk at the full bucket.
+pub(crate) fn sizing_plans(
+    model: &Model,
+    device: Device,
+    prefill_chunk: usize,
+    max_model_len: usize,
+    rows: usize,
+) -> Result<(Plan, Option<Plan>), EngineError> {
+    let probe = build_plan(
+        model,
+        StepShape {
+            bucket: Bucket::Decode { batch: 1, kv: rows },
+            logits: LogitRows::Last,
+        },
+        false,
+    )?;
+    let chunk = prefill_chunk.min(max_model_len);
+    let prefill = match device {
+        Device::Cuda(_) if chunk > 1 => Some(build_plan(
+            model,
+            StepShape {
+                bucket: Bucket::Prefill { chunk, kv: rows },
+                logits: LogitRows::Last,
+            },
+            false,
+        )?),
+        _ => None,
+    };
+    Ok((probe, prefill))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse_and_bad_ones_say_what_is_expected() {
+        assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
+        assert_eq!("cuda".parse::<Device>(), Ok(Device::Cuda(0)));
+        assert_eq!("cuda:3".parse::<Device>(), Ok(Device::Cuda(3)));
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", ""] {
+            let e = bad.parse::<Device>().unwrap_err();
+            assert!(e.contains("cuda:N"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_cache_that_does_not_fit_is_refused_with_every_number() {
+        let b = DeviceBudget {
+            max_model_len: 49152,
+            rows: 65536,
+            weights: 18 << 30,
+            cache: 6 << 30,
+            arena: 2 << 30,
+            reserve: DEVICE_RESERVE_BYTES,
+        };
+        assert!(b.check(Device::Cuda(0), b.need(), b.need()).is_ok());
+        let e = b
+            .check(Device::Cuda(1), 20 << 30, 24 << 30)
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "--max-model-len 49152",
+            "65536 rows",
+            "6144 MiB",
+            "18432 MiB",
+            "2048 MiB",
+            "512 MiB",
+            "27136 MiB",
+            "cuda:1 has 20480 MiB free of 24576 MiB",
+        ] {
+            assert!(e.contains(part), "missing {part:?} in: {e}");
+        }
+    }
+}

@@ -1,0 +1,763 @@
+//! The CUDA executor: weights uploaded once in their stored format, persistent
+//! state (KV caches) on the card, one device arena shared by every plan, and each
+//! plan either walked eagerly (one `Op::cuda` a node) or captured once into a CUDA
+//! graph and replayed. A step copies its tiny inputs (token ids, positions) into
+//! their arena slots, enqueues, and reads back only what the caller asks for.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cuda::{CudaError, DeviceArena, Timer};
+use ops::TensorMeta;
+use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
+
+use crate::GraphError;
+use crate::builder::{ValueId, ValueKind};
+use crate::exec::HostWeights;
+use crate::plan::{Plan, SLOT_ALIGN};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaExecError {
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    #[error("{what}: {source}")]
+    Device {
+        what: String,
+        #[source]
+        source: CudaError,
+    },
+    #[error(
+        "weight `{name}`: the checkpoint holds {found} bytes, its metadata {meta} needs {expected}"
+    )]
+    WeightSize {
+        name: String,
+        meta: String,
+        expected: usize,
+        found: usize,
+    },
+    #[error(
+        "plan {plan} has not run eagerly yet: capture needs one eager run first, so that every kernel is compiled and loaded outside the capture"
+    )]
+    NotWarm { plan: u64 },
+    #[error("plan {plan} was not captured (or its capture was dropped when the arena grew)")]
+    NotCaptured { plan: u64 },
+    #[error("the device arena is missing (an earlier allocation failed)")]
+    NoArena,
+    #[error("output `{name}` is {meta}, not {want}")]
+    OutputType {
+        name: String,
+        meta: String,
+        want: &'static str,
+    },
+}
+
+fn dev(what: impl Into<String>) -> impl FnOnce(CudaError) -> CudaExecError {
+    let what = what.into();
+    move |source| CudaExecError::Device { what, source }
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(SLOT_ALIGN) * SLOT_ALIGN
+}
+
+/// Where a value's bytes live on the card, as the executor resolves it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Loc {
+    /// `offset` bytes into the weight buffer.
+    Weight { name: String, offset: usize },
+    /// The first `bytes` of a state buffer (the bucket's rows).
+    State { name: String },
+    /// `offset` bytes into the arena.
+    Arena { offset: usize },
+}
+
+/// Byte offsets of the plan's weights in one buffer, in declaration order.
+pub fn weight_layout(plan: &Plan) -> Result<Vec<(String, usize, usize)>, GraphError> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for (_, v) in plan.graph.of_kind(ValueKind::Weight) {
+        if v.alias_of.is_some() {
+            continue;
+        }
+        let bytes = v
+            .meta
+            .bytes()
+            .ok_or_else(|| GraphError::Unsized(v.name.clone()))?;
+        out.push((v.name.clone(), at, bytes));
+        at += align(bytes);
+    }
+    Ok(out)
+}
+
+/// The storage of value `id` (aliases followed) and the bytes its view spans.
+fn locate(
+    plan: &Plan,
+    weights: &HashMap<String, usize>,
+    id: ValueId,
+) -> Result<(Loc, usize), GraphError> {
+    let st = plan.storage_of(id);
+    let v = plan.graph.value(st);
+    let bytes = v
+        .meta
+        .bytes()
+        .ok_or_else(|| GraphError::Unsized(v.name.clone()))?;
+    let loc = match v.kind {
+        ValueKind::Weight => Loc::Weight {
+            name: v.name.clone(),
+            offset: *weights
+                .get(&v.name)
+                .ok_or_else(|| GraphError::MissingWeight(v.name.clone()))?,
+        },
+        ValueKind::State => Loc::State {
+            name: v.name.clone(),
+        },
+        ValueKind::Input | ValueKind::Intermediate => Loc::Arena {
+            offset: plan
+                .slot(st)
+                .ok_or_else(|| GraphError::Unsized(v.name.clone()))?
+                .offset,
+        },
+    };
+    Ok((loc, bytes))
+}
+
+/// The launch list a plan lowers to, without a GPU: per scheduled node its
+/// `describe()`, where each input/output view points (weight buffer offset, state
+/// buffer, arena offset; aliased inputs show the output's storage) and its scratch.
+/// Weight offsets are the ones `CudaExecutor` uses when it uploads this plan's weights.
+pub fn lowered_launches(plan: &Plan) -> Result<String, GraphError> {
+    let layout = weight_layout(plan)?;
+    let weights: HashMap<String, usize> = layout.iter().map(|(n, o, _)| (n.clone(), *o)).collect();
+    let weight_bytes = layout.last().map(|(_, o, b)| o + align(*b)).unwrap_or(0);
+    let g = &plan.graph;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "lowered {:?} logits={:?}: {} launches, device arena {} bytes ({} values + scratch), weights {} tensors in {} bytes",
+        plan.shape.bucket,
+        plan.shape.logits,
+        plan.schedule.len(),
+        plan.device_arena_bytes,
+        plan.arena_bytes,
+        layout.len(),
+        weight_bytes
+    );
+    let show = |id: ValueId, meta: &TensorMeta| -> Result<String, GraphError> {
+        let (loc, bytes) = locate(plan, &weights, id)?;
+        Ok(match loc {
+            Loc::Weight { offset, .. } => format!("{meta} w+{offset}"),
+            Loc::State { name } => format!("{meta} state:{name}[..{bytes}]"),
+            Loc::Arena { offset } => format!("{meta} a+{offset}"),
+        })
+    };
+    for (_, v) in g.of_kind(ValueKind::Input) {
+        if let Some(id) = g.find(&v.name) {
+            let _ = writeln!(s, "input {} {}", v.name, show(id, &v.meta)?);
+        }
+    }
+    for (step, &n) in plan.schedule.iter().enumerate() {
+        let node = &g.nodes[n];
+        let aliased: Vec<(usize, usize)> = node.op.aliases().to_vec();
+        let mut ins = Vec::new();
+        for (k, &i) in node.inputs.iter().enumerate() {
+            let meta = &g.value(i).meta;
+            match aliased.iter().find(|&&(_, inp)| inp == k) {
+                Some(&(o, _)) => ins.push(format!("{meta} =out{o}")),
+                None => ins.push(show(i, meta)?),
+            }
+        }
+        let mut outs = Vec::new();
+        for &o in &node.outputs {
+            outs.push(show(o, &g.value(o).meta)?);
+        }
+        let scratch = match plan.scratch.get(n).copied().flatten() {
+            Some(sl) => format!(" scratch a+{}..+{}", sl.offset, sl.bytes),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            s,
+            "{step:4} {} {}: ({}) -> ({}){scratch}",
+            node.name,
+            node.op.describe(),
+            ins.join(", "),
+            outs.join(", ")
+        );
+    }
+    for (name, v) in &g.outputs {
+        let (loc, bytes) = locate(plan, &weights, *v)?;
+        let _ = writeln!(s, "output {name} {:?} {bytes} bytes", loc);
+    }
+    Ok(s)
+}
+
+/// Host time spent enqueueing one step, and the stream time between events
+/// recorded around it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTiming {
+    pub host_submit_s: f64,
+    pub device_s: f64,
+}
+
+/// A captured step. `cuda::Graph` holds raw driver handles and so is not `Send`;
+/// the executor owning it is moved between threads whole (a session's worker).
+struct SendGraph(cuda::Graph);
+
+// SAFETY: the graph is used only through `&mut CudaExecutor` (never concurrently), and
+// launching it binds its context to the calling thread first, so which thread owns it
+// does not matter.
+unsafe impl Send for SendGraph {}
+
+/// One state buffer: its offset in the state allocation and its bytes per row.
+#[derive(Clone, Copy, Debug)]
+struct StateBuf {
+    offset: usize,
+    row_bytes: usize,
+}
+
+/// Runs plans on one GPU. Owns the device copies of the weights, the persistent
+/// state and the arena; the plans stay with the caller.
+pub struct CudaExecutor {
+    ctx: Arc<GpuCtx>,
+    /// Weight buffers (one per upload batch) and where each tensor lies.
+    weight_bufs: Vec<DeviceArena>,
+    weights: HashMap<String, (usize, usize, usize)>,
+    state: DeviceArena,
+    states: HashMap<String, StateBuf>,
+    rows: usize,
+    arena: Option<DeviceArena>,
+    graphs: HashMap<u64, SendGraph>,
+    warm: HashSet<u64>,
+    /// Plans whose weights are all on the card (skips the per-step name walk).
+    covered: HashSet<u64>,
+    timer: Option<Timer>,
+    last_timing: Option<StepTiming>,
+}
+
+impl std::fmt::Debug for CudaExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaExecutor")
+            .field("device", &self.ctx.device.name())
+            .field("weights", &self.weights.len())
+            .field("rows", &self.rows)
+            .field("graphs", &self.graphs.len())
+            .finish()
+    }
+}
+
+impl CudaExecutor {
+    /// Uploads the weights `plan` binds (once, in their stored format), and allocates
+    /// every state the plan declares with `rows` rows (zeroed) and an arena for the plan.
+    pub fn new(
+        ctx: Arc<GpuCtx>,
+        plan: &Plan,
+        weights: &dyn HostWeights,
+        rows: usize,
+    ) -> Result<CudaExecutor, CudaExecError> {
+        let mut states = HashMap::new();
+        let mut at = 0;
+        for (_, v) in plan.graph.of_kind(ValueKind::State) {
+            if v.alias_of.is_some() {
+                continue;
+            }
+            let row_bytes =
+                row_bytes(&v.meta).ok_or_else(|| GraphError::Unsized(v.name.clone()))?;
+            states.insert(
+                v.name.clone(),
+                StateBuf {
+                    offset: at,
+                    row_bytes,
+                },
+            );
+            at += align(row_bytes * rows);
+        }
+        let state = ctx
+            .device
+            .arena(at.max(SLOT_ALIGN))
+            .map_err(dev(format!("allocating {at} bytes of state ({rows} rows)")))?;
+        let mut exec = CudaExecutor {
+            ctx,
+            weight_bufs: Vec::new(),
+            weights: HashMap::new(),
+            state,
+            states,
+            rows,
+            arena: None,
+            graphs: HashMap::new(),
+            warm: HashSet::new(),
+            covered: HashSet::new(),
+            timer: None,
+            last_timing: None,
+        };
+        exec.upload_weights(plan, weights)?;
+        exec.reserve_arena(plan.device_arena_bytes)?;
+        Ok(exec)
+    }
+
+    pub fn ctx(&self) -> &Arc<GpuCtx> {
+        &self.ctx
+    }
+
+    /// Uploads the weights of `plan` that are not on the card yet, in one buffer;
+    /// returns the bytes uploaded.
+    pub fn upload_weights(
+        &mut self,
+        plan: &Plan,
+        weights: &dyn HostWeights,
+    ) -> Result<usize, CudaExecError> {
+        if self.covered.contains(&plan.id) {
+            return Ok(0);
+        }
+        let missing: Vec<(String, usize, usize)> = weight_layout(plan)?
+            .into_iter()
+            .filter(|(n, _, _)| !self.weights.contains_key(n))
+            .collect();
+        if missing.is_empty() {
+            self.covered.insert(plan.id);
+            return Ok(0);
+        }
+        // Offsets restart at 0 in the new buffer, in the plan's declaration order.
+        let mut placed = Vec::with_capacity(missing.len());
+        let mut at = 0;
+        for (name, _, bytes) in missing {
+            placed.push((name, at, bytes));
+            at += align(bytes);
+        }
+        let mut buf = self
+            .ctx
+            .device
+            .arena(at)
+            .map_err(dev(format!("allocating {at} bytes of weights")))?;
+        for (name, offset, bytes) in &placed {
+            let data = weights
+                .weight_bytes(name)
+                .ok_or_else(|| GraphError::MissingWeight(name.clone()))?;
+            if data.len() != *bytes {
+                let meta = plan
+                    .graph
+                    .find(name)
+                    .map(|id| plan.graph.value(id).meta.to_string())
+                    .unwrap_or_default();
+                return Err(CudaExecError::WeightSize {
+                    name: name.clone(),
+                    meta,
+                    expected: *bytes,
+                    found: data.len(),
+                });
+            }
+            let view = buf
+                .view::<u8>(*offset, *bytes)
+                .map_err(dev(format!("weight `{name}`")))?;
+            buf.upload(view, data)
+                .map_err(dev(format!("uploading weight `{name}`")))?;
+        }
+        let batch = self.weight_bufs.len();
+        self.weight_bufs.push(buf);
+        for (name, offset, bytes) in placed {
+            self.weights.insert(name, (batch, offset, bytes));
+        }
+        self.covered.insert(plan.id);
+        Ok(at)
+    }
+
+    /// Makes the arena at least `bytes` long. Growing it moves every slot, so the
+    /// graphs captured so far are dropped (they are recaptured on demand).
+    pub fn reserve_arena(&mut self, bytes: usize) -> Result<(), CudaExecError> {
+        if self.arena.as_ref().is_some_and(|a| a.num_bytes() >= bytes) {
+            return Ok(());
+        }
+        self.graphs.clear();
+        self.arena = None;
+        let arena = self
+            .ctx
+            .device
+            .arena(bytes.max(SLOT_ALIGN))
+            .map_err(dev(format!("allocating a {bytes}-byte arena")))?;
+        self.arena = Some(arena);
+        Ok(())
+    }
+
+    /// Bytes of weights on the card.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bufs.iter().map(|b| b.num_bytes()).sum()
+    }
+
+    /// Bytes of persistent state on the card.
+    pub fn state_bytes(&self) -> usize {
+        self.state.num_bytes()
+    }
+
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.num_bytes())
+    }
+
+    /// Rows of every state buffer.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// State buffer names, sorted.
+    pub fn state_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.states.keys().cloned().collect();
+        v.sort_unstable();
+        v
+    }
+
+    fn state_buf(&self, name: &str) -> Result<StateBuf, GraphError> {
+        self.states
+            .get(name)
+            .copied()
+            .ok_or_else(|| GraphError::MissingState(name.to_string()))
+    }
+
+    /// Bytes of one row of state `name`.
+    pub fn state_row_bytes(&self, name: &str) -> Result<usize, GraphError> {
+        Ok(self.state_buf(name)?.row_bytes)
+    }
+
+    /// The first `rows` rows of state `name`, copied to the host.
+    pub fn read_state_rows(&self, name: &str, rows: usize) -> Result<Vec<u8>, CudaExecError> {
+        let b = self.state_buf(name)?;
+        let rows = rows.min(self.rows);
+        let view = self
+            .state
+            .view::<u8>(b.offset, b.row_bytes * rows)
+            .map_err(dev(format!("state `{name}`")))?;
+        self.state
+            .download(view)
+            .map_err(dev(format!("reading state `{name}`")))
+    }
+
+    /// Overwrites the first rows of state `name` with `bytes` (whole rows).
+    pub fn write_state_rows(&mut self, name: &str, bytes: &[u8]) -> Result<(), CudaExecError> {
+        let b = self.state_buf(name)?;
+        if b.row_bytes == 0
+            || !bytes.len().is_multiple_of(b.row_bytes)
+            || bytes.len() > b.row_bytes * self.rows
+        {
+            return Err(GraphError::InputSize {
+                name: name.to_string(),
+                expected: b.row_bytes * self.rows,
+                found: bytes.len(),
+            }
+            .into());
+        }
+        let view = self
+            .state
+            .view::<u8>(b.offset, bytes.len())
+            .map_err(dev(format!("state `{name}`")))?;
+        self.state
+            .upload(view, bytes)
+            .map_err(dev(format!("writing state `{name}`")))
+    }
+
+    /// Records events around every following step (`last_timing`), or stops doing so.
+    pub fn set_timing(&mut self, on: bool) -> Result<(), CudaExecError> {
+        self.timer = if on {
+            Some(Timer::new(&self.ctx.device).map_err(dev("creating step timer events"))?)
+        } else {
+            None
+        };
+        self.last_timing = None;
+        Ok(())
+    }
+
+    /// Host submission and stream time of the last step (when timing is on).
+    pub fn last_timing(&self) -> Option<StepTiming> {
+        self.last_timing
+    }
+
+    /// Copies every Input value of `plan` from `inputs` into its arena slot.
+    fn upload_inputs(
+        &mut self,
+        plan: &Plan,
+        inputs: &[(&str, &[u8])],
+    ) -> Result<(), CudaExecError> {
+        self.reserve_arena(plan.device_arena_bytes)?;
+        let arena = self.arena.as_mut().ok_or(CudaExecError::NoArena)?;
+        for (id, v) in plan.graph.of_kind(ValueKind::Input) {
+            let (_, data) = inputs
+                .iter()
+                .find(|(n, _)| *n == v.name)
+                .ok_or_else(|| GraphError::MissingInput(v.name.clone()))?;
+            let need = v.meta.bytes().unwrap_or(0);
+            if data.len() != need {
+                return Err(GraphError::InputSize {
+                    name: v.name.clone(),
+                    expected: need,
+                    found: data.len(),
+                }
+                .into());
+            }
+            let slot = plan
+                .slot(id)
+                .ok_or_else(|| GraphError::Unsized(v.name.clone()))?;
+            let view = arena
+                .view::<u8>(slot.offset, need)
+                .map_err(dev(format!("input `{}`", v.name)))?;
+            arena
+                .upload(view, data)
+                .map_err(dev(format!("uploading input `{}`", v.name)))?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues every node of `plan` (no host sync): the launch list a capture records.
+    fn enqueue(&self, plan: &Plan) -> Result<(), CudaExecError> {
+        let arena = self.arena.as_ref().ok_or(CudaExecError::NoArena)?;
+        if arena.num_bytes() < plan.device_arena_bytes {
+            return Err(CudaExecError::Device {
+                what: format!("plan {}", plan.id),
+                source: CudaError::OutOfBounds {
+                    what: "device arena",
+                    start: 0,
+                    end: plan.device_arena_bytes,
+                    size: arena.num_bytes(),
+                },
+            });
+        }
+        let g = &plan.graph;
+        let resolve = |id: ValueId| -> Result<(u64, usize), CudaExecError> {
+            let st = plan.storage_of(id);
+            let v = g.value(st);
+            let bytes = v
+                .meta
+                .bytes()
+                .ok_or_else(|| GraphError::Unsized(v.name.clone()))?;
+            let ptr = match v.kind {
+                ValueKind::Weight => {
+                    let &(batch, offset, len) = self
+                        .weights
+                        .get(&v.name)
+                        .ok_or_else(|| GraphError::MissingWeight(v.name.clone()))?;
+                    debug_assert_eq!(len, bytes);
+                    self.weight_bufs[batch].base_ptr() + offset as u64
+                }
+                ValueKind::State => {
+                    let b = self.state_buf(&v.name)?;
+                    if bytes > b.row_bytes * self.rows {
+                        return Err(GraphError::InputSize {
+                            name: v.name.clone(),
+                            expected: bytes,
+                            found: b.row_bytes * self.rows,
+                        }
+                        .into());
+                    }
+                    self.state.base_ptr() + b.offset as u64
+                }
+                ValueKind::Input | ValueKind::Intermediate => {
+                    let s = plan
+                        .slot(st)
+                        .ok_or_else(|| GraphError::Unsized(v.name.clone()))?;
+                    arena.base_ptr() + s.offset as u64
+                }
+            };
+            Ok((ptr, bytes))
+        };
+        for &n in &plan.schedule {
+            let node = &g.nodes[n];
+            let aliases = node.op.aliases();
+            let mut outs = Vec::with_capacity(node.outputs.len());
+            for &o in &node.outputs {
+                let (ptr, bytes) = resolve(o)?;
+                outs.push(DeviceTensor {
+                    meta: &g.value(o).meta,
+                    ptr,
+                    bytes,
+                });
+            }
+            let mut ins = Vec::with_capacity(node.inputs.len());
+            for (k, &i) in node.inputs.iter().enumerate() {
+                let meta = &g.value(i).meta;
+                // An aliased input is handed the output's storage (the op reads it there).
+                let t = match aliases.iter().find(|&&(_, inp)| inp == k) {
+                    Some(&(o, _)) => DeviceTensor {
+                        meta,
+                        ptr: outs[o].ptr,
+                        bytes: outs[o].bytes,
+                    },
+                    None => {
+                        let (ptr, bytes) = resolve(i)?;
+                        DeviceTensor { meta, ptr, bytes }
+                    }
+                };
+                ins.push(t);
+            }
+            let scratch = match plan.scratch.get(n).copied().flatten() {
+                Some(s) => Scratch {
+                    ptr: arena.base_ptr() + s.offset as u64,
+                    bytes: s.bytes,
+                },
+                None => Scratch::default(),
+            };
+            node.op
+                .cuda(&self.ctx, &ins, &outs, scratch)
+                .map_err(|source| GraphError::Op {
+                    node: node.name.clone(),
+                    describe: node.op.describe(),
+                    inputs: node
+                        .inputs
+                        .iter()
+                        .map(|&i| g.value(i).meta.to_string())
+                        .collect(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Times `submit` when timing is on: host time to return, stream time between events.
+    fn timed(
+        &mut self,
+        submit: impl FnOnce(&Self) -> Result<(), CudaExecError>,
+    ) -> Result<(), CudaExecError> {
+        let Some(timer) = self.timer.as_ref() else {
+            return submit(self);
+        };
+        timer
+            .start()
+            .map_err(dev("recording the step start event"))?;
+        let t0 = Instant::now();
+        submit(self)?;
+        let host = t0.elapsed().as_secs_f64();
+        let ms = self
+            .timer
+            .as_ref()
+            .map(|t| t.stop())
+            .transpose()
+            .map_err(dev("recording the step stop event"))?
+            .unwrap_or(0.0);
+        self.last_timing = Some(StepTiming {
+            host_submit_s: host,
+            device_s: ms as f64 / 1e3,
+        });
+        Ok(())
+    }
+
+    /// One step of `plan`, one kernel sequence a node, enqueued without host sync.
+    /// `inputs` gives the bytes of every Input value by name.
+    pub fn run_eager(
+        &mut self,
+        plan: &Plan,
+        inputs: &[(&str, &[u8])],
+    ) -> Result<(), CudaExecError> {
+        self.upload_inputs(plan, inputs)?;
+        self.timed(|me| me.enqueue(plan))?;
+        self.warm.insert(plan.id);
+        Ok(())
+    }
+
+    /// Records `plan`'s launches into a CUDA graph (nothing runs). The plan must have
+    /// run eagerly once. Inputs are read from their arena slots at replay.
+    pub fn capture(&mut self, plan: &Plan) -> Result<(), CudaExecError> {
+        if !self.warm.contains(&plan.id) {
+            return Err(CudaExecError::NotWarm { plan: plan.id });
+        }
+        self.reserve_arena(plan.device_arena_bytes)?;
+        let mut failure = None;
+        let captured = self.ctx.device.capture(|_| match self.enqueue(plan) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                failure = Some(e);
+                Err(CudaError::InvalidArgument {
+                    what: "graph capture",
+                    detail: "an op failed while its launches were recorded".into(),
+                })
+            }
+        });
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let graph = captured.map_err(dev(format!("capturing plan {:?}", plan.shape.bucket)))?;
+        graph.upload().map_err(dev(format!(
+            "uploading the graph of {:?}",
+            plan.shape.bucket
+        )))?;
+        self.graphs.insert(plan.id, SendGraph(graph));
+        Ok(())
+    }
+
+    pub fn is_captured(&self, plan: &Plan) -> bool {
+        self.graphs.contains_key(&plan.id)
+    }
+
+    /// Uploads `inputs` into `plan`'s slots and launches its captured graph.
+    pub fn replay(&mut self, plan: &Plan, inputs: &[(&str, &[u8])]) -> Result<(), CudaExecError> {
+        self.upload_inputs(plan, inputs)?;
+        if !self.graphs.contains_key(&plan.id) {
+            return Err(CudaExecError::NotCaptured { plan: plan.id });
+        }
+        self.timed(|me| {
+            let graph = me
+                .graphs
+                .get(&plan.id)
+                .ok_or(CudaExecError::NotCaptured { plan: plan.id })?;
+            graph.0.launch().map_err(dev("launching a captured step"))
+        })
+    }
+
+    /// Waits for every enqueued step.
+    pub fn synchronize(&self) -> Result<(), CudaExecError> {
+        self.ctx.device.synchronize().map_err(dev("synchronizing"))
+    }
+
+    fn output_view(
+        &self,
+        plan: &Plan,
+        name: &str,
+        want: ops::DType,
+    ) -> Result<(usize, usize), CudaExecError> {
+        let id = plan
+            .graph
+            .output(name)
+            .ok_or_else(|| GraphError::MissingOutput(name.to_string()))?;
+        let meta = &plan.graph.value(id).meta;
+        if meta.dtype != want {
+            return Err(CudaExecError::OutputType {
+                name: name.to_string(),
+                meta: meta.to_string(),
+                want: want.name(),
+            });
+        }
+        let st = plan.storage_of(id);
+        let slot = plan
+            .slot(st)
+            .ok_or_else(|| GraphError::Unsized(name.to_string()))?;
+        Ok((slot.offset, meta.numel()))
+    }
+
+    /// The f32 contents of a named output after a step (waits for it).
+    pub fn output_f32(&self, plan: &Plan, name: &str) -> Result<Vec<f32>, CudaExecError> {
+        let (offset, n) = self.output_view(plan, name, ops::DType::F32)?;
+        let arena = self.arena.as_ref().ok_or(CudaExecError::NoArena)?;
+        let view = arena
+            .view::<f32>(offset, n)
+            .map_err(dev(format!("output `{name}`")))?;
+        arena
+            .download(view)
+            .map_err(dev(format!("reading output `{name}`")))
+    }
+
+    /// The i32 contents of a named output after a step (waits for it).
+    pub fn output_i32(&self, plan: &Plan, name: &str) -> Result<Vec<i32>, CudaExecError> {
+        let (offset, n) = self.output_view(plan, name, ops::DType::I32)?;
+        let arena = self.arena.as_ref().ok_or(CudaExecError::NoArena)?;
+        let view = arena
+            .view::<i32>(offset, n)
+            .map_err(dev(format!("output `{name}`")))?;
+        arena
+            .download(view)
+            .map_err(dev(format!("reading output `{name}`")))
+    }
+}
+
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<CudaExecutor>();
+};
+
+fn row_bytes(meta: &TensorMeta) -> Option<usize> {
+    let rows = *meta.shape.first()?;
+    meta.bytes().map(|b| b / rows.max(1))
+}

@@ -1,0 +1,360 @@
+//! A llama-bench-shaped table for one checkpoint: prefill (`pp<P>`) and decode
+//! (`tg<N> @ d<D>`) rates as mean ± sd over repetitions, the first decode step
+//! apart from the steady rate, an eager-vs-graph A/B interleaved in one process
+//! (A, B, A, B, ...), and the host time spent enqueueing a step against the
+//! stream time between events around it.
+//!
+//! Token ids are synthetic (no tokenizer). A depth D is reached by prefilling
+//! min(D, 512) synthetic tokens for real (untimed) and then tiling those cache rows
+//! up to D positions, so the attention reads D real-looking rows without paying a
+//! D-token prefill; the decode then runs at positions D, D+1, ...
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use engine::{CacheSnapshot, Device, Engine, EngineConfig};
+
+#[derive(Parser, Debug)]
+#[command(about = "Prefill/decode rates of a checkpoint, llama-bench style")]
+struct Args {
+    /// A .gguf file or a release directory holding one. Default: the embedded small checkpoint.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The release directory, when it is not beside the .gguf.
+    #[arg(long)]
+    tokenizer_path: Option<PathBuf>,
+    /// `cpu`, `cuda[:N]`, or `auto`.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Prefill lengths (each a `pp<P>` test from an empty cache).
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "512"
+    )]
+    prompt: Vec<usize>,
+    /// Decode lengths (each a `tg<N>` test at every depth).
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        value_delimiter = ',',
+        default_value = "128"
+    )]
+    gen_len: Vec<usize>,
+    /// Cache depths the decode tests start from.
+    #[arg(
+        short = 'd',
+        long = "depth",
+        value_delimiter = ',',
+        default_value = "0,4096,32768"
+    )]
+    depth: Vec<usize>,
+    /// Repetitions of each test (and of each arm of the A/B).
+    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
+    reps: usize,
+    /// Prefill chunk size in tokens.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Skip the eager arm of the decode A/B (graph replay only).
+    #[arg(long)]
+    no_ab: bool,
+    /// Decode steps timed with events per arm for the host-vs-device columns.
+    #[arg(long, default_value_t = 32)]
+    timing_steps: usize,
+}
+
+/// Mean and sample standard deviation.
+fn mean_sd(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len().max(1) as f64;
+    let m = xs.iter().sum::<f64>() / n;
+    let var = if xs.len() > 1 {
+        xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
+    (m, var.sqrt())
+}
+
+/// Deterministic synthetic ids in `1..vocab`.
+fn synthetic_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (1 + s % (vocab.max(2) as u64 - 1)) as u32
+        })
+        .collect()
+}
+
+/// One decode run: per-step seconds, and the host/device split when timing is on.
+struct DecodeRun {
+    steps: Vec<f64>,
+    host: Vec<f64>,
+    device: Vec<f64>,
+}
+
+/// Decodes `n` greedy steps from the current cache, feeding each chosen id back.
+fn decode(engine: &mut Engine, first: u32, n: usize) -> Result<DecodeRun> {
+    let mut run = DecodeRun {
+        steps: Vec::with_capacity(n),
+        host: Vec::new(),
+        device: Vec::new(),
+    };
+    let mut id = first;
+    for _ in 0..n {
+        let t = Instant::now();
+        id = engine.forward_argmax(&[id])?;
+        run.steps.push(t.elapsed().as_secs_f64());
+        if let Some(tm) = engine.last_step_timing() {
+            run.host.push(tm.host_submit_s);
+            run.device.push(tm.device_s);
+        }
+    }
+    Ok(run)
+}
+
+/// Puts the engine at depth `d`: a real prefill of up to 512 tokens, tiled to `d` rows.
+/// Returns the snapshot to restore before each repetition.
+fn fill_depth(engine: &mut Engine, d: usize, vocab: usize) -> Result<CacheSnapshot> {
+    engine.reset();
+    if d == 0 {
+        return Ok(CacheSnapshot::default());
+    }
+    let real = d.min(512);
+    engine.forward_argmax(&synthetic_ids(real, vocab, 7))?;
+    let snap = engine.try_snapshot(real)?;
+    let layers = snap
+        .layers
+        .into_iter()
+        .map(|(name, rows)| {
+            let row = rows.len() / real;
+            let mut tiled = Vec::with_capacity(row * d);
+            while tiled.len() < row * d {
+                let take = (row * d - tiled.len()).min(rows.len());
+                tiled.extend_from_slice(&rows[..take]);
+            }
+            (name, tiled)
+        })
+        .collect();
+    let snap = CacheSnapshot { len: d, layers };
+    engine.restore(&snap, d)?;
+    Ok(snap)
+}
+
+struct Row {
+    test: String,
+    arm: &'static str,
+    rate: (f64, f64),
+    first_ms: Option<f64>,
+    host_us: Option<f64>,
+    device_us: Option<f64>,
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    if a.reps == 0 {
+        bail!("-r must be at least 1");
+    }
+    if a.gen_len.contains(&0) || a.prompt.contains(&0) {
+        bail!("-p and -n lengths must be at least 1");
+    }
+    let device: Device = a
+        .device
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--device: {e}"))?;
+    let (gguf, release_dir) = match &a.model {
+        Some(m) => tools::load::resolve(Some(m), a.tokenizer_path.as_deref())?,
+        None => {
+            let dir = tools::default_checkpoint()?;
+            (dir.join("model.gguf"), Some(dir))
+        }
+    };
+    let loaded = tools::load::load(&gguf, release_dir.as_deref(), true)?;
+    let model = loaded.model.clone();
+    let vocab = model.decl.n_vocab();
+    let max_d = a.depth.iter().copied().max().unwrap_or(0);
+    let max_n = a.gen_len.iter().copied().max().unwrap_or(1);
+    let max_p = a.prompt.iter().copied().max().unwrap_or(1);
+    let config = EngineConfig {
+        max_model_len: (max_d + max_n + 1).max(max_p),
+        prefill_chunk: a.prefill_chunk,
+        device,
+        cuda_graphs: true,
+        ..EngineConfig::default()
+    };
+    let t_load = Instant::now();
+    let mut engine = Engine::new(model.clone(), config.clone())
+        .with_context(|| format!("starting the engine on {device}"))?;
+    let h = &model.hparams;
+    let model_desc = format!(
+        "{} {}L {:.2} GiB",
+        model.decl.arch(),
+        h.n_layer,
+        model.total_weight_bytes() as f64 / (1u64 << 30) as f64
+    );
+    eprintln!(
+        "{model_desc} on {} ({}), engine ready in {:.1} s, max-model-len {}, prefill chunk {}",
+        device,
+        engine.device_name(),
+        t_load.elapsed().as_secs_f64(),
+        config.max_model_len,
+        config.prefill_chunk
+    );
+    if let Some(b) = engine.device_budget() {
+        eprintln!(
+            "device memory: {:.0} MiB weights + {:.0} MiB cache ({} rows) + {:.0} MiB step arena",
+            b.weights as f64 / 1048576.0,
+            b.cache as f64 / 1048576.0,
+            b.rows,
+            b.arena as f64 / 1048576.0
+        );
+    }
+    let gpu = engine.on_gpu();
+    let mut rows: Vec<Row> = Vec::new();
+
+    for &p in &a.prompt {
+        let ids = synthetic_ids(p, vocab, p as u64);
+        // One warm-up: kernels compile, plans are built, pages are touched.
+        engine.reset();
+        engine.forward_argmax(&ids)?;
+        let mut rates = Vec::new();
+        for _ in 0..a.reps {
+            engine.reset();
+            let t = Instant::now();
+            engine.forward_argmax(&ids)?;
+            rates.push(p as f64 / t.elapsed().as_secs_f64());
+        }
+        let row = Row {
+            test: format!("pp{p}"),
+            arm: if gpu { "eager" } else { "cpu" },
+            rate: mean_sd(&rates),
+            first_ms: None,
+            host_us: None,
+            device_us: None,
+        };
+        eprintln!("  {} {:.1} t/s", row.test, row.rate.0);
+        rows.push(row);
+    }
+
+    let arms: Vec<(&'static str, bool)> = match (gpu, a.no_ab) {
+        (false, _) => vec![("cpu", false)],
+        (true, true) => vec![("graph", true)],
+        // A = eager, B = graph, interleaved so drift lands on both.
+        (true, false) => vec![("eager", false), ("graph", true)],
+    };
+    for &d in &a.depth {
+        let snap = fill_depth(&mut engine, d, vocab)?;
+        let first_id = synthetic_ids(1, vocab, 99 + d as u64)[0];
+        for &n in &a.gen_len {
+            let restart = |engine: &mut Engine| -> Result<u32> {
+                if d == 0 {
+                    engine.reset();
+                    // The context's first token, so decode starts at position 1.
+                    Ok(engine.forward_argmax(&[first_id])?)
+                } else {
+                    engine.truncate(d);
+                    if engine.cached_len() < d {
+                        engine.restore(&snap, d)?;
+                    }
+                    Ok(first_id)
+                }
+            };
+            let mut steady: Vec<Vec<f64>> = vec![Vec::new(); arms.len()];
+            let mut firsts: Vec<Vec<f64>> = vec![Vec::new(); arms.len()];
+            // Warm-up per arm: plans, kernels and the bucket's capture.
+            for &(_, graphs) in &arms {
+                engine.set_cuda_graphs(graphs);
+                let id = restart(&mut engine)?;
+                decode(&mut engine, id, n.min(4))?;
+            }
+            for _ in 0..a.reps {
+                for (k, &(_, graphs)) in arms.iter().enumerate() {
+                    engine.set_cuda_graphs(graphs);
+                    let id = restart(&mut engine)?;
+                    let run = decode(&mut engine, id, n)?;
+                    firsts[k].push(run.steps[0]);
+                    let rest = &run.steps[1..];
+                    if !rest.is_empty() {
+                        steady[k].push(rest.len() as f64 / rest.iter().sum::<f64>());
+                    }
+                }
+            }
+            for (k, &(arm, graphs)) in arms.iter().enumerate() {
+                let (mut host_us, mut device_us) = (None, None);
+                if gpu && a.timing_steps > 0 {
+                    engine.set_cuda_graphs(graphs);
+                    engine.set_step_timing(true)?;
+                    let id = restart(&mut engine)?;
+                    let run = decode(&mut engine, id, a.timing_steps.min(n))?;
+                    engine.set_step_timing(false)?;
+                    // The first step may capture; the split is about steady steps.
+                    let skip = usize::from(run.host.len() > 1);
+                    host_us = Some(mean_sd(&run.host[skip..]).0 * 1e6);
+                    device_us = Some(mean_sd(&run.device[skip..]).0 * 1e6);
+                }
+                let test = if d == 0 {
+                    format!("tg{n}")
+                } else {
+                    format!("tg{n} @ d{d}")
+                };
+                let row = Row {
+                    test,
+                    arm,
+                    rate: mean_sd(&steady[k]),
+                    first_ms: Some(mean_sd(&firsts[k]).0 * 1e3),
+                    host_us,
+                    device_us,
+                };
+                eprintln!("  {} [{}] {:.1} t/s", row.test, row.arm, row.rate.0);
+                rows.push(row);
+            }
+        }
+    }
+    engine.set_cuda_graphs(true);
+
+    let device_name = engine.device_name();
+    println!(
+        "| model | device | test | arm | t/s | first step ms | host submit µs/step | device µs/step |"
+    );
+    println!("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |");
+    let opt = |v: Option<f64>, prec: usize| match v {
+        Some(x) => format!("{x:.prec$}"),
+        None => "-".to_string(),
+    };
+    for r in &rows {
+        println!(
+            "| {model_desc} | {device_name} | {} | {} | {:.2} ± {:.2} | {} | {} | {} |",
+            r.test,
+            r.arm,
+            r.rate.0,
+            r.rate.1,
+            opt(r.first_ms, 2),
+            opt(r.host_us, 1),
+            opt(r.device_us, 1)
+        );
+    }
+    for pair in rows.windows(2) {
+        if let [e, g] = pair
+            && e.test == g.test
+            && e.arm == "eager"
+            && g.arm == "graph"
+            && e.rate.0 > 0.0
+        {
+            println!(
+                "{}: graph replay {:.2}x the eager rate",
+                g.test,
+                g.rate.0 / e.rate.0
+            );
+        }
+    }
+    println!(
+        "(t/s: decode steps after the first, mean ± sd over {} reps; depth by tiling a real 512-token prefill's cache rows)",
+        a.reps
+    );
+    Ok(())
+}

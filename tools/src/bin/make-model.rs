@@ -1,0 +1,131 @@
+//! Writes a synthetic checkpoint directory (random, deterministic weights) in the release layout.
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use clap::Parser;
+use loader::hparams::Arch;
+use tools::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+
+#[derive(Parser, Debug)]
+#[command(about = "Write a synthetic xing4_0/deepseek2 checkpoint (model.gguf + release files)")]
+struct Args {
+    /// Architecture: xing4_0 or deepseek2.
+    #[arg(long, default_value = "xing4_0")]
+    arch: String,
+    /// Dimension preset: tiny (<2 MB), small (tens of MB), full (the released dims, ~20 GB).
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Overwrite an existing checkpoint in --out.
+    #[arg(long)]
+    force: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+
+    #[arg(long)]
+    n_embd: Option<usize>,
+    /// Trunk blocks (NextN blocks come on top: --nextn).
+    #[arg(long)]
+    n_layer: Option<usize>,
+    #[arg(long)]
+    nextn: Option<usize>,
+    /// Leading dense blocks.
+    #[arg(long)]
+    n_dense: Option<usize>,
+    #[arg(long)]
+    n_head: Option<usize>,
+    #[arg(long)]
+    q_lora: Option<usize>,
+    #[arg(long)]
+    kv_lora: Option<usize>,
+    #[arg(long)]
+    qk_nope: Option<usize>,
+    #[arg(long)]
+    qk_rope: Option<usize>,
+    #[arg(long)]
+    v_head: Option<usize>,
+    #[arg(long)]
+    n_ff: Option<usize>,
+    #[arg(long)]
+    n_ff_exp: Option<usize>,
+    #[arg(long)]
+    n_expert: Option<usize>,
+    #[arg(long)]
+    n_expert_used: Option<usize>,
+    #[arg(long)]
+    n_expert_shared: Option<usize>,
+    #[arg(long)]
+    vocab: Option<usize>,
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Hyper-connection streams (xing4_0; must be 4).
+    #[arg(long)]
+    hc: Option<usize>,
+    #[arg(long)]
+    yarn_factor: Option<f32>,
+    #[arg(long)]
+    yarn_orig_ctx: Option<usize>,
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let Some(arch) = Arch::from_name(&a.arch) else {
+        bail!("--arch {:?}: expected xing4_0 or deepseek2", a.arch);
+    };
+    let Some(preset) = Preset::from_name(&a.preset) else {
+        bail!("--preset {:?}: expected tiny, small or full", a.preset);
+    };
+    let mut d = Dims::preset(preset);
+    if arch == Arch::Deepseek2 {
+        d.hc = 0;
+    }
+    let set = |field: &mut usize, v: Option<usize>| {
+        if let Some(v) = v {
+            *field = v;
+        }
+    };
+    set(&mut d.n_embd, a.n_embd);
+    set(&mut d.n_layer, a.n_layer);
+    set(&mut d.n_nextn, a.nextn);
+    set(&mut d.n_dense, a.n_dense);
+    set(&mut d.n_head, a.n_head);
+    set(&mut d.q_lora, a.q_lora);
+    set(&mut d.kv_lora, a.kv_lora);
+    set(&mut d.qk_nope, a.qk_nope);
+    set(&mut d.qk_rope, a.qk_rope);
+    set(&mut d.v_head, a.v_head);
+    set(&mut d.n_ff, a.n_ff);
+    set(&mut d.n_ff_exp, a.n_ff_exp);
+    set(&mut d.n_expert, a.n_expert);
+    set(&mut d.n_expert_used, a.n_expert_used);
+    set(&mut d.n_expert_shared, a.n_expert_shared);
+    set(&mut d.n_vocab, a.vocab);
+    set(&mut d.n_ctx, a.ctx);
+    set(&mut d.hc, a.hc);
+    set(&mut d.yarn_orig_ctx, a.yarn_orig_ctx);
+    if let Some(f) = a.yarn_factor {
+        d.yarn_factor = f;
+    }
+    let s = write_checkpoint(&SynthOptions {
+        arch,
+        dims: d,
+        seed: a.seed,
+        out: a.out.clone(),
+        force: a.force,
+        progress: !a.quiet,
+    })?;
+    eprintln!(
+        "wrote {} ({} tensors, {} bytes) and the release files in {:.1} s",
+        s.gguf.display(),
+        s.n_tensors,
+        s.gguf_bytes,
+        s.seconds
+    );
+    Ok(())
+}

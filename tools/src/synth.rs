@@ -1,1 +1,0 @@
-//! Synthetic checkpoints (make-model): (in progress)
