@@ -134,7 +134,7 @@ impl Trunk {
                 qk_nope: h.qk_nope,
                 qk_rope: h.qk_rope,
                 kv_lora: h.kv_lora_rank,
-                rope: self.rope.clone(),
+                rope: self.rope,
             };
             let q_abs = b.op1("q_absorbed", query, &[q, w_kb, positions])?;
             let kv = b.op1("kv_a", Linear, &[a, w_kva])?;
@@ -142,7 +142,7 @@ impl Trunk {
                 kv_lora: h.kv_lora_rank,
                 qk_rope: h.qk_rope,
                 eps: h.rms_eps,
-                rope: self.rope.clone(),
+                rope: self.rope,
             };
             let k = b.op1("kv_row", kv_row, &[kv, w_kva_norm, positions])?;
             let cache = b.op1("cache_write", KvCacheWrite, &[cache, k, positions])?;

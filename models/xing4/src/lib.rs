@@ -31,7 +31,7 @@ pub struct Xing4 {
 impl Xing4 {
     /// `None` when the header has no hyper-connection keys (not a xing4_0 file).
     pub fn new(h: HParams, clamp: f32) -> Option<Self> {
-        let hc = h.hc.clone()?;
+        let hc = h.hc?;
         Some(Xing4 {
             trunk: Trunk::new(h),
             hc: hc.count,
