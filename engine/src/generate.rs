@@ -19,6 +19,9 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
     /// Generation ends where the text contains any of these (the stop text is not returned).
     pub stop_strings: Vec<String>,
+    /// Every `TokenEvent` carries its logits row (for logprobs), even where a greedy
+    /// GPU step could end in an on-card argmax.
+    pub want_logits: bool,
 }
 
 /// One generated token, handed to the streaming callback.
@@ -140,7 +143,10 @@ impl Engine {
         // Greedy without a penalty needs no logits on the host: on a GPU the step ends
         // in an argmax and 4 bytes come back.
         let p = &req.sampling;
-        let on_device = self.on_gpu() && p.temperature == 0.0 && p.repetition_penalty == 1.0;
+        let on_device = self.on_gpu()
+            && !req.want_logits
+            && p.temperature == 0.0
+            && p.repetition_penalty == 1.0;
         let mut logits = Vec::new();
         let mut next = None;
         let t0 = Instant::now();

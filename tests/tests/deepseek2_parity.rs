@@ -158,6 +158,7 @@ fn deepseek2_tiny_free_running_greedy_decoding_agrees_with_llama_cpp() {
         sampling: SamplingParams::greedy(),
         stop_tokens: vec![],
         stop_strings: vec![],
+        want_logits: false,
     };
     let out = e
         .generate(&req, None, |_| std::ops::ControlFlow::Continue(()))
@@ -225,6 +226,7 @@ fn a_second_request_on_a_shared_cache_does_not_see_the_first_one() {
         sampling: SamplingParams::greedy(),
         stop_tokens: vec![],
         stop_strings: vec![],
+        want_logits: false,
     };
     shared
         .generate(&req, None, |_| std::ops::ControlFlow::Continue(()))

@@ -63,6 +63,7 @@ fn greedy(e: &mut Engine, n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
         sampling: SamplingParams::greedy(),
         stop_tokens: vec![],
         stop_strings: vec![],
+        want_logits: false,
     };
     let mut rows = Vec::new();
     let g = e

@@ -114,6 +114,7 @@ fn xing4_a_second_request_on_a_shared_cache_does_not_see_the_first_one() {
         sampling: SamplingParams::greedy(),
         stop_tokens: vec![],
         stop_strings: vec![],
+        want_logits: false,
     };
     shared
         .generate(&req, None, |_| std::ops::ControlFlow::Continue(()))

@@ -184,6 +184,7 @@ fn main() -> Result<()> {
         sampling,
         stop_tokens,
         stop_strings: Vec::new(),
+        want_logits: false,
     };
     let mut out = std::io::stdout();
     let tok = loaded.tokenizer.as_ref();

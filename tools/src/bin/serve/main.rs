@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use engine::{Engine, EngineConfig};
+use engine::{Device, Engine, EngineConfig};
 use tools::load::Loaded;
 
 use crate::api::Defaults;
@@ -47,8 +47,8 @@ struct Args {
     /// 0 picks a free port (the address is printed once ready).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// `cpu` (the CUDA backend is not wired into the engine yet).
-    #[arg(long, default_value = "cpu")]
+    /// `cpu`, `cuda[:N]`, or `auto` (GPU 0 when there is one, else the CPU).
+    #[arg(long, default_value = "auto")]
     device: String,
     /// Positions one sequence may use (prompt + completion); the KV cache is sized for it at
     /// start-up. Default: 4096, or the checkpoint's context length when that is shorter.
@@ -71,12 +71,10 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.device != "cpu" {
-        bail!(
-            "--device {}: this build serves on the CPU only so far (the CUDA backend is not wired into the engine yet); use --device cpu",
-            args.device
-        );
-    }
+    let device: Device = args
+        .device
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--device {}: {e}", args.device))?;
     if !(args.sse_keep_alive.is_finite() && args.sse_keep_alive >= 0.01) {
         bail!(
             "--sse-keep-alive {} must be at least 0.01 seconds",
@@ -110,6 +108,7 @@ fn main() -> Result<()> {
             4096
         }),
         prefill_chunk: args.prefill_chunk.max(1),
+        device,
         ..EngineConfig::default()
     };
     check_memory(&loaded, &config)?;
@@ -159,7 +158,9 @@ fn check_memory(loaded: &Loaded, config: &EngineConfig) -> Result<()> {
         .checked_next_power_of_two()
         .map_or(u128::MAX, |r| r as u128);
     let need = per_position.saturating_mul(rows);
-    if let Some(avail) = mem_available()
+    // A GPU cache is checked against the card's free memory by Engine::new.
+    if config.device == Device::Cpu
+        && let Some(avail) = mem_available()
         && need > avail as u128
     {
         let fit = (avail as u128 / per_position.max(1)).min(usize::MAX as u128);

@@ -413,6 +413,7 @@ async fn submit(
             sampling: common.sampling,
             stop_tokens,
             stop_strings: common.stop,
+            want_logits: logprobs.is_some(),
         },
         reasoning,
         logprobs,
