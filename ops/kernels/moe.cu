@@ -231,11 +231,17 @@ __device__ __forceinline__ void iq4_pair_block(const unsigned* w, int odd, float
 }
 
 // Value j of the block is the low nibble of byte j (j < 16), value j+16 its high nibble. The
-// codebook lives in four registers (its int8 entries, little-endian) and byte permutes look
-// up four nibbles at once: entries 0-7 and 8-15 by the nibbles' low 3 bits, then bit 3 picks
-// between the two, so no shared-memory table is read.
+// codebook lives in four registers and byte permutes look up four nibbles at once: entries
+// 0-7 and 8-15 by the nibbles' low 3 bits, then bit 3 picks between the two, so no
+// shared-memory table is read. The entries are stored plus 128 (0..255): a byte k placed
+// under the exponent of 2^23 is the float 2^23 + k exactly, and one exact subtraction gives
+// the code, which avoids the quarter-rate integer-to-float conversion on every value.
+__device__ __forceinline__ float iq4_byte(unsigned r, unsigned sel) {
+    return __fsub_rn(__int_as_float((int)__byte_perm(r, 0x4b000000u, sel)), 8388736.0f);
+}
+
 __device__ __forceinline__ void iq4_codes(const unsigned q[4], float v[32]) {
-    const unsigned t0 = 0xbfad9881u, t1 = 0xf6eaddcfu, t2 = 0x26190d01u, t3 = 0x71594535u;
+    const unsigned t0 = 0x3f2d1801u, t1 = 0x766a5d4fu, t2 = 0xa6998d81u, t3 = 0xf1d9c5b5u;
 #pragma unroll
     for (int m = 0; m < 4; ++m)
 #pragma unroll
@@ -246,21 +252,28 @@ __device__ __forceinline__ void iq4_codes(const unsigned q[4], float v[32]) {
             // Bytes: low and high nibble of qs byte 2*half, then of qs byte 2*half+1.
             const unsigned r = __byte_perm(lo, hi, 0x3210u | ((h & 0x8888u) >> 1));
             const int b = 4 * m + 2 * half;
-            v[b] = (float)(int)(signed char)(r & 0xffu);
-            v[16 + b] = (float)(int)(signed char)((r >> 8) & 0xffu);
-            v[b + 1] = (float)(int)(signed char)((r >> 16) & 0xffu);
-            v[16 + b + 1] = (float)(int)(signed char)(r >> 24);
+            v[b] = iq4_byte(r, 0x7650u);
+            v[16 + b] = iq4_byte(r, 0x7651u);
+            v[b + 1] = iq4_byte(r, 0x7652u);
+            v[16 + b + 1] = iq4_byte(r, 0x7653u);
         }
 }
 
-// The q-th expert (in id order) that has routes, or -1.
+// The q-th expert (in id order) that has routes, or -1, for every lane of a full warp: 32
+// experts a step by ballot instead of a serial walk over the offsets.
 __device__ __forceinline__ int nth_active_expert(const int* off, int n_expert, int q) {
-    int c = 0;
-    for (int e = 0; e < n_expert; ++e)
-        if (off[e + 1] > off[e]) {
-            if (c == q) return e;
-            ++c;
+    const int lane = threadIdx.x & 31;
+    for (int e0 = 0; e0 < n_expert; e0 += 32) {
+        const int e = e0 + lane;
+        const bool act = e < n_expert && off[e + 1] > off[e];
+        const unsigned m = __ballot_sync(0xffffffffu, act);
+        const int c = __popc(m);
+        if (q < c) {
+            const bool hit = act && __popc(m & ((1u << lane) - 1u)) == q;
+            return e0 + __ffs(__ballot_sync(0xffffffffu, hit)) - 1;
         }
+        q -= c;
+    }
     return -1;
 }
 
@@ -276,7 +289,21 @@ __device__ __forceinline__ float silu_times(float g, float u) {
 // up to `maxr` at a time; each weight row is read once per such group, 144 bytes a lane in
 // 16-byte loads, decoded once and dotted with every staged route. A group of lpr lanes owns a
 // row; for SwiGLU (Wb != 0) group pairs take the gate and up rows of one output and combine.
+// Decode is latency-bound, so a pass issues its first weight loads before the inputs are
+// staged and the rows of later passes are prefetched into L2 at the start.
 #define EG_MAXR 8
+
+__device__ __forceinline__ void eg_load_chunk(const unsigned char* wrow, int c, unsigned wd[36]) {
+    const uint4* src = reinterpret_cast<const uint4*>(wrow + (long long)c * 144);
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+        const uint4 v = __ldg(src + i);
+        wd[4 * i] = v.x;
+        wd[4 * i + 1] = v.y;
+        wd[4 * i + 2] = v.z;
+        wd[4 * i + 3] = v.w;
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(256)
 expert_gemv_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
@@ -302,18 +329,20 @@ expert_gemv_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __res
     const long long row_bytes = (long long)(n_in >> 5) * 18;
     const int in4 = n_in >> 2;
 
+    if (r0 < r_end) {
+        const int lines = (int)((row_bytes + 127) >> 7);
+        for (int p = 1; p < passes; ++p) {
+            const int row = blockIdx.x * (passes * 8 * rpw) + (p * 8 + warp) * rpw + row_in_warp;
+            if (row < n_out) {
+                const unsigned char* wr = mat + ((long long)e * n_out + row) * row_bytes;
+                for (int l = li; l < lines; l += lpr)
+                    asm volatile("prefetch.L2 [%0];" ::"l"(wr + ((long long)l << 7)));
+            }
+        }
+    }
+
     for (int rg = r0; rg < r_end; rg += maxr) {
         const int cnt = min(maxr, r_end - rg);
-        __syncthreads();
-        for (int idx = tid; idx < cnt * in4; idx += blockDim.x) {
-            const int j = idx / in4, k = 4 * (idx - j * in4);
-            const int src = swiglu ? route_token[rg + j] : rg + j;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (src >= 0 && src < n_x_rows)
-                v = *reinterpret_cast<const float4*>(x + (long long)src * n_in + k);
-            *reinterpret_cast<float4*>(xs + j * xw + k + 4 * (k >> 8)) = v;
-        }
-        __syncthreads();
         for (int p = 0; p < passes; ++p) {
             const int row = blockIdx.x * (passes * 8 * rpw) + (p * 8 + warp) * rpw + row_in_warp;
             const bool rv = row < n_out;
@@ -321,18 +350,23 @@ expert_gemv_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __res
 #pragma unroll
             for (int j = 0; j < EG_MAXR; ++j) acc[j] = 0.0f;
             const unsigned char* wrow = mat + ((long long)e * n_out + (rv ? row : 0)) * row_bytes;
-            for (int c = li; c < nchunks; c += lpr) {
-                if (!rv) break;
-                const uint4* src = reinterpret_cast<const uint4*>(wrow + (long long)c * 144);
-                unsigned wd[36];
-#pragma unroll
-                for (int i = 0; i < 9; ++i) {
-                    const uint4 v = __ldg(src + i);
-                    wd[4 * i] = v.x;
-                    wd[4 * i + 1] = v.y;
-                    wd[4 * i + 2] = v.z;
-                    wd[4 * i + 3] = v.w;
+            unsigned wd[36];
+            int c = li;
+            if (rv && c < nchunks) eg_load_chunk(wrow, c, wd);
+            if (p == 0) {
+                // p and rg are block-uniform, so every thread reaches both barriers.
+                __syncthreads();
+                for (int idx = tid; idx < cnt * in4; idx += blockDim.x) {
+                    const int j = idx / in4, k = 4 * (idx - j * in4);
+                    const int src = swiglu ? route_token[rg + j] : rg + j;
+                    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (src >= 0 && src < n_x_rows)
+                        v = *reinterpret_cast<const float4*>(x + (long long)src * n_in + k);
+                    *reinterpret_cast<float4*>(xs + j * xw + k + 4 * (k >> 8)) = v;
                 }
+                __syncthreads();
+            }
+            while (rv && c < nchunks) {
 #pragma unroll
                 for (int b = 0; b < 8; ++b) {
                     float dv;
@@ -357,6 +391,8 @@ expert_gemv_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __res
                         }
                     }
                 }
+                c += lpr;
+                if (c < nchunks) eg_load_chunk(wrow, c, wd);
             }
 #pragma unroll
             for (int j = 0; j < EG_MAXR; ++j) {

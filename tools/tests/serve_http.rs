@@ -695,8 +695,16 @@ fn flags_that_cannot_work_are_refused_at_start_up_with_the_numbers() {
     );
     let e = run(&["--max-model-len", "32768"]);
     assert!(e.contains("context length 16384"), "{e}");
-    let e = run(&["--device", "cuda"]);
-    assert!(e.contains("--device cuda") && e.contains("CPU"), "{e}");
+    // Without a usable GPU, --device cuda is refused at start-up naming the device and the driver.
+    if !matches!(cuda::Device::available(), Ok(n) if n > 0) {
+        let e = run(&["--device", "cuda"]);
+        assert!(
+            e.contains("cuda:0 is not usable") && e.contains("driver"),
+            "{e}"
+        );
+    }
+    let e = run(&["--device", "tpu"]);
+    assert!(e.contains("--device tpu"), "{e}");
 }
 
 #[test]
