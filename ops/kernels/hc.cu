@@ -79,9 +79,10 @@ HC_VARIANTS(HC_POST)
 // ---------------------------------------------------------------------------------------------
 // hc_pre, split across the chip (DESIGN §6): the 2hc+hc² mixes of a token are dots over its
 // hc·D values. Kernel 1 gives every block one column segment of `fn` and up to TB tokens and
-// writes partial dots and a partial sum of squares to scratch; kernel 2 finishes (RMS scale,
-// gates, Sinkhorn, collapse). Partials are summed in split order: no atomics, same bits on
-// every run. The mixes are (Σ fn·f)·r rather than Σ fn·(f·r): one pass over the streams.
+// writes partial dots and a partial sum of squares to scratch as part[t][K+1][splits] (row
+// K: the sums of squares), so a quantity's partials are contiguous; kernel 2 finishes (RMS
+// scale, gates, Sinkhorn, collapse). Partials are summed in a fixed order: no atomics, same
+// bits on every run. The mixes are (Σ fn·f)·r rather than Σ fn·(f·r): one pass over the streams.
 
 // Eight fn values of row k from column j (j a multiple of 8, 16-byte aligned).
 template <bool BF>
@@ -110,11 +111,10 @@ __device__ __forceinline__ float fn1(const void* fn, long long off) {
     }
 }
 
-// grid (splits, ceil(n/TB)), block 256. part: [n][splits][K]; ss: [n][splits].
+// grid (splits, ceil(n/TB)), block 256. part: [n][K+1][splits].
 template <bool BF, bool VEC, int TB>
 __device__ __forceinline__ void pre_partial(const float* __restrict__ h, const void* __restrict__ fn,
-                                            float* __restrict__ part, float* __restrict__ ss, int n, int W,
-                                            int K, int L) {
+                                            float* __restrict__ part, int n, int W, int K, int L) {
     __shared__ float red[8][TB];
     const int sp = blockIdx.x, splits = gridDim.x, t0 = blockIdx.y * TB;
     const int s0 = sp * L, s1 = min(W, s0 + L);
@@ -141,7 +141,7 @@ __device__ __forceinline__ void pre_partial(const float* __restrict__ h, const v
     if (threadIdx.x < TB && t0 + threadIdx.x < n) {
         float v = 0.f;
         for (int w = 0; w < 8; ++w) v += red[w][threadIdx.x];
-        ss[(long long)(t0 + threadIdx.x) * splits + sp] = v;
+        part[((long long)(t0 + threadIdx.x) * (K + 1) + K) * splits + sp] = v;
     }
 
     for (int k = warp; k < K; k += 8) {
@@ -176,15 +176,15 @@ __device__ __forceinline__ void pre_partial(const float* __restrict__ h, const v
 #pragma unroll
         for (int t = 0; t < TB; ++t) {
             const float v = warp_sum(a[t]);
-            if (lane == 0 && t0 + t < n) part[((long long)(t0 + t) * splits + sp) * K + k] = v;
+            if (lane == 0 && t0 + t < n) part[((long long)(t0 + t) * (K + 1) + k) * splits + sp] = v;
         }
     }
 }
 
 #define PRE_PARTIAL(NAME, BF, VEC, TB)                                                            \
     extern "C" __global__ void __launch_bounds__(256) hc_pre_partial_##NAME(                      \
-        const float* h, const void* fn, float* part, float* ss, int n, int W, int K, int L) {     \
-        pre_partial<BF, VEC, TB>(h, fn, part, ss, n, W, K, L);                                     \
+        const float* h, const void* fn, float* part, int n, int W, int K, int L) {                \
+        pre_partial<BF, VEC, TB>(h, fn, part, n, W, K, L);                                         \
     }
 PRE_PARTIAL(bf16_vec_1, true, true, 1)
 PRE_PARTIAL(bf16_vec_8, true, true, 8)
@@ -201,8 +201,7 @@ PRE_PARTIAL(f32_any_8, false, false, 8)
 // shared memory and are summed in unit order. Dynamic shared: TB·(K+1)·U floats.
 template <bool BF, int TB>
 __device__ __forceinline__ void pre_pairs(const float* __restrict__ h, const void* __restrict__ fn,
-                                          float* __restrict__ part, float* __restrict__ ss, int n, int W, int K,
-                                          int L) {
+                                          float* __restrict__ part, int n, int W, int K, int L) {
     extern __shared__ float pair_smem[];
     const int sp = blockIdx.x, splits = gridDim.x, t0 = blockIdx.y * TB;
     const int s0 = sp * L, U = (min(W, s0 + L) - s0) >> 3;
@@ -256,15 +255,14 @@ __device__ __forceinline__ void pre_pairs(const float* __restrict__ h, const voi
         const float* src = k < K ? dots + (t * K + k) * U : sq + t * U;
         float v = 0.f;
         for (int u = 0; u < U; ++u) v += src[u];
-        if (k < K) part[((long long)(t0 + t) * splits + sp) * K + k] = v;
-        else ss[(long long)(t0 + t) * splits + sp] = v;
+        part[((long long)(t0 + t) * (K + 1) + k) * splits + sp] = v;
     }
 }
 
 #define PRE_PAIRS(NAME, BF, TB)                                                                   \
     extern "C" __global__ void __launch_bounds__(256) hc_pre_pairs_##NAME(                        \
-        const float* h, const void* fn, float* part, float* ss, int n, int W, int K, int L) {     \
-        pre_pairs<BF, TB>(h, fn, part, ss, n, W, K, L);                                            \
+        const float* h, const void* fn, float* part, int n, int W, int K, int L) {                \
+        pre_pairs<BF, TB>(h, fn, part, n, W, K, L);                                                \
     }
 PRE_PAIRS(bf16_1, true, 1)
 PRE_PAIRS(bf16_8, true, 8)
@@ -273,72 +271,124 @@ PRE_PAIRS(f32_8, false, 8)
 
 __device__ __forceinline__ float sigmoid_ref(float z) { return 1.0f / (1.0f + expf(-z)); }
 
-// grid (n, cb + 1), block 256, dynamic shared (splits·(K+1) + 2K+1 + hc²) floats. Every
-// block first copies its token's partials to shared memory in one coalesced sweep (one
-// memory latency), then sums them in split order. Blocks y < cb collapse a slice of D;
-// block y == cb computes post and comb (the Sinkhorn chain runs beside the collapse).
+// Total of quantity k (row k of the token's partials, K = the sum of squares): each lane
+// adds its splits lane, lane+32, … in order, then a fixed butterfly. Every block that needs
+// a total computes it the same way, so the RMS scale has the same bits everywhere.
+__device__ __forceinline__ float pre_total(const float* __restrict__ p, int splits, int lane) {
+    float a = 0.f;
+    for (int sp0 = 0; sp0 < splits; sp0 += 128) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // all four loads in flight together
+            const int sp = sp0 + lane + 32 * j;
+            v[j] = sp < splits ? p[sp] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a += v[j];
+    }
+    return warp_sum(a);
+}
+
+// grid (n, cb + 1), block 1024, dynamic shared (K + 1 + hc²) floats. Blocks y < cb collapse
+// a slice of D; block y == cb computes post and comb. Every warp of a block totals the
+// quantities it needs straight from the partials (one memory latency, one barrier), and
+// the Sinkhorn chain runs on one warp in registers while the collapse blocks work.
 template <int HCT>
 __device__ __forceinline__ void finish_body(const float* __restrict__ h, const float* __restrict__ part,
-                                            const float* __restrict__ ss, const float* __restrict__ base,
-                                            const float* __restrict__ scale, float* __restrict__ x,
-                                            float* __restrict__ post, float* __restrict__ comb, int hc_rt, int D,
-                                            int K, int splits, float rms_eps, float hc_eps, float clamp, int iters,
-                                            int cb) {
+                                            const float* __restrict__ base, const float* __restrict__ scale,
+                                            float* __restrict__ x, float* __restrict__ post,
+                                            float* __restrict__ comb, int hc_rt, int D, int K, int splits,
+                                            float rms_eps, float hc_eps, float clamp, int iters, int cb) {
     extern __shared__ float fin_smem[];
     const int hc = HCT ? HCT : hc_rt;
-    float* pbuf = fin_smem;                   // [splits][K] then [splits] sums of squares
-    float* tot = pbuf + splits * (K + 1);     // K+1 totals
-    float* m = tot + K + 1;                   // K mixes
-    float* M = m + K;                         // hc² Sinkhorn matrix, or hc pre gates
+    float* tot = fin_smem;   // K+1 totals (K: the sum of squares)
+    float* M = tot + K + 1;  // hc² Sinkhorn matrix, or hc pre gates
     const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nwarps = blockDim.x >> 5;
     const bool gates = blockIdx.y == cb;
     const long long W = (long long)hc * D;
 
-    const float* pt = part + (long long)t * splits * K;
-    for (int i = threadIdx.x; i < splits * K; i += blockDim.x) pbuf[i] = pt[i];
-    for (int i = threadIdx.x; i < splits; i += blockDim.x) pbuf[splits * K + i] = ss[(long long)t * splits + i];
-    __syncthreads();
-    const int kneed = gates ? K : hc;
-    for (int q = warp; q <= kneed; q += blockDim.x >> 5) {
-        const int k = q == kneed ? K : q;  // the last quantity is the sum of squares
-        float a = 0.f;
-        for (int sp = lane; sp < splits; sp += 32) a += k < K ? pbuf[sp * K + k] : pbuf[splits * K + sp];
-        a = warp_sum(a);
+    const float* pt = part + (long long)t * (K + 1) * splits;
+    // The collapse needs the pre mixes (0..hc) and the sum of squares; the gates the rest.
+    const int kneed = gates ? K + 1 : hc + 1;
+    for (int q = warp; q < kneed; q += nwarps) {
+        const int k = gates ? q : (q == hc ? K : q);
+        const float a = pre_total(pt + (long long)k * splits, splits, lane);
         if (lane == 0) tot[k] = a;
     }
     __syncthreads();
     const float r = 1.0f / sqrtf(tot[K] / (float)W + rms_eps);
-    for (int k = threadIdx.x; k < kneed; k += blockDim.x) m[k] = tot[k] * r;
-    __syncthreads();
     const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
 
     if (!gates) {
-        if (threadIdx.x < hc) M[threadIdx.x] = sigmoid_ref(__fadd_rn(__fmul_rn(m[threadIdx.x], s0), base[threadIdx.x]));
+        if (threadIdx.x < hc)
+            M[threadIdx.x] = sigmoid_ref(__fadd_rn(__fmul_rn(tot[threadIdx.x] * r, s0), base[threadIdx.x]));
         __syncthreads();
         const float* hp = h + (long long)t * W;
-        for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < D; i += cb * blockDim.x) {
-            float v = __fmul_rn(M[0], hp[i]);
+        float* xt = x + (long long)t * D;
+        const int nthr = cb * blockDim.x;
+        const int i0 = blockIdx.y * blockDim.x + threadIdx.x;
+        // 16-byte loads when every stream row and the output row are 16-byte aligned.
+        const bool vec = (D & 3) == 0 && ((unsigned long long)hp & 15) == 0 && ((unsigned long long)xt & 15) == 0;
+        if (vec) {
+            const int D4 = D >> 2;
+            for (int i = i0; i < D4; i += nthr) {
+                float4 hv[HCT ? HCT : 1];
+                float4 v;
+                if constexpr (HCT > 0) {
 #pragma unroll
-            for (int s = 1; s < hc; ++s) v = __fadd_rn(v, __fmul_rn(M[s], hp[(long long)s * D + i]));
-            x[(long long)t * D + i] = v;
+                    for (int s = 0; s < HCT; ++s) hv[s] = __ldg(reinterpret_cast<const float4*>(hp + (long long)s * D) + i);
+                    v = make_float4(__fmul_rn(M[0], hv[0].x), __fmul_rn(M[0], hv[0].y), __fmul_rn(M[0], hv[0].z),
+                                    __fmul_rn(M[0], hv[0].w));
+#pragma unroll
+                    for (int s = 1; s < HCT; ++s) {
+                        v.x = __fadd_rn(v.x, __fmul_rn(M[s], hv[s].x));
+                        v.y = __fadd_rn(v.y, __fmul_rn(M[s], hv[s].y));
+                        v.z = __fadd_rn(v.z, __fmul_rn(M[s], hv[s].z));
+                        v.w = __fadd_rn(v.w, __fmul_rn(M[s], hv[s].w));
+                    }
+                } else {
+                    const float4 a = __ldg(reinterpret_cast<const float4*>(hp) + i);
+                    v = make_float4(__fmul_rn(M[0], a.x), __fmul_rn(M[0], a.y), __fmul_rn(M[0], a.z),
+                                    __fmul_rn(M[0], a.w));
+                    for (int s = 1; s < hc; ++s) {
+                        const float4 b = __ldg(reinterpret_cast<const float4*>(hp + (long long)s * D) + i);
+                        v.x = __fadd_rn(v.x, __fmul_rn(M[s], b.x));
+                        v.y = __fadd_rn(v.y, __fmul_rn(M[s], b.y));
+                        v.z = __fadd_rn(v.z, __fmul_rn(M[s], b.z));
+                        v.w = __fadd_rn(v.w, __fmul_rn(M[s], b.w));
+                    }
+                }
+                reinterpret_cast<float4*>(xt)[i] = v;
+            }
+        } else {
+            for (int i = i0; i < D; i += nthr) {
+                float v = __fmul_rn(M[0], hp[i]);
+#pragma unroll
+                for (int s = 1; s < hc; ++s) v = __fadd_rn(v, __fmul_rn(M[s], hp[(long long)s * D + i]));
+                xt[i] = v;
+            }
         }
         return;
     }
 
     if (threadIdx.x < hc) {
         const int d = threadIdx.x;
-        post[(long long)t * hc + d] = 2.0f * sigmoid_ref(__fadd_rn(__fmul_rn(m[hc + d], s1), base[hc + d]));
+        post[(long long)t * hc + d] = 2.0f * sigmoid_ref(__fadd_rn(__fmul_rn(tot[hc + d] * r, s1), base[hc + d]));
     }
     if (hc * hc <= 32) {
         // One warp, lane e = hc·d + s holding M[d][s]: sums gather the row or column by
         // shuffles, in the reference's order, with no block barrier in the 40-step chain.
+        // The divisions are the reciprocal-multiply form (≤ 2 ulp, about half the latency
+        // of a rounded division on this serial chain); Sinkhorn steps do not amplify such
+        // errors, so comb stays within a few ulp·iterations of the reference.
         if (warp != 0) return;
         const int e = lane, d = e / hc, s = e % hc;
         const bool live = e < hc * hc;
         float l = 0.f;
         if (live) {
             const int k = 2 * hc + e;
-            l = __fadd_rn(__fmul_rn(m[k], s2), base[k]);
+            l = __fadd_rn(__fmul_rn(tot[k] * r, s2), base[k]);
             l = l > clamp ? clamp : (l < -clamp ? -clamp : l);  // NaN passes, as in the reference
         }
         float mx = __int_as_float(0xff800000);
@@ -357,7 +407,7 @@ __device__ __forceinline__ void finish_body(const float* __restrict__ h, const f
             } else {
                 for (int j = 0; j < hc; ++j) den = __fadd_rn(den, __shfl_sync(0xffffffffu, v, (d * hc + j) & 31));
             }
-            v = v / __fadd_rn(den, hc_eps);
+            v = __fdividef(v, __fadd_rn(den, hc_eps));
             den = 0.f;
             if constexpr (HCT > 0) {
 #pragma unroll
@@ -367,7 +417,7 @@ __device__ __forceinline__ void finish_body(const float* __restrict__ h, const f
             } else {
                 for (int j = 0; j < hc; ++j) den = __fadd_rn(den, __shfl_sync(0xffffffffu, v, (j * hc + s) & 31));
             }
-            v = v / __fadd_rn(den, hc_eps);
+            v = __fdividef(v, __fadd_rn(den, hc_eps));
         }
         if (live) comb[(long long)t * hc * hc + e] = v;
         return;
@@ -378,7 +428,7 @@ __device__ __forceinline__ void finish_body(const float* __restrict__ h, const f
         float mx = __int_as_float(0xff800000);
         for (int s = 0; s < hc; ++s) {
             const int k = 2 * hc + hc * d + s;
-            float l = __fadd_rn(__fmul_rn(m[k], s2), base[k]);
+            float l = __fadd_rn(__fmul_rn(tot[k] * r, s2), base[k]);
             l = l > clamp ? clamp : (l < -clamp ? -clamp : l);
             row[s] = l;
             mx = fmaxf(mx, l);
@@ -407,11 +457,11 @@ __device__ __forceinline__ void finish_body(const float* __restrict__ h, const f
 }
 
 #define PRE_FINISH(HCT)                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) hc_pre_finish_##HCT(                        \
-        const float* h, const float* part, const float* ss, const float* base, const float* scale, \
+    extern "C" __global__ void __launch_bounds__(1024) hc_pre_finish_##HCT(                       \
+        const float* h, const float* part, const float* base, const float* scale,                 \
         float* x, float* post, float* comb, int hc, int D, int K, int splits, float rms_eps,       \
         float hc_eps, float clamp, int iters, int cb) {                                           \
-        finish_body<HCT>(h, part, ss, base, scale, x, post, comb, hc, D, K, splits, rms_eps,       \
+        finish_body<HCT>(h, part, base, scale, x, post, comb, hc, D, K, splits, rms_eps,           \
                          hc_eps, clamp, iters, cb);                                               \
     }
 HC_VARIANTS(PRE_FINISH)

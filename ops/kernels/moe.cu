@@ -61,8 +61,18 @@ router_select(const float* __restrict__ part, const float* __restrict__ bias,
 
     float lmax = NEG_INF;
     for (int e = lane; e < n_expert; e += 32) {
+        // The same left-to-right sum, but 16 slices' loads in flight at once: the partials
+        // come from L2 and a serial chain of loads dominated the decode step's router.
         float v = pt[e];
-        for (int s = 1; s < n_slices; ++s) v += pt[s * n_expert + e];
+        for (int s = 1; s < n_slices; s += 16) {
+            float t[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                t[i] = s + i < n_slices ? pt[(long long)(s + i) * n_expert + e] : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                if (s + i < n_slices) v += t[i];
+        }
         p[e] = v;
         lmax = fmaxf(lmax, v);
         taken[e] = 0;
@@ -259,18 +269,24 @@ __device__ __forceinline__ void iq4_codes(const unsigned q[4], float v[32]) {
         }
 }
 
-// The q-th expert (in id order) that has routes, or -1, for every lane of a full warp: 32
-// experts a step by ballot instead of a serial walk over the offsets.
-__device__ __forceinline__ int nth_active_expert(const int* off, int n_expert, int q) {
+// The q-th expert (in id order) that has routes, or -1, and its offsets pair, for every lane
+// of a full warp: 32 experts a step by ballot instead of a serial walk over the offsets.
+__device__ __forceinline__ int nth_active_expert(const int* off, int n_expert, int q, int* lo,
+                                                 int* hi) {
     const int lane = threadIdx.x & 31;
     for (int e0 = 0; e0 < n_expert; e0 += 32) {
         const int e = e0 + lane;
-        const bool act = e < n_expert && off[e + 1] > off[e];
+        const int a = e < n_expert ? off[e] : 0;
+        const int b = e < n_expert ? off[e + 1] : 0;
+        const bool act = b > a;
         const unsigned m = __ballot_sync(0xffffffffu, act);
         const int c = __popc(m);
         if (q < c) {
             const bool hit = act && __popc(m & ((1u << lane) - 1u)) == q;
-            return e0 + __ffs(__ballot_sync(0xffffffffu, hit)) - 1;
+            const int src = __ffs(__ballot_sync(0xffffffffu, hit)) - 1;
+            *lo = __shfl_sync(0xffffffffu, a, src);
+            *hi = __shfl_sync(0xffffffffu, b, src);
+            return e0 + src;
         }
         q -= c;
     }
@@ -293,16 +309,18 @@ __device__ __forceinline__ float silu_times(float g, float u) {
 // staged and the rows of later passes are prefetched into L2 at the start.
 #define EG_MAXR 8
 
+// A lane's 144 bytes as nine 16-byte read-only loads. The lanes of a row read 144 bytes
+// apart, so each load touches many sectors; the 256-byte L2 fetch hint turns those into
+// fewer, larger DRAM requests (the neighbouring rows are read by neighbouring warps). The
+// asm is volatile so the loads stay ahead of the input staging and its barriers.
 __device__ __forceinline__ void eg_load_chunk(const unsigned char* wrow, int c, unsigned wd[36]) {
-    const uint4* src = reinterpret_cast<const uint4*>(wrow + (long long)c * 144);
+    const unsigned char* src = wrow + (long long)c * 144;
 #pragma unroll
-    for (int i = 0; i < 9; ++i) {
-        const uint4 v = __ldg(src + i);
-        wd[4 * i] = v.x;
-        wd[4 * i + 1] = v.y;
-        wd[4 * i + 2] = v.z;
-        wd[4 * i + 3] = v.w;
-    }
+    for (int i = 0; i < 9; ++i)
+        asm volatile("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(wd[4 * i]), "=r"(wd[4 * i + 1]), "=r"(wd[4 * i + 2]),
+                       "=r"(wd[4 * i + 3])
+                     : "l"(src + 16 * i));
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -313,10 +331,11 @@ expert_gemv_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __res
     extern __shared__ float4 eg_smem4[];
     float* xs = reinterpret_cast<float*>(eg_smem4);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int e = nth_active_expert(offsets, n_expert, blockIdx.y);
+    int lo = 0, hi = 0;
+    const int e = nth_active_expert(offsets, n_expert, blockIdx.y, &lo, &hi);
     if (e < 0) return;
-    const int r0 = min(max(offsets[e], 0), n_routes);
-    const int r_end = min(max(offsets[e + 1], r0), n_routes);
+    const int r0 = min(max(lo, 0), n_routes);
+    const int r_end = min(max(hi, r0), n_routes);
     const bool swiglu = Wb != nullptr;
     const int lpr = 1 << lpr_log2, groups = 32 >> lpr_log2;
     const int g = lane >> lpr_log2, li = lane & (lpr - 1);
@@ -330,13 +349,16 @@ expert_gemv_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __res
     const int in4 = n_in >> 2;
 
     if (r0 < r_end) {
-        const int lines = (int)((row_bytes + 127) >> 7);
+        // One prefetch a 32-byte sector (the row is not line-aligned), the last at the
+        // row's final byte so every address stays inside the row.
+        const int sectors = (int)(row_bytes >> 5) + 1;
         for (int p = 1; p < passes; ++p) {
             const int row = blockIdx.x * (passes * 8 * rpw) + (p * 8 + warp) * rpw + row_in_warp;
             if (row < n_out) {
                 const unsigned char* wr = mat + ((long long)e * n_out + row) * row_bytes;
-                for (int l = li; l < lines; l += lpr)
-                    asm volatile("prefetch.L2 [%0];" ::"l"(wr + ((long long)l << 7)));
+                for (int l = li; l < sectors; l += lpr)
+                    asm volatile("prefetch.L2 [%0];" ::"l"(wr + min((long long)l << 5,
+                                                                     row_bytes - 1)));
             }
         }
     }

@@ -36,6 +36,9 @@ fn pre_segment(w: usize) -> usize {
     w.div_ceil(128).next_multiple_of(8).max(32)
 }
 
+/// Threads of an `hc_pre_finish` block (its `__launch_bounds__`): a warp per mix total.
+const PRE_FINISH_THREADS: usize = 1024;
+
 /// `(n, hc·D, mixes, splits)` of an `hc_pre` call, from its input metadata.
 fn pre_dims(p: &HcPre, inputs: &[&TensorMeta]) -> Option<(usize, usize, usize, usize)> {
     p.infer(inputs).ok()?;
@@ -435,18 +438,19 @@ impl Op for HcPre {
         )
     }
 
-    /// Split-K partial dots and sums of squares of every token, `[n][splits][mixes]`
-    /// and `[n][splits]` f32.
+    /// Split-K partial dots and sums of squares of every token, f32
+    /// `[n][mixes + 1][splits]` (the last row: the sums of squares).
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         pre_dims(self, inputs).map_or(0, |(n, _, k, splits)| n * splits * (k + 1) * 4)
     }
 
     /// Two launches: ~128 blocks each take a column segment of `fn` (and up to 8
     /// tokens) and write partial dots and sums of squares to scratch; then per token
-    /// one block runs the gates and the Sinkhorn chain while others collapse slices
-    /// of D. Partials are summed in split order (deterministic). The mixes are
-    /// `(Σ fn·f)·r` rather than the reference's `Σ fn·(f·r)`, and the dot order
-    /// differs, so this is the reference up to f32 rounding (not bit-identical).
+    /// one block runs the gates and the Sinkhorn chain (one warp, fast reciprocal
+    /// divisions) while another collapses D with 16-byte loads. Partials are summed in
+    /// a fixed order (deterministic). The mixes are `(Σ fn·f)·r` rather than the
+    /// reference's `Σ fn·(f·r)`, and the dot order differs, so this is the reference up
+    /// to f32 rounding (not bit-identical).
     fn cuda(
         &self,
         ctx: &GpuCtx,
@@ -491,11 +495,11 @@ impl Op for HcPre {
             let v = if vec { "vec" } else { "any" };
             (format!("hc_pre_partial_{fn_ty}_{v}_{tb}"), 0)
         };
-        let (part, ss) = (scratch.ptr, scratch.ptr + (n * splits * k * 4) as u64);
+        let part = scratch.ptr;
         let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
         let kp = ctx.kernel("hc.cu", HC_CU, &name)?;
         // SAFETY: the partial kernel reads H (n×W f32) and fn (K×W) and writes
-        // part[n][splits][K] and ss[n][splits] inside the scratch checked above.
+        // part[n][K+1][splits] inside the scratch checked above.
         unsafe {
             ctx.device
                 .launch(&kp)
@@ -505,7 +509,6 @@ impl Op for HcPre {
                 .arg(h.ptr)
                 .arg(f.ptr)
                 .arg(part)
-                .arg(ss)
                 .arg(as_i32(op, "n", n)?)
                 .arg(wi)
                 .arg(ki)
@@ -513,14 +516,14 @@ impl Op for HcPre {
                 .enqueue()
                 .map_err(dev_err)?;
         }
-        // One collapse column per thread, so every stream load of the token is issued at once.
-        let cb = d.div_ceil(256);
-        let smem = (splits * (k + 1) + 2 * k + 1 + self.hc * self.hc) * 4;
-        if smem > 200 << 10 {
+        // Four collapse columns per thread (one 16-byte load a stream), all in flight at once.
+        let cb = d.div_ceil(4 * PRE_FINISH_THREADS).max(1);
+        let smem = (k + 1 + self.hc * self.hc) * 4;
+        if smem > 48 << 10 {
             return Err(OpError::shape(
                 op,
                 format!(
-                    "hc = {}: the finishing kernel's {smem} bytes of partials exceed shared memory",
+                    "hc = {}: the finishing kernel's {smem} bytes of totals exceed shared memory",
                     self.hc
                 ),
             ));
@@ -537,11 +540,10 @@ impl Op for HcPre {
             ctx.device
                 .launch(&kf)
                 .grid((n32, (cb + 1) as u32))
-                .block(256)
+                .block(PRE_FINISH_THREADS as u32)
                 .shared_mem(smem as u32)
                 .arg(h.ptr)
                 .arg(part)
-                .arg(ss)
                 .arg(inputs[2].ptr)
                 .arg(inputs[3].ptr)
                 .arg(outputs[0].ptr)

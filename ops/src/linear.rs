@@ -91,7 +91,17 @@ const GEMV_SMEM: u32 = (GEMV_WARPS * 2 * (4096 + 32)) as u32;
 /// GEMV blocks resident per SM (its `__launch_bounds__`); the grid never exceeds one wave.
 const GEMV_BLOCKS_PER_SM: usize = 6;
 
+/// Most K slices (warps) of a `gemv_iq4_nl_dec` block: 512 threads, its shared sums' size.
+const IQ4_DEC_MAX_SLICES: usize = 16;
+/// Warps resident per SM: 95 registers a thread (ptxas, sm_90) leave room for 21.
+const IQ4_DEC_WARPS_PER_SM: usize = 20;
+/// Rows a row group of `gemv_iq4_nl_dec` takes a step (`IQ4D_R` in linear.cu).
+const IQ4_DEC_ROWS: usize = 4;
+
 enum LinearPath {
+    /// n = 1, IQ4_NL, K a multiple of 64 and at most 16 slices of 1024: `gemv_iq4_nl_dec`
+    /// with this many K slices (one warp each) per row.
+    Iq4Decode(usize),
     Gemv(usize),
     Tensor,
     Generic,
@@ -111,6 +121,12 @@ fn linear_path(dtype: DType, n: usize, k: usize, x_ptr: u64, w_ptr: u64) -> Line
     };
     if k == 0 || !x_ptr.is_multiple_of(16) || !w_ptr.is_multiple_of(16) {
         LinearPath::Generic
+    } else if n == 1
+        && dtype == DType::IQ4_NL
+        && k.is_multiple_of(64)
+        && k.div_ceil(1024) <= IQ4_DEC_MAX_SLICES
+    {
+        LinearPath::Iq4Decode(k.div_ceil(1024))
     } else if n <= GEMV_MAX_TOKENS && k.is_multiple_of(unit) {
         LinearPath::Gemv(n.next_power_of_two())
     } else if n > GEMV_MAX_TOKENS && k.is_multiple_of(32) {
@@ -239,6 +255,21 @@ impl Op for Linear {
             unsafe { l.enqueue() }.map_err(dev_err)
         };
         match linear_path(dtype, n, k, x.ptr, w.ptr) {
+            LinearPath::Iq4Decode(slices) => {
+                // G row groups of `slices` warps, about 8 warps a block.
+                let groups = (8 / slices).max(1);
+                let warps = slices * groups;
+                let per_sm = (IQ4_DEC_WARPS_PER_SM / warps).max(1);
+                let sms = ctx.device.sm_count() as usize;
+                let blocks = o.div_ceil(groups * IQ4_DEC_ROWS).min(sms * per_sm).max(1);
+                launch(
+                    "gemv_iq4_nl_dec",
+                    (blocks as u32, 1),
+                    (32 * warps) as u32,
+                    0,
+                    None,
+                )
+            }
             LinearPath::Gemv(nt) => {
                 let sms = ctx.device.sm_count() as usize;
                 let blocks = o.div_ceil(GEMV_WARPS).min(sms * GEMV_BLOCKS_PER_SM);

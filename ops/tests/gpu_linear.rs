@@ -155,6 +155,22 @@ fn the_decode_gemv_matches_the_cpu_reference_for_every_weight_type() {
 }
 
 #[test]
+fn the_one_token_iq4_nl_gemv_matches_the_cpu_reference_over_slice_counts() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(32), |(
+        o in 1usize..300, seed in any::<u64>(),
+        pairs in prop::sample::select(vec![1usize, 3, 16, 17, 50, 56, 144, 160, 256]),
+    )| {
+        // K = 64·pairs: from part of one 1024-column slice to 16 slices (256 pairs), last
+        // slices partial (17, 50, 56 = 3584) or whole (16, 144 = 9216, 160); random row
+        // counts leave partial row groups.
+        let c = Case::random(seed, DType::IQ4_NL, 1, 64 * pairs, o);
+        let r = check(&gpu, &Linear, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(r.elements, o);
+    });
+}
+
+#[test]
 fn the_tensor_core_path_matches_the_cpu_reference_within_bf16_rounding() {
     let Some(gpu) = test_gpu() else { return };
     proptest!(ProptestConfig::with_cases(24), |(

@@ -280,6 +280,48 @@ fn expert_down_matches_its_cpu_reference_on_both_paths() {
     check(&gpu, &op, &ins, dot_tol(768, IQ4_WRMS, U_RMS)).expect("64-route tiles");
 }
 
+/// The decode GEMV finds its expert 32 ids at a time; 70 experts with routes on both sides
+/// of each 32-id boundary and at the last id reach the second and the partial third group,
+/// which the small random shapes above never do.
+#[test]
+fn the_decode_gemv_finds_experts_past_the_first_thirty_two() {
+    let Some(gpu) = test_gpu() else { return };
+    let (ne, n, k, d, nf) = (70, 3, 4, 512, 256);
+    let ids = HostValue::i32([n, k], &[69, 33, 5, 64, 40, 2, 68, 31, 32, 63, 0, 50]);
+    let plan = cpu(
+        &RoutePlan {
+            n_expert: ne,
+            top_k: k,
+        },
+        std::slice::from_ref(&ids),
+    );
+    let mut r = Rng::new(70);
+    let swiglu = ExpertSwiGlu {
+        n_expert: ne,
+        n_ff: 96,
+    };
+    let ins = vec![
+        HostValue::f32([n, d], &r.vec(n * d, -1.0, 1.0)),
+        iq4_weight(&mut r, ne, 96, d),
+        iq4_weight(&mut r, ne, 96, d),
+        plan[0].clone(),
+        plan[1].clone(),
+    ];
+    let rep = check(&gpu, &swiglu, &ins, swiglu_tol(d, IQ4_WRMS, U_RMS)).expect("swiglu");
+    report("decode swiglu, 70 experts", &rep);
+    let down = ExpertDown {
+        n_expert: ne,
+        n_embd: 200,
+    };
+    let ins = vec![
+        HostValue::f32([n * k, nf], &r.vec(n * k * nf, -1.0, 1.0)),
+        iq4_weight(&mut r, ne, 200, nf),
+        plan[0].clone(),
+    ];
+    let rep = check(&gpu, &down, &ins, dot_tol(nf, IQ4_WRMS, U_RMS)).expect("down");
+    report("decode down, 70 experts", &rep);
+}
+
 #[test]
 fn the_expert_kernels_refuse_widths_they_do_not_cover() {
     let Some(gpu) = test_gpu() else { return };
