@@ -1,6 +1,6 @@
 //! CUDA parity of the MLA ops (`MlaQuery` and `MlaKv` with their rope, `KvCacheWrite`,
 //! `MlaAttention`, `MlaValueOut`) against their CPU references; skips without a GPU, saying
-//! why. Timings at the real Xing4.0 shapes are `#[ignore]`d (run on the GPU host with
+//! why. Timings at the real Xing4.0 shapes are ignored (run on the GPU host with
 //! `--include-ignored`).
 //!
 //! Tolerances. Where the kernel reproduces the reference's roundings (rope, norm, copies) the

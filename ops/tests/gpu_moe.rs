@@ -2,7 +2,7 @@
 //! `ExpertDown`, `TopKSum`) against their CPU references, on both expert paths (GEMV for a
 //! few routes, grouped GEMM beyond), the chain at the real Xing4.0 shapes, and the seed's
 //! reproducibility regression on the GPU; skips without a GPU, saying why. Timings at the
-//! real shapes are `#[ignore]`d (run on the GPU host with `--include-ignored`).
+//! real shapes are ignored (run on the GPU host with `--include-ignored`).
 //!
 //! Tolerances. The plan and the top-k sum reproduce the CPU exactly (I32 equality; a zero
 //! tolerance for the sum, whose roundings the kernel repeats). Dot products are summed in
