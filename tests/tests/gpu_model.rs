@@ -40,10 +40,14 @@ fn small() -> Arc<Model> {
 }
 
 fn engine(device: Device, graphs: bool) -> Engine {
+    engine_with_chunk(device, graphs, 16)
+}
+
+fn engine_with_chunk(device: Device, graphs: bool, prefill_chunk: usize) -> Engine {
     let config = EngineConfig {
         max_model_len: 256,
         // Several chunks, the last one partial.
-        prefill_chunk: 16,
+        prefill_chunk,
         device,
         cuda_graphs: graphs,
         ..EngineConfig::default()
@@ -99,6 +103,44 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// the GPU must pick the CPU's token wherever the CPU's top-2 gap exceeds twice the
 /// largest GPU−CPU logit difference of that row (no error that small can flip it),
 /// and a free-running GPU generation may leave the CPU's only at such a near-tie.
+/// With prefill chunks of at most `GEMV_MAX_TOKENS` every GPU kernel computes in f32
+/// (no bf16 tensor-core tiles), so the 64 greedy ids must equal the CPU's outright.
+#[test]
+fn small_xing4_gpu_greedy_ids_equal_the_cpu_ids_when_every_kernel_computes_in_f32() {
+    if !gpu_present() {
+        return;
+    }
+    let n = 64;
+    let chunk = ops::linear::GEMV_MAX_TOKENS;
+    let (cpu_ids, cpu_rows) = greedy(&mut engine_with_chunk(Device::Cpu, true, chunk), n);
+    let mut gpu = engine_with_chunk(Device::Cuda(0), true, chunk);
+    let req = GenerateRequest {
+        prompt: prompt(),
+        max_tokens: n,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: vec![],
+        stop_strings: vec![],
+        want_logits: true,
+    };
+    let mut worst = 0f32;
+    let mut k = 0;
+    let g = gpu
+        .generate(&req, None, |ev| {
+            let err = ev
+                .logits
+                .iter()
+                .zip(&cpu_rows[k])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            worst = worst.max(err);
+            k += 1;
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    eprintln!("f32 GPU path: 64 greedy steps, worst max |Δlogit| vs the CPU {worst:.3e}");
+    assert_eq!(g.tokens, cpu_ids);
+}
+
 #[test]
 fn small_xing4_gpu_greedy_ids_equal_the_cpu_ids_wherever_the_choice_is_clear() {
     if !gpu_present() {
