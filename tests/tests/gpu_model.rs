@@ -1,5 +1,6 @@
-//! The whole `small` Xing4.0 model on the GPU against the CPU backend: the same
-//! greedy ids over 64 tokens wherever the choice is not a near-tie, bit-identical
+//! The whole `small` Xing4.0 model on the GPU against the CPU backend: the same 64
+//! greedy ids outright when every kernel computes in f32, and wherever the choice is not a
+//! near-tie when the prefill GEMMs take bf16 tensor-core tiles; bit-identical
 //! GPU runs, eager == replayed decode, prefix restore, and the load-time memory
 //! refusal. Every test skips (saying
 //! why) without a CUDA GPU.
