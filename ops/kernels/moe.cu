@@ -435,6 +435,147 @@ expert_gemv_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __res
     }
 }
 
+// The same GEMV with the weights staged through shared memory: each warp copies its rows
+// with cp.async, consecutive lanes taking consecutive 16-byte pieces (a warp instruction
+// reads 512 contiguous bytes instead of 32 pieces 144 bytes apart), every pass's rows are in
+// flight before the inputs are staged, and they hold no registers while in flight. The
+// rows are copied once and serve every group of staged routes. Lanes then read their
+// 144-byte chunks from shared memory: lanes a chunk apart (36 words) start in distinct
+// 16-byte bank groups, so the 16-byte reads of a quarter-warp do not conflict. Shared
+// memory: the staged inputs, then passes*8*groups rows (each a multiple of 144 bytes, so
+// every row stays 16-byte aligned).
+__device__ __forceinline__ void eg_cp16(unsigned dst, const unsigned char* src) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src)
+                 : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+expert_gemv_iq4_smem(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+                     const float* __restrict__ x, const int* __restrict__ offsets,
+                     const int* __restrict__ route_token, float* __restrict__ y, int n_in,
+                     int n_out, int n_expert, int n_x_rows, int n_routes, int lpr_log2,
+                     int passes, int maxr) {
+    extern __shared__ float4 es_smem4[];
+    float* xs = reinterpret_cast<float*>(es_smem4);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int lo = 0, hi = 0;
+    const int e = nth_active_expert(offsets, n_expert, blockIdx.y, &lo, &hi);
+    if (e < 0) return;
+    const int r0 = min(max(lo, 0), n_routes);
+    const int r_end = min(max(hi, r0), n_routes);
+    if (r0 >= r_end) return;  // block-uniform: no barrier is skipped by part of the block
+    const bool swiglu = Wb != nullptr;
+    const int lpr = 1 << lpr_log2, groups = 32 >> lpr_log2;
+    const int g = lane >> lpr_log2, li = lane & (lpr - 1);
+    const int rpw = swiglu ? groups / 2 : groups;
+    const int xw = n_in + n_in / 64;
+    const int nchunks = n_in >> 8;
+    const int row_bytes = (n_in >> 5) * 18;
+    const int pieces = row_bytes >> 4;
+    const int in4 = n_in >> 2;
+    unsigned char* ws = reinterpret_cast<unsigned char*>(xs + (long long)maxr * xw);
+    const int row_base = blockIdx.x * (passes * 8 * rpw);
+
+    // Each pass's rows of this warp, one cp.async group a pass.
+    for (int p = 0; p < passes; ++p) {
+        unsigned char* wp = ws + (long long)((p * 8 + warp) * groups) * row_bytes;
+        for (int gi = 0; gi < groups; ++gi) {
+            const int row = row_base + (p * 8 + warp) * rpw + (swiglu ? gi >> 1 : gi);
+            if (row >= n_out) continue;  // warp-uniform
+            const unsigned char* src =
+                ((swiglu && (gi & 1)) ? Wb : Wa) + ((long long)e * n_out + row) * row_bytes;
+            const unsigned dst =
+                (unsigned)__cvta_generic_to_shared(wp + (long long)gi * row_bytes);
+            for (int i = lane; i < pieces; i += 32) eg_cp16(dst + 16 * i, src + 16 * i);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+
+    const int row_in_warp = swiglu ? g >> 1 : g;
+    const int which = swiglu ? g & 1 : 0;
+    for (int rg = r0; rg < r_end; rg += maxr) {
+        const int cnt = min(maxr, r_end - rg);
+        // rg is block-uniform, so every thread reaches both barriers.
+        __syncthreads();
+        for (int idx = tid; idx < cnt * in4; idx += blockDim.x) {
+            const int j = idx / in4, k = 4 * (idx - j * in4);
+            const int src = swiglu ? route_token[rg + j] : rg + j;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (src >= 0 && src < n_x_rows)
+                v = *reinterpret_cast<const float4*>(x + (long long)src * n_in + k);
+            *reinterpret_cast<float4*>(xs + j * xw + k + 4 * (k >> 8)) = v;
+        }
+        __syncthreads();
+        for (int p = 0; p < passes; ++p) {
+            // Pass p's group is complete once at most passes-1-p groups are pending; waiting
+            // for at most one (or none) is the same or stricter. Every lane waits for its own
+            // copies, then the warp barrier makes all lanes' copies visible to the warp.
+            if (passes - 1 - p >= 1)
+                asm volatile("cp.async.wait_group 1;" ::: "memory");
+            else
+                asm volatile("cp.async.wait_group 0;" ::: "memory");
+            __syncwarp();
+            const int row = row_base + (p * 8 + warp) * rpw + row_in_warp;
+            const bool rv = row < n_out;
+            const unsigned char* wrow = ws + (long long)((p * 8 + warp) * groups + g) * row_bytes;
+            float acc[EG_MAXR];
+#pragma unroll
+            for (int j = 0; j < EG_MAXR; ++j) acc[j] = 0.0f;
+            for (int c = li; rv && c < nchunks; c += lpr) {
+                unsigned wd[36];
+                const uint4* src = reinterpret_cast<const uint4*>(wrow + c * 144);
+#pragma unroll
+                for (int i = 0; i < 9; ++i) {
+                    const uint4 v = src[i];
+                    wd[4 * i] = v.x;
+                    wd[4 * i + 1] = v.y;
+                    wd[4 * i + 2] = v.z;
+                    wd[4 * i + 3] = v.w;
+                }
+#pragma unroll
+                for (int b = 0; b < 8; ++b) {
+                    float dv;
+                    unsigned q[4];
+                    iq4_pair_block(wd + 9 * (b >> 1), b & 1, &dv, q);
+                    float wv[32];
+                    iq4_codes(q, wv);
+                    const float* xb = xs + c * 260 + 32 * b;
+#pragma unroll
+                    for (int j = 0; j < EG_MAXR; ++j) {
+                        if (j < cnt) {
+                            float s = 0.0f;
+#pragma unroll
+                            for (int i = 0; i < 32; i += 4) {
+                                const float4 xv = *reinterpret_cast<const float4*>(xb + j * xw + i);
+                                s = fmaf(wv[i], xv.x, s);
+                                s = fmaf(wv[i + 1], xv.y, s);
+                                s = fmaf(wv[i + 2], xv.z, s);
+                                s = fmaf(wv[i + 3], xv.w, s);
+                            }
+                            acc[j] = fmaf(dv, s, acc[j]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < EG_MAXR; ++j) {
+                if (j < cnt) {
+                    float v = acc[j];
+                    for (int off = lpr >> 1; off > 0; off >>= 1)
+                        v += __shfl_xor_sync(0xffffffffu, v, off);
+                    if (swiglu) {
+                        const float u = __shfl_xor_sync(0xffffffffu, v, lpr);
+                        if (which == 0 && li == 0 && rv)
+                            y[(long long)(rg + j) * n_out + row] = silu_times(v, u);
+                    } else if (li == 0 && rv) {
+                        y[(long long)(rg + j) * n_out + row] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
 // ---- prefill path: grouped GEMM over the CSR table -------------------------------------
 //
 // blockIdx.y = an (expert, tile of TM routes) pair, found by walking the offsets (the grid

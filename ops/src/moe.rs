@@ -754,9 +754,17 @@ fn expert_launch(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), 
         let passes = (2 / rpw).max(1);
         let row_blocks = a.n_out.div_ceil(passes * 8 * rpw);
         let xw = a.n_in + a.n_in / 64;
-        let maxr = a.maxr.min(SMEM_LIMIT / (xw * 4)).max(1);
-        let kern = ctx.kernel("moe.cu", MOE_CU, "expert_gemv_iq4")?;
-        // SAFETY: argument list matches expert_gemv_iq4; weight rows, inputs and outputs
+        // The block's weight rows staged in shared memory (coalesced copies) when they fit
+        // beside one staged route; otherwise each lane loads its own chunks.
+        let staged = passes * 8 * groups * (a.n_in / 32 * 18);
+        let (name, staged, room) = if staged + xw * 4 <= SMEM_LIMIT {
+            ("expert_gemv_iq4_smem", staged, SMEM_LIMIT - staged)
+        } else {
+            ("expert_gemv_iq4", 0, SMEM_LIMIT)
+        };
+        let maxr = a.maxr.min(room / (xw * 4)).max(1);
+        let kern = ctx.kernel("moe.cu", MOE_CU, name)?;
+        // SAFETY: argument list matches expert_gemv_iq4(_smem); weight rows, inputs and outputs
         // are indexed within the shapes check_device verified, route ids are bounds-checked.
         unsafe {
             ctx.device
@@ -766,7 +774,7 @@ fn expert_launch(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), 
                     i("experts", slots)? as u32,
                 ))
                 .block(256)
-                .shared_mem((maxr * xw * 4) as u32)
+                .shared_mem((maxr * xw * 4 + staged) as u32)
                 .arg(a.wa.ptr)
                 .arg(wb)
                 .arg(a.x.ptr)
