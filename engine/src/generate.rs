@@ -164,6 +164,7 @@ impl Engine {
         let mut emitted = 0usize;
         let mut decoder = tokenizer.map(|t| StreamDecoder::new(t, true));
         let mut finish = FinishReason::Length;
+        let mut stop_hit = false;
         let max_len = self.config().max_model_len;
         while tokens.len() < req.max_tokens {
             let id = match next.take() {
@@ -182,7 +183,7 @@ impl Engine {
                         .map_err(|e| EngineError::Tokenizer(e.to_string()))?,
                 );
             }
-            let mut stop_hit = false;
+            stop_hit = false;
             if let Some(pos) = req
                 .stop_strings
                 .iter()
@@ -230,8 +231,10 @@ impl Engine {
                 stats.steady_seconds += dt;
             }
         }
+        // Bytes the decoder still holds (an incomplete UTF-8 sequence) belong to the text,
+        // unless a stop string cut the text short before them.
         if let Some(d) = decoder.as_mut()
-            && (finish != FinishReason::Stop || text.len() == emitted)
+            && !stop_hit
         {
             text.push_str(&d.finish());
         }
