@@ -4,39 +4,12 @@
 use rayon::prelude::*;
 
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
+use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
 /// Chunk of elements handed to one rayon task by the element-wise ops.
 const ELEMS_PER_TASK: usize = 1 << 14;
-
-/// Runs `op`'s shape rule on the metadata of `inputs` and checks that `outputs`
-/// carry exactly the metadata it yields. The CPU references index by the
-/// inferred dimensions, so this is what keeps them in bounds when called
-/// directly rather than through a validated plan.
-pub(crate) fn check_io(
-    op: &dyn Op,
-    inputs: &[HostTensor<'_>],
-    outputs: &[HostTensorMut<'_>],
-) -> Result<Vec<TensorMeta>, OpError> {
-    let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
-    let want = op.infer(&metas)?;
-    if outputs.len() != want.len() {
-        return Err(OpError::shape(
-            op.name(),
-            format!("has {} outputs, {} were given", want.len(), outputs.len()),
-        ));
-    }
-    for (i, (o, w)) in outputs.iter().zip(&want).enumerate() {
-        if o.meta != w {
-            return Err(OpError::shape(
-                op.name(),
-                format!("output {i} must be {w}, found {}", o.meta),
-            ));
-        }
-    }
-    Ok(want)
-}
 
 /// The number of inputs, or a shape error naming the op.
 pub(crate) fn arity(op: &'static str, inputs: &[&TensorMeta], n: usize) -> Result<(), OpError> {
@@ -130,7 +103,7 @@ impl Op for SwiGlu {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let (g, u) = (inputs[0].f32()?, inputs[1].f32()?);
         swiglu(g, u, outputs[0].f32_mut()?);
         Ok(())
@@ -200,7 +173,7 @@ impl Op for Add {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let (a, b) = (inputs[0].f32()?, inputs[1].f32()?);
         add(a, b, outputs[0].f32_mut()?);
         Ok(())

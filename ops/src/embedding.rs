@@ -2,9 +2,11 @@
 
 use rayon::prelude::*;
 
-use crate::elementwise::{arity, check_io, want_dtype};
+use crate::elementwise::{arity, want_dtype};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, dev_err};
-use crate::linear::{as_i32, device_io, wt_code};
+use crate::linear::{as_i32, wt_code};
+use crate::op::check_device;
+use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
@@ -105,7 +107,7 @@ impl Op for Embedding {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let table = &inputs[0];
         let (v, d) = (table.meta.shape[0], table.meta.shape[1]);
         embed_rows(
@@ -132,7 +134,7 @@ impl Op for Embedding {
         outputs: &[DeviceTensor<'_>],
         _scratch: Scratch,
     ) -> Result<(), OpError> {
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let (table, tokens, out) = (&inputs[0], &inputs[1], &outputs[0]);
         let (v, d, n) = (
             table.meta.shape[0],
@@ -159,7 +161,7 @@ impl Op for Embedding {
             OpError::shape(OP, format!("table {} is not a stored matrix", table.meta))
         })?;
         let k = ctx.kernel("embedding.cu", EMBEDDING_CU, "embedding_rows")?;
-        // SAFETY: the arguments follow embedding_rows' signature; device_io checked the
+        // SAFETY: the arguments follow embedding_rows' signature; check_device checked the
         // table holds V rows of `row` bytes, tokens n ids and out n×D f32; ids outside
         // [0, V) are never dereferenced.
         unsafe {

@@ -9,10 +9,12 @@
 use rayon::prelude::*;
 
 use crate::cpu::matmul;
-use crate::elementwise::{arity, check_io, want_dtype};
+use crate::elementwise::{arity, want_dtype};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
-use crate::linear::{as_i32, device_io};
+use crate::linear::as_i32;
 use crate::norm::rms_norm_rows;
+use crate::op::check_device;
+use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
@@ -289,7 +291,7 @@ impl Op for HcExpand {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let d = inputs[0].meta.shape[1];
         let x = inputs[0].f32()?;
         outputs[0]
@@ -314,14 +316,14 @@ impl Op for HcExpand {
         outputs: &[DeviceTensor<'_>],
         _scratch: Scratch,
     ) -> Result<(), OpError> {
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let op = self.name();
         let total = outputs[0].meta.numel();
         if total == 0 {
             return Ok(());
         }
         let k = ctx.kernel("hc.cu", HC_CU, "hc_expand")?;
-        // SAFETY: hc_expand(x, out, hc, D, total); device_io checked x is n×D and out
+        // SAFETY: hc_expand(x, out, hc, D, total); check_device checked x is n×D and out
         // n×hc×D f32 = total elements.
         unsafe {
             ctx.device
@@ -409,7 +411,7 @@ impl Op for HcPre {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[2]);
         let h = inputs[0].f32()?;
         let (base, scale) = (inputs[2].f32()?, inputs[3].f32()?);
@@ -458,7 +460,7 @@ impl Op for HcPre {
         outputs: &[DeviceTensor<'_>],
         scratch: Scratch,
     ) -> Result<(), OpError> {
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let op = self.name();
         let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
         let (n, w, k, splits) =
@@ -535,7 +537,7 @@ impl Op for HcPre {
         )?;
         let n32 = u32::try_from(n).map_err(|_| OpError::shape(op, format!("{n} tokens")))?;
         // SAFETY: hc_pre_finish reads the partials written above, base (K) and scale (3),
-        // and writes x (n×D), post (n×hc) and comb (n×hc×hc), all checked by device_io.
+        // and writes x (n×D), post (n×hc) and comb (n×hc×hc), all checked by check_device.
         unsafe {
             ctx.device
                 .launch(&kf)
@@ -596,7 +598,7 @@ impl Op for HcPost {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let (hc, d) = (self.hc, inputs[1].meta.shape[2]);
         let (y, h) = (inputs[0].f32()?, inputs[1].f32()?);
         let (post, comb) = (inputs[2].f32()?, inputs[3].f32()?);
@@ -627,14 +629,14 @@ impl Op for HcPost {
         outputs: &[DeviceTensor<'_>],
         _scratch: Scratch,
     ) -> Result<(), OpError> {
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let op = self.name();
         let total = inputs[0].meta.numel();
         if total == 0 {
             return Ok(());
         }
         let k = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_{}", hc_variant(self.hc)))?;
-        // SAFETY: hc_post(y, h, post, comb, out, hc, D, n·D); device_io checked every
+        // SAFETY: hc_post(y, h, post, comb, out, hc, D, n·D); check_device checked every
         // view against the shape rule (y n×D, H and out n×hc×D, post n×hc, comb n×hc×hc).
         unsafe {
             ctx.device
@@ -680,7 +682,7 @@ impl Op for StreamMean {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let d = inputs[0].meta.shape[2];
         let h = inputs[0].f32()?;
         outputs[0]
@@ -703,7 +705,7 @@ impl Op for StreamMean {
         outputs: &[DeviceTensor<'_>],
         _scratch: Scratch,
     ) -> Result<(), OpError> {
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let op = self.name();
         let total = outputs[0].meta.numel();
         if total == 0 {
@@ -714,7 +716,7 @@ impl Op for StreamMean {
             HC_CU,
             &format!("stream_mean_{}", hc_variant(self.hc)),
         )?;
-        // SAFETY: stream_mean(h, out, hc, D, n·D); device_io checked H is n×hc×D and
+        // SAFETY: stream_mean(h, out, hc, D, n·D); check_device checked H is n×hc×D and
         // out n×D f32.
         unsafe {
             ctx.device

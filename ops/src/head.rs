@@ -3,9 +3,11 @@
 
 use rayon::prelude::*;
 
-use crate::elementwise::{arity, check_io, want_dtype};
+use crate::elementwise::{arity, want_dtype};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
-use crate::linear::{as_i32, device_io};
+use crate::linear::as_i32;
+use crate::op::check_device;
+use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
@@ -61,7 +63,7 @@ impl Op for Argmax {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let v = inputs[0].meta.shape[1];
         let x = inputs[0].f32()?;
         let out = outputs[0].i32_mut()?;
@@ -94,7 +96,7 @@ impl Op for Argmax {
         outputs: &[DeviceTensor<'_>],
         _scratch: Scratch,
     ) -> Result<(), OpError> {
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let op = self.name();
         let (n, v) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
         if n == 0 {
@@ -103,7 +105,7 @@ impl Op for Argmax {
         let n =
             u32::try_from(n).map_err(|_| OpError::shape(op, format!("{n} rows in one launch")))?;
         let k = ctx.kernel("head.cu", HEAD_CU, "argmax_rows")?;
-        // SAFETY: argmax_rows(x, out, V); device_io checked x holds n×V f32 and out n i32.
+        // SAFETY: argmax_rows(x, out, V); check_device checked x holds n×V f32 and out n i32.
         unsafe {
             ctx.device
                 .launch(&k)
@@ -157,7 +159,7 @@ impl Op for SliceRows {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let row: usize = inputs[0].meta.shape[1..].iter().product();
         let x = inputs[0].f32()?;
         outputs[0]
@@ -177,7 +179,7 @@ impl Op for SliceRows {
         outputs: &[DeviceTensor<'_>],
         _scratch: Scratch,
     ) -> Result<(), OpError> {
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let row: usize = inputs[0].meta.shape[1..].iter().product();
         let total = self.len * row;
         if total == 0 {

@@ -1,8 +1,9 @@
 //! `y = W · x` for a stored weight `[out, in]` of any weight type (spec §0).
 
 use crate::cpu::matmul;
-use crate::elementwise::{arity, check_io, want_dtype};
+use crate::elementwise::{arity, want_dtype};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, dev_err};
+use crate::op::{check_device, check_host};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
@@ -10,47 +11,6 @@ const LINEAR_CU: &str = concat!(
     include_str!("../kernels/dequant.cuh"),
     include_str!("../kernels/linear.cu")
 );
-
-/// The device-side twin of `check_io`: the op's shape rule over the views' metadata,
-/// the inferred output metadata, and enough bytes behind every view, so a kernel
-/// indexing by the inferred shape stays inside its buffers.
-pub(crate) fn device_io(
-    op: &dyn Op,
-    inputs: &[DeviceTensor<'_>],
-    outputs: &[DeviceTensor<'_>],
-) -> Result<(), OpError> {
-    let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
-    let want = op.infer(&metas)?;
-    if outputs.len() != want.len() {
-        return Err(OpError::shape(
-            op.name(),
-            format!("has {} outputs, {} were given", want.len(), outputs.len()),
-        ));
-    }
-    for (i, (o, w)) in outputs.iter().zip(&want).enumerate() {
-        if o.meta != w {
-            return Err(OpError::shape(
-                op.name(),
-                format!("output {i} must be {w}, found {}", o.meta),
-            ));
-        }
-    }
-    for t in inputs.iter().chain(outputs) {
-        let need = t
-            .meta
-            .bytes()
-            .ok_or_else(|| OpError::Type(format!("{} is not whole blocks", t.meta)))?;
-        if t.bytes < need {
-            return Err(OpError::Type(format!(
-                "{}: device view of {} needs {need} bytes, has {}",
-                op.name(),
-                t.meta,
-                t.bytes
-            )));
-        }
-    }
-    Ok(())
-}
 
 /// A launch dimension or size as the kernels' `int`, or a shape error naming it.
 pub(crate) fn as_i32(op: &'static str, what: &str, v: usize) -> Result<i32, OpError> {
@@ -186,7 +146,7 @@ impl Op for Linear {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let (x, w) = (&inputs[0], &inputs[1]);
         let (n, n_in, n_out) = (x.meta.shape[0], x.meta.shape[1], w.meta.shape[0]);
         matmul(
@@ -215,7 +175,7 @@ impl Op for Linear {
         _scratch: Scratch,
     ) -> Result<(), OpError> {
         let op = self.name();
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let (x, w, y) = (&inputs[0], &inputs[1], &outputs[0]);
         let (n, k, o) = (x.meta.shape[0], x.meta.shape[1], w.meta.shape[0]);
         if n == 0 || o == 0 {
@@ -249,7 +209,7 @@ impl Op for Linear {
                 Some(code) => l.arg(code),
                 None => l,
             };
-            // SAFETY: the arguments follow the kernel's C signature; device_io checked
+            // SAFETY: the arguments follow the kernel's C signature; check_device checked
             // that x, W and y hold n×in f32, out rows of `rb` bytes and n×out f32, which
             // is all the kernels touch; the executor keeps the buffers alive.
             unsafe { l.enqueue() }.map_err(dev_err)

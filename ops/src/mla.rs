@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{dot, matmul};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
+use crate::op::{check_device, check_host};
 use crate::rope::{RopeConsts, RopeParams, rope_norm_cached};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
@@ -70,75 +71,6 @@ pub(crate) fn expect_weight(
         ));
     }
     Ok(())
-}
-
-/// Re-runs the shape rule on the actual views so the kernels can index without panicking.
-pub(crate) fn check_views(
-    op: &dyn Op,
-    inputs: &[HostTensor<'_>],
-    outputs: &[HostTensorMut<'_>],
-) -> Result<(), OpError> {
-    let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
-    let want = op.infer(&metas)?;
-    if want.len() != outputs.len() {
-        return Err(OpError::Type(format!(
-            "{} writes {} outputs, given {}",
-            op.name(),
-            want.len(),
-            outputs.len()
-        )));
-    }
-    for (w, o) in want.iter().zip(outputs) {
-        if w != o.meta {
-            return Err(OpError::Type(format!(
-                "{} output must be {w}, given {}",
-                op.name(),
-                o.meta
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// The device-side twin of [`check_views`]: re-runs the shape rule on the device views,
-/// checks the outputs' metadata and that every view holds the bytes its metadata needs, so
-/// a kernel indexing by the inferred shapes stays inside its buffers.
-pub(crate) fn check_device(
-    op: &dyn Op,
-    inputs: &[DeviceTensor<'_>],
-    outputs: &[DeviceTensor<'_>],
-) -> Result<Vec<TensorMeta>, OpError> {
-    let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
-    let want = op.infer(&metas)?;
-    if want.len() != outputs.len() {
-        return Err(OpError::Type(format!(
-            "{} writes {} outputs, given {}",
-            op.name(),
-            want.len(),
-            outputs.len()
-        )));
-    }
-    for (w, o) in want.iter().zip(outputs) {
-        if w != o.meta {
-            return Err(OpError::Type(format!(
-                "{} output must be {w}, given {}",
-                op.name(),
-                o.meta
-            )));
-        }
-    }
-    for t in inputs.iter().chain(outputs) {
-        let need = t.meta.bytes().unwrap_or(usize::MAX);
-        if t.bytes < need {
-            return Err(OpError::Type(format!(
-                "{}: device view of {} has {} bytes, {need} needed",
-                op.name(),
-                t.meta,
-                t.bytes
-            )));
-        }
-    }
-    Ok(want)
 }
 
 /// Refuses a device address the kernel's 16-byte vector accesses cannot use.
@@ -347,7 +279,7 @@ impl Op for MlaQuery {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let q = inputs[0].f32()?;
         let k_b = weight_bytes(&inputs[1])?;
         let pos = inputs[2].i32()?;
@@ -669,7 +601,7 @@ impl Op for MlaKv {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let kv = inputs[0].f32()?;
         let w = inputs[1].f32()?;
         let pos = inputs[2].i32()?;
@@ -787,7 +719,7 @@ impl Op for KvCacheWrite {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let w = outputs[0].meta.inner();
         let k = inputs[1].f32()?;
         let pos = inputs[2].i32()?;
@@ -936,7 +868,7 @@ impl Op for MlaAttention {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let w = inputs[1].meta.inner();
         let q = inputs[0].f32()?;
         let cache = inputs[1].f32()?;
@@ -1180,7 +1112,7 @@ impl Op for MlaValueOut {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let n = inputs[0].meta.shape[0];
         let o_lat = inputs[0].f32()?;
         let v_b = weight_bytes(&inputs[1])?;

@@ -12,10 +12,8 @@ use rayon::prelude::*;
 
 use crate::cpu::{dot, matmul};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
-use crate::mla::{
-    aligned16, as_i32, check_device, check_views, expect, expect_inputs, expect_weight, nonzero,
-    weight_bytes,
-};
+use crate::mla::{aligned16, as_i32, expect, expect_inputs, expect_weight, nonzero, weight_bytes};
+use crate::op::{check_device, check_host};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
@@ -204,7 +202,7 @@ impl Op for Router {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let d = inputs[0].meta.inner();
         let z = inputs[0].f32()?;
         let w = inputs[1].f32()?;
@@ -413,7 +411,7 @@ impl Op for RoutePlan {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let ids = inputs[0].i32()?;
         let [off, tok, slot] = outputs else {
             return Err(OpError::Type("route_plan writes 3 outputs".into()));
@@ -645,7 +643,7 @@ impl Op for ExpertSwiGlu {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let d = inputs[0].meta.inner();
         self.compute(
             inputs[0].f32()?,
@@ -911,7 +909,7 @@ impl Op for ExpertDown {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let r = inputs[0].meta.shape[0];
         let down = ExpertStack::of(&inputs[1], inputs[0].meta.inner())?;
         let offsets = inputs[2].i32()?;
@@ -1077,7 +1075,7 @@ impl Op for TopKSum {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_views(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let d = inputs[0].meta.inner();
         self.compute(
             inputs[0].f32()?,

@@ -2,9 +2,11 @@
 
 use rayon::prelude::*;
 
-use crate::elementwise::{check_io, want_dtype};
+use crate::elementwise::want_dtype;
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, dev_err};
-use crate::linear::{as_i32, device_io};
+use crate::linear::as_i32;
+use crate::op::check_device;
+use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
@@ -94,7 +96,7 @@ impl Op for RmsNorm {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        check_io(self, inputs, outputs)?;
+        check_host(self, inputs, outputs)?;
         let x = inputs[0].f32()?;
         let w = inputs.get(1).map(|w| w.f32()).transpose()?;
         rms_norm_rows(
@@ -120,7 +122,7 @@ impl Op for RmsNorm {
         outputs: &[DeviceTensor<'_>],
         _scratch: Scratch,
     ) -> Result<(), OpError> {
-        device_io(self, inputs, outputs)?;
+        check_device(self, inputs, outputs)?;
         let x = &inputs[0];
         let rows = x.meta.rows();
         if rows == 0 {
@@ -132,7 +134,7 @@ impl Op for RmsNorm {
             .map_err(|_| OpError::shape(op, format!("{rows} rows in one launch")))?;
         let w = inputs.get(1).map_or(0, |w| w.ptr);
         let k = ctx.kernel("norm.cu", NORM_CU, "rms_norm_f32")?;
-        // SAFETY: rms_norm_f32(x, w or null, y, D, eps); device_io checked x and y hold
+        // SAFETY: rms_norm_f32(x, w or null, y, D, eps); check_device checked x and y hold
         // rows×D f32 and w (when given) D f32.
         unsafe {
             ctx.device

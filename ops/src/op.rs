@@ -105,3 +105,111 @@ pub trait Op: fmt::Debug + Send + Sync {
         &[]
     }
 }
+
+/// Runs `op`'s shape rule on the inputs' metadata and checks that the outputs carry
+/// exactly the metadata it yields. Kernels and CPU references index by the inferred
+/// dimensions, so this is what keeps a directly-called op inside its buffers.
+fn infer_matching(
+    op: &dyn Op,
+    inputs: &[&TensorMeta],
+    outputs: &[&TensorMeta],
+) -> Result<Vec<TensorMeta>, OpError> {
+    let want = op.infer(inputs)?;
+    if outputs.len() != want.len() {
+        return Err(OpError::shape(
+            op.name(),
+            format!("has {} outputs, {} were given", want.len(), outputs.len()),
+        ));
+    }
+    for (i, (o, w)) in outputs.iter().zip(&want).enumerate() {
+        if *o != w {
+            return Err(OpError::shape(
+                op.name(),
+                format!("output {i} must be {w}, found {o}"),
+            ));
+        }
+    }
+    Ok(want)
+}
+
+/// [`infer_matching`] over host views.
+pub(crate) fn check_host(
+    op: &dyn Op,
+    inputs: &[HostTensor<'_>],
+    outputs: &[HostTensorMut<'_>],
+) -> Result<Vec<TensorMeta>, OpError> {
+    let ins: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+    let outs: Vec<&TensorMeta> = outputs.iter().map(|t| t.meta).collect();
+    infer_matching(op, &ins, &outs)
+}
+
+/// [`infer_matching`] over device views, plus enough bytes behind every view.
+pub(crate) fn check_device(
+    op: &dyn Op,
+    inputs: &[DeviceTensor<'_>],
+    outputs: &[DeviceTensor<'_>],
+) -> Result<Vec<TensorMeta>, OpError> {
+    let ins: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+    let outs: Vec<&TensorMeta> = outputs.iter().map(|t| t.meta).collect();
+    let want = infer_matching(op, &ins, &outs)?;
+    for t in inputs.iter().chain(outputs) {
+        let need = t
+            .meta
+            .bytes()
+            .ok_or_else(|| OpError::Type(format!("{} is not whole blocks", t.meta)))?;
+        if t.bytes < need {
+            return Err(OpError::Type(format!(
+                "{}: device view of {} needs {need} bytes, has {}",
+                op.name(),
+                t.meta,
+                t.bytes
+            )));
+        }
+    }
+    Ok(want)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::elementwise::Add;
+
+    fn view(meta: &TensorMeta, bytes: usize) -> DeviceTensor<'_> {
+        DeviceTensor {
+            meta,
+            ptr: 0x1000,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn a_device_view_too_small_or_of_the_wrong_shape_is_refused_before_any_launch() {
+        let x = TensorMeta::f32([2, 8]);
+        let wrong = TensorMeta::f32([2, 7]);
+        let full = x.bytes().unwrap();
+        let ok = check_device(&Add, &[view(&x, full), view(&x, full)], &[view(&x, full)]);
+        assert_eq!(ok.unwrap(), vec![x.clone()]);
+        let short = check_device(
+            &Add,
+            &[view(&x, full - 4), view(&x, full)],
+            &[view(&x, full)],
+        );
+        assert!(
+            short
+                .unwrap_err()
+                .to_string()
+                .contains("needs 64 bytes, has 60")
+        );
+        let mismatch = check_device(
+            &Add,
+            &[view(&x, full), view(&x, full)],
+            &[view(&wrong, full)],
+        );
+        assert!(
+            mismatch
+                .unwrap_err()
+                .to_string()
+                .contains("output 0 must be F32[2,8]")
+        );
+    }
+}
