@@ -414,7 +414,7 @@ impl KernelCache {
                 return Ok(m);
             }
         }
-        let cubin = compile_cubin(source_name, source, &self.arch, &self.options)?;
+        let (cubin, _log) = compile_cubin(source_name, source, &self.arch, &self.options)?;
         self.compiled.fetch_add(1, Ordering::Relaxed);
         if let Some(path) = &path
             && write_atomically(path, &cubin).is_err()
@@ -467,13 +467,44 @@ fn c_string_lossy(chars: &[std::ffi::c_char]) -> String {
     }
 }
 
-/// Compiles `source` to a CUBIN for `arch` (a real `sm_*` target) with NVRTC.
+/// What an offline compile produced: the CUBIN and NVRTC's log (with `--ptxas-options=-v`
+/// among the options, the log lists each kernel's registers, spills and shared memory).
+#[derive(Debug, Clone)]
+pub struct OfflineBuild {
+    pub cubin: Vec<u8>,
+    pub log: String,
+}
+
+/// Compiles `source` for `arch` with the options a [`KernelCache`] would use, plus `extra`,
+/// without a GPU or driver: only NVRTC is needed. Lets a machine without a card check that every
+/// kernel compiles and read its register and spill counts.
+pub fn compile_offline(
+    source_name: &str,
+    source: &str,
+    arch: &str,
+    extra: &[String],
+) -> Result<OfflineBuild, CudaError> {
+    nvrtc_version()?;
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".to_string(),
+    ];
+    for dir in cuda_include_dirs() {
+        options.push(format!("--include-path={dir}"));
+    }
+    options.extend(extra.iter().cloned());
+    let (cubin, log) = compile_cubin(source_name, source, arch, &options)?;
+    Ok(OfflineBuild { cubin, log })
+}
+
+/// Compiles `source` to a CUBIN for `arch` (a real `sm_*` target) with NVRTC; returns it with
+/// the compiler's log.
 fn compile_cubin(
     source_name: &str,
     source: &str,
     arch: &str,
     options: &[String],
-) -> Result<Vec<u8>, CudaError> {
+) -> Result<(Vec<u8>, String), CudaError> {
     let invalid = |reason: &str| CudaError::InvalidSource {
         source_name: source_name.to_string(),
         reason: reason.to_string(),
@@ -513,7 +544,7 @@ fn compile_cubin(
                             nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
                                 .result()
                                 .map_err(nvrtc_err("nvrtcGetCUBIN"))
-                                .map(|()| cubin)
+                                .map(|()| (cubin, log))
                         })
                 }
             }

@@ -28,8 +28,8 @@ pub use device::{Device, DeviceInfo};
 pub use error::CudaError;
 pub use graph::{Graph, Timer};
 pub use kernels::{
-    CacheStats, Kernel, KernelCache, KernelCacheConfig, Module, arch_for, cache_key,
-    default_cache_dir, fnv1a64,
+    CacheStats, Kernel, KernelCache, KernelCacheConfig, Module, OfflineBuild, arch_for, cache_key,
+    compile_offline, default_cache_dir, fnv1a64,
 };
 pub use launch::{Dim3, KernelArg, Launch};
 pub use memory::{DeviceArena, DeviceBuffer, DeviceView};

@@ -269,8 +269,9 @@ __device__ __forceinline__ void gemv_body(const unsigned char* __restrict__ W, c
     }
 }
 
+// Eight token rows need more than the 80 registers six resident blocks leave (Q6_K spilled).
 #define GEMV(NAME, WT, NT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128, 6)                                          \
+    extern "C" __global__ void __launch_bounds__(128, (NT) >= 8 ? 4 : 6)                          \
         gemv_##NAME##_##NT(const unsigned char* W, const float* x, float* y, int n, int K, int O, \
                            long long RB) {                                                        \
         gemv_body<WT, NT>(W, x, y, n, K, O, RB);                                                  \

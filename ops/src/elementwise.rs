@@ -124,7 +124,7 @@ impl Op for SwiGlu {
     }
 }
 
-const ELEMENTWISE_CU: &str = include_str!("../kernels/elementwise.cu");
+pub(crate) const ELEMENTWISE_CU: &str = include_str!("../kernels/elementwise.cu");
 
 /// One thread an element over two f32 inputs of one shape.
 fn launch_binary(

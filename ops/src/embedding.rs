@@ -10,7 +10,7 @@ use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
-const EMBEDDING_CU: &str = concat!(
+pub(crate) const EMBEDDING_CU: &str = concat!(
     include_str!("../kernels/dequant.cuh"),
     include_str!("../kernels/embedding.cu")
 );

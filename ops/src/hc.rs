@@ -18,7 +18,7 @@ use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
-const HC_CU: &str = include_str!("../kernels/hc.cu");
+pub(crate) const HC_CU: &str = include_str!("../kernels/hc.cu");
 
 /// Suffix of the kernels specialised on the stream count (loops over streams unrolled,
 /// so a thread's stream loads are in flight together); 0 is the run-time-hc variant.

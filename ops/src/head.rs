@@ -11,7 +11,7 @@ use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
-const HEAD_CU: &str = include_str!("../kernels/head.cu");
+pub(crate) const HEAD_CU: &str = include_str!("../kernels/head.cu");
 
 /// Index of the first largest value, or the index of the first NaN as `Err`.
 pub fn argmax_row(x: &[f32]) -> Result<usize, usize> {

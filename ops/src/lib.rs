@@ -18,3 +18,18 @@ pub mod tensor;
 
 pub use op::{Op, OpError};
 pub use tensor::{AlignedBuf, DType, HostTensor, HostTensorMut, TensorMeta};
+
+/// Every CUDA source the ops compile, under the name each is compiled with, so a machine with
+/// NVRTC but no card can check that all of them build (`tests/kernels_compile.rs`).
+pub fn kernel_sources() -> [(&'static str, &'static str); 8] {
+    [
+        ("elementwise.cu", elementwise::ELEMENTWISE_CU),
+        ("embedding.cu", embedding::EMBEDDING_CU),
+        ("hc.cu", hc::HC_CU),
+        ("head.cu", head::HEAD_CU),
+        ("linear.cu", linear::LINEAR_CU),
+        ("mla.cu", mla::MLA_CU),
+        ("moe.cu", moe::MOE_CU),
+        ("norm.cu", norm::NORM_CU),
+    ]
+}

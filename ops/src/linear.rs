@@ -7,7 +7,7 @@ use crate::op::{check_device, check_host};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
-const LINEAR_CU: &str = concat!(
+pub(crate) const LINEAR_CU: &str = concat!(
     include_str!("../kernels/dequant.cuh"),
     include_str!("../kernels/linear.cu")
 );

@@ -336,7 +336,7 @@ impl Op for MlaQuery {
     }
 }
 
-const MLA_CU: &str = include_str!("../kernels/mla.cu");
+pub(crate) const MLA_CU: &str = include_str!("../kernels/mla.cu");
 
 /// Weight segments of 8 BF16 values one lane of `head_gemv_bf16` holds (`HG_SEGS` there).
 const HG_SEGS: usize = 4;

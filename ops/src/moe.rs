@@ -17,7 +17,7 @@ use crate::op::{check_device, check_host};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
-const MOE_CU: &str = include_str!("../kernels/moe.cu");
+pub(crate) const MOE_CU: &str = include_str!("../kernels/moe.cu");
 
 /// Input values one `router_logits` block column sums (`RL_SLICE` there).
 const ROUTER_SLICE: usize = 128;

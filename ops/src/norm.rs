@@ -10,7 +10,7 @@ use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
-const NORM_CU: &str = include_str!("../kernels/norm.cu");
+pub(crate) const NORM_CU: &str = include_str!("../kernels/norm.cu");
 
 /// `(mean(x²) + eps)^{−½}` the way ggml's CPU kernel forms it: each square in
 /// f32, summed in f64, the mean narrowed to f32 before `eps` and the root.
