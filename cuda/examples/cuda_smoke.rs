@@ -15,19 +15,23 @@ type Res<T> = Result<T, Box<dyn Error>>;
 const SRC: &str = r#"
 #include <cuda_bf16.h>
 extern "C" __global__ void vadd(const float* a, const float* b, float* c, unsigned n) {
+    PDL_ENTER();
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) c[i] = a[i] + b[i];
 }
 extern "C" __global__ void add_one(float* x, unsigned n) {
+    PDL_ENTER();
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += 1.0f;
 }
 extern "C" __global__ void fill_u32(unsigned* p, unsigned long long n) {
+    PDL_ENTER();
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         p[i] = (unsigned)(i * 2654435761ull);
 }
 extern "C" __global__ void to_bf16(const float* x, __nv_bfloat16* y, unsigned n) {
+    PDL_ENTER();
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2bfloat16_rn(x[i]);
 }

@@ -1,4 +1,5 @@
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUresult};
 use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
@@ -31,6 +32,7 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     info: Arc<DeviceInfo>,
+    programmatic: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Device {
@@ -161,11 +163,31 @@ impl Device {
             )? as usize,
             driver_version: (drv / 1000, (drv % 1000) / 10),
         };
+        let programmatic = info.compute_capability.0 >= 9
+            && std::env::var("XING4_PROGRAMMATIC_LAUNCH").is_ok_and(|v| v == "1");
         Ok(Device {
             ctx,
             stream,
             info: Arc::new(info),
+            programmatic: Arc::new(AtomicBool::new(programmatic)),
         })
+    }
+
+    /// Whether launches carry the programmatic-stream-serialization attribute: a kernel may
+    /// then be scheduled while its predecessor drains, and holds at `griddepcontrol.wait` (the
+    /// first statement of every kernel of this project, `PDL_ENTER`) until the predecessor has
+    /// finished and its writes are visible. It hides the launch latency between dependent
+    /// kernels. On by default from compute capability 9.0; `XING4_PROGRAMMATIC_LAUNCH=0` turns
+    /// it off.
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic launches on or off for every clone of this device (from the next
+    /// launch or capture on). Ignored below compute capability 9.0.
+    pub fn set_programmatic_launch(&self, on: bool) {
+        self.programmatic
+            .store(on && self.info.compute_capability.0 >= 9, Ordering::Relaxed);
     }
 
     pub fn info(&self) -> &DeviceInfo {

@@ -126,3 +126,89 @@ impl Timer {
             .map_err(CudaError::driver("cuEventElapsedTime"))
     }
 }
+
+/// Events recorded at chosen points of the stream, for the device time between consecutive
+/// points (a per-kernel profile of one eagerly enqueued step).
+pub struct EventTrail {
+    stream: Arc<CudaStream>,
+    events: Vec<CudaEvent>,
+}
+
+impl std::fmt::Debug for EventTrail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EventTrail({} events)", self.events.len())
+    }
+}
+
+impl EventTrail {
+    /// `points` events, none recorded yet.
+    pub fn new(device: &Device, points: usize) -> Result<EventTrail, CudaError> {
+        let ctx = device.context();
+        let events = (0..points)
+            .map(|_| {
+                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(CudaError::driver("cuEventCreate"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(EventTrail {
+            stream: device.stream().clone(),
+            events,
+        })
+    }
+
+    /// Records point `i` at the current end of the stream.
+    pub fn mark(&self, i: usize) -> Result<(), CudaError> {
+        let event = self.events.get(i).ok_or(CudaError::OutOfBounds {
+            what: "event trail",
+            start: i,
+            end: i + 1,
+            size: self.events.len(),
+        })?;
+        event
+            .record(&self.stream)
+            .map_err(CudaError::driver("cuEventRecord"))
+    }
+
+    /// Waits for the last point and returns the milliseconds between each pair of consecutive
+    /// points (every point must have been marked).
+    pub fn intervals_ms(&self) -> Result<Vec<f32>, CudaError> {
+        let Some(last) = self.events.last() else {
+            return Ok(Vec::new());
+        };
+        last.synchronize()
+            .map_err(CudaError::driver("cuEventSynchronize"))?;
+        self.events
+            .windows(2)
+            .map(|w| {
+                w[0].elapsed_ms(&w[1])
+                    .map_err(CudaError::driver("cuEventElapsedTime"))
+            })
+            .collect()
+    }
+}
+
+/// The source of [`Device::stall`]'s kernel.
+pub const STALL_CU: &str = r#"
+extern "C" __global__ void stall_stream(unsigned long long ns) {
+    PDL_ENTER();
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+"#;
+
+impl Device {
+    /// Holds the stream for `micros` microseconds on the device (one thread sleeping), so that
+    /// the host can enqueue a whole step behind it and the step then runs back to back, as a
+    /// replayed graph would, instead of at the pace of host submission.
+    pub fn stall(&self, kernels: &crate::KernelCache, micros: u64) -> Result<(), CudaError> {
+        let k = kernels
+            .get("stall.cu", STALL_CU, &["stall_stream"])?
+            .kernel("stall_stream")?;
+        // SAFETY: one scalar argument matching `unsigned long long ns`; no memory is touched.
+        unsafe { self.launch(&k).arg(micros * 1000).enqueue() }
+    }
+}

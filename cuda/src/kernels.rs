@@ -28,7 +28,8 @@ fn fnv1a64_extend(mut hash: u64, bytes: &[u8]) -> u64 {
 /// The disk-cache key of a compiled kernel source. Each field is length-prefixed so that
 /// moving bytes between fields changes the key.
 pub fn cache_key(source: &str, arch: &str, options: &[String], nvrtc_version: (i32, i32)) -> u64 {
-    let mut h = fnv1a64(b"xing4-rt kernel cache v1");
+    let mut h = fnv1a64(b"xing4-rt kernel cache v2");
+    h = fnv1a64_extend(h, PRELUDE.as_bytes());
     let mut field = |bytes: &[u8]| {
         h = fnv1a64_extend(h, &(bytes.len() as u64).to_le_bytes());
         h = fnv1a64_extend(h, bytes);
@@ -467,6 +468,18 @@ fn c_string_lossy(chars: &[std::ffi::c_char]) -> String {
     }
 }
 
+/// Prepended to every kernel source. `PDL_ENTER();` must be the first statement of every
+/// kernel: launched with programmatic stream serialization (see
+/// [`crate::Device::programmatic_launch`]) a kernel may start while its predecessor still runs,
+/// so it first waits for the predecessor's completion and the visibility of its writes, then
+/// lets its own successor be scheduled. Without the attribute both instructions are no-ops.
+pub const PRELUDE: &str = "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER() asm volatile(\"griddepcontrol.wait;\\n\\tgriddepcontrol.launch_dependents;\" ::: \"memory\")
+#else
+#define PDL_ENTER() do { } while (0)
+#endif
+";
+
 /// What an offline compile produced: the CUBIN and NVRTC's log (with `--ptxas-options=-v`
 /// among the options, the log lists each kernel's registers, spills and shared memory).
 #[derive(Debug, Clone)]
@@ -509,7 +522,8 @@ fn compile_cubin(
         source_name: source_name.to_string(),
         reason: reason.to_string(),
     };
-    let csrc = CString::new(source).map_err(|_| invalid("the source contains a NUL byte"))?;
+    let with_prelude = format!("{PRELUDE}#line 1 \"{source_name}\"\n{source}");
+    let csrc = CString::new(with_prelude).map_err(|_| invalid("the source contains a NUL byte"))?;
     let cname = CString::new(source_name).map_err(|_| invalid("the name contains a NUL byte"))?;
     let nvrtc_err = |call: &'static str| {
         move |error| CudaError::Nvrtc {

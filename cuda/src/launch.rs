@@ -1,7 +1,7 @@
 use std::ffi::c_void;
 use std::mem::size_of;
 
-use cudarc::driver::{DeviceRepr, result};
+use cudarc::driver::{DeviceRepr, result, sys};
 
 use crate::device::Device;
 use crate::error::CudaError;
@@ -166,16 +166,45 @@ impl Launch<'_> {
             .collect();
         // SAFETY: params point into self.args, alive until this call returns (the driver copies
         // parameters at launch); argument correctness is the caller's contract.
+        if !self.device.programmatic_launch() {
+            return unsafe {
+                result::launch_kernel(
+                    self.kernel.function().cu_function(),
+                    grid,
+                    block,
+                    self.shared_mem,
+                    stream.cu_stream(),
+                    &mut params,
+                )
+            }
+            .map_err(launch_error);
+        }
+        // SAFETY: a zeroed attribute is a valid bit pattern; id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: self.shared_mem,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: config, attr and params outlive the call (the driver copies them at launch).
         unsafe {
-            result::launch_kernel(
+            sys::cuLaunchKernelEx(
+                &config,
                 self.kernel.function().cu_function(),
-                grid,
-                block,
-                self.shared_mem,
-                stream.cu_stream(),
-                &mut params,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
             )
         }
+        .result()
         .map_err(launch_error)
     }
 }

@@ -26,7 +26,7 @@ mod memory;
 pub use blas::{Blas, GemmOutput};
 pub use device::{Device, DeviceInfo};
 pub use error::CudaError;
-pub use graph::{Graph, Timer};
+pub use graph::{EventTrail, Graph, STALL_CU, Timer};
 pub use kernels::{
     CacheStats, Kernel, KernelCache, KernelCacheConfig, Module, OfflineBuild, arch_for, cache_key,
     compile_offline, default_cache_dir, fnv1a64,

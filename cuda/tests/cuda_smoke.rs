@@ -9,12 +9,24 @@ use half::bf16;
 
 const VECTOR_SRC: &str = r#"
 extern "C" __global__ void vadd(const float* a, const float* b, float* c, unsigned n) {
+    PDL_ENTER();
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) c[i] = a[i] + b[i];
 }
 extern "C" __global__ void add_one(float* x, unsigned n) {
+    PDL_ENTER();
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += 1.0f;
+}
+"#;
+
+// Block 0 dawdles before reading, so a successor that did not wait for it would read early.
+const CHAIN_SRC: &str = r#"
+extern "C" __global__ void slow_copy_plus_one(const float* src, float* dst, unsigned n) {
+    PDL_ENTER();
+    if (blockIdx.x == 0) __nanosleep(20000);
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i] + 1.0f;
 }
 "#;
 
@@ -22,6 +34,7 @@ extern "C" __global__ void add_one(float* x, unsigned n) {
 const BF16_SRC: &str = r#"
 #include <cuda_bf16.h>
 extern "C" __global__ void to_bf16(const float* x, __nv_bfloat16* y, unsigned n) {
+    PDL_ENTER();
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2bfloat16_rn(x[i]);
 }
@@ -30,6 +43,7 @@ extern "C" __global__ void to_bf16(const float* x, __nv_bfloat16* y, unsigned n)
 // Reverses n floats through dynamic shared memory in one block.
 const SMEM_SRC: &str = r#"
 extern "C" __global__ void reverse_in_smem(const float* x, float* y, unsigned n) {
+    PDL_ENTER();
     extern __shared__ float s[];
     for (unsigned i = threadIdx.x; i < n; i += blockDim.x) s[i] = x[i];
     __syncthreads();
@@ -615,4 +629,58 @@ fn device_to_device_copy_bandwidth_is_measured() {
         2.0 * gbps
     );
     assert_eq!(dst.to_vec().unwrap(), src_host);
+}
+
+#[test]
+fn programmatic_launches_still_see_every_predecessors_writes() {
+    let Some(device) = gpu() else { return };
+    let dir = TempDir::new("pdl");
+    let Some(cache) = kernel_cache(&device, &dir) else {
+        return;
+    };
+    let k = cache
+        .get("chain.cu", CHAIN_SRC, &["slow_copy_plus_one"])
+        .unwrap()
+        .kernel("slow_copy_plus_one")
+        .unwrap();
+    let n = 64 * 256;
+    let steps = 64;
+    for on in [true, false] {
+        device.set_programmatic_launch(on);
+        let a = device.alloc_zeros::<f32>(n).unwrap();
+        let b = device.alloc_zeros::<f32>(n).unwrap();
+        let step = |d: &Device, i: usize| -> Result<(), CudaError> {
+            let (src, dst) = if i.is_multiple_of(2) { (&a, &b) } else { (&b, &a) };
+            // SAFETY: slow_copy_plus_one(const float*, float*, unsigned) over n elements.
+            unsafe {
+                d.launch(&k)
+                    .grid(64u32)
+                    .block(256u32)
+                    .arg(src)
+                    .arg(dst)
+                    .arg(n as u32)
+                    .enqueue()
+            }
+        };
+        for i in 0..steps {
+            step(&device, i).unwrap();
+        }
+        let last = if steps % 2 == 0 { &a } else { &b };
+        assert!(
+            last.to_vec().unwrap().iter().all(|&v| v == steps as f32),
+            "eager chain, programmatic launch {on}"
+        );
+        let graph = device
+            .capture(|d| (0..steps).try_for_each(|i| step(d, i)))
+            .unwrap();
+        graph.launch().unwrap();
+        assert!(
+            last.to_vec()
+                .unwrap()
+                .iter()
+                .all(|&v| v == 2.0 * steps as f32),
+            "replayed chain, programmatic launch {on}"
+        );
+    }
+    device.set_programmatic_launch(true);
 }

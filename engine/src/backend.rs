@@ -9,8 +9,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use graph::{
-    Bucket, CpuExecutor, CudaExecutor, GraphBuilder, HostState, LogitRows, Plan, StepShape,
-    StepTiming, ValueKind,
+    Bucket, CpuExecutor, CudaExecutor, GraphBuilder, HostState, LogitRows, NodeTime, Plan,
+    StepShape, StepTiming, ValueKind,
 };
 use ops::gpu::GpuCtx;
 use ops::head::Argmax;
@@ -159,6 +159,10 @@ pub(crate) enum Backend {
         /// Replay captured decode steps (false: every step eager, for A/B runs).
         graphs: bool,
         budget: DeviceBudget,
+        /// Run the next step eagerly with an event after every node (then cleared).
+        profile_next: bool,
+        /// The per-node times of the last profiled step.
+        profile: Vec<NodeTime>,
     },
 }
 
@@ -221,6 +225,8 @@ impl Backend {
             exec: Box::new(exec),
             graphs: cuda_graphs,
             budget,
+            profile_next: false,
+            profile: Vec::new(),
         })
     }
 
@@ -237,10 +243,18 @@ impl Backend {
     ) -> Result<(), EngineError> {
         match self {
             Backend::Cpu { exec, state } => Ok(exec.run(plan, model, state, inputs)?),
-            Backend::Cuda { exec, graphs, .. } => {
+            Backend::Cuda {
+                exec,
+                graphs,
+                profile_next,
+                profile,
+                ..
+            } => {
                 exec.upload_weights(plan, model)?;
                 let decode = matches!(plan.shape.bucket, Bucket::Decode { .. });
-                if *graphs && decode && exec.is_captured(plan) {
+                if std::mem::take(profile_next) {
+                    *profile = exec.profile_eager(plan, inputs)?;
+                } else if *graphs && decode && exec.is_captured(plan) {
                     exec.replay(plan, inputs)?;
                 } else {
                     exec.run_eager(plan, inputs)?;
@@ -360,6 +374,22 @@ impl crate::Engine {
             exec.set_timing(on)?;
         }
         Ok(())
+    }
+
+    /// Runs the next step eagerly with an event after every node, stream held until the whole
+    /// step is enqueued (GPU only); [`Self::take_profile`] then returns each node's device time.
+    pub fn profile_next_step(&mut self) {
+        if let Backend::Cuda { profile_next, .. } = &mut self.backend {
+            *profile_next = true;
+        }
+    }
+
+    /// The per-node device times of the last profiled step (empty when none was profiled).
+    pub fn take_profile(&mut self) -> Vec<NodeTime> {
+        match &mut self.backend {
+            Backend::Cuda { profile, .. } => std::mem::take(profile),
+            Backend::Cpu { .. } => Vec::new(),
+        }
     }
 
     /// Timing of the last step, when [`Self::set_step_timing`] is on (GPU only).

@@ -10,7 +10,7 @@ pub mod sampling;
 
 pub use backend::{DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, build_plan};
 pub use generate::{FinishReason, GenerateRequest, Generation, Stats, TokenEvent};
-pub use graph::StepTiming;
+pub use graph::{NodeTime, StepTiming};
 pub use model::Model;
 pub use sampling::{Sampler, SamplingParams};
 

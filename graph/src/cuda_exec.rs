@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cuda::{CudaError, DeviceArena, Timer};
+use cuda::{CudaError, DeviceArena, EventTrail, Timer};
 use ops::TensorMeta;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 
@@ -190,6 +190,14 @@ pub fn lowered_launches(plan: &Plan) -> Result<String, GraphError> {
         let _ = writeln!(s, "output {name} {:?} {bytes} bytes", loc);
     }
     Ok(s)
+}
+
+/// One node's device time in a profiled step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeTime {
+    pub node: String,
+    pub op: String,
+    pub ms: f64,
 }
 
 /// Host time spent enqueueing one step, and the stream time between events
@@ -505,6 +513,15 @@ impl CudaExecutor {
 
     /// Enqueues every node of `plan` (no host sync): the launch list a capture records.
     fn enqueue(&self, plan: &Plan) -> Result<(), CudaExecError> {
+        self.enqueue_with(plan, |_| Ok(()))
+    }
+
+    /// [`Self::enqueue`], calling `after(k)` once the k-th scheduled node is enqueued.
+    fn enqueue_with(
+        &self,
+        plan: &Plan,
+        mut after: impl FnMut(usize) -> Result<(), CudaExecError>,
+    ) -> Result<(), CudaExecError> {
         let arena = self.arena.as_ref().ok_or(CudaExecError::NoArena)?;
         if arena.num_bytes() < plan.device_arena_bytes {
             return Err(CudaExecError::Device {
@@ -555,7 +572,7 @@ impl CudaExecutor {
             };
             Ok((ptr, bytes))
         };
-        for &n in &plan.schedule {
+        for (k, &n) in plan.schedule.iter().enumerate() {
             let node = &g.nodes[n];
             let aliases = node.op.aliases();
             let mut outs = Vec::with_capacity(node.outputs.len());
@@ -603,8 +620,49 @@ impl CudaExecutor {
                         .collect(),
                     source,
                 })?;
+            after(k)?;
         }
         Ok(())
+    }
+
+    /// Runs one step of `plan` eagerly with an event after every node, behind a stall long
+    /// enough for the host to enqueue the whole step first, so nodes run back to back as in a
+    /// replayed graph. Returns each node's name, op and device milliseconds in schedule order.
+    pub fn profile_eager(
+        &mut self,
+        plan: &Plan,
+        inputs: &[(&str, &[u8])],
+    ) -> Result<Vec<NodeTime>, CudaExecError> {
+        self.upload_inputs(plan, inputs)?;
+        let trail = EventTrail::new(&self.ctx.device, plan.schedule.len() + 1)
+            .map_err(dev("creating profile events"))?;
+        // Host enqueue runs at a few microseconds a launch; a stall of 20 µs a node covers it.
+        let stall_us = 2_000 + 20 * plan.schedule.len() as u64;
+        self.ctx
+            .device
+            .stall(&self.ctx.kernels, stall_us)
+            .map_err(dev("stalling the stream"))?;
+        trail.mark(0).map_err(dev("recording a profile event"))?;
+        self.enqueue_with(plan, |k| {
+            trail.mark(k + 1).map_err(dev("recording a profile event"))
+        })?;
+        let ms = trail
+            .intervals_ms()
+            .map_err(dev("reading profile events"))?;
+        self.warm.insert(plan.id);
+        Ok(plan
+            .schedule
+            .iter()
+            .zip(ms)
+            .map(|(&n, ms)| {
+                let node = &plan.graph.nodes[n];
+                NodeTime {
+                    node: node.name.clone(),
+                    op: node.op.name().to_string(),
+                    ms: f64::from(ms),
+                }
+            })
+            .collect())
     }
 
     /// Times `submit` when timing is on: host time to return, stream time between events.

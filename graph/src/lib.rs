@@ -7,7 +7,9 @@ mod exec;
 mod plan;
 
 pub use builder::{Graph, GraphBuilder, Node, ValueId, ValueInfo, ValueKind, WeightSource};
-pub use cuda_exec::{CudaExecError, CudaExecutor, StepTiming, lowered_launches, weight_layout};
+pub use cuda_exec::{
+    CudaExecError, CudaExecutor, NodeTime, StepTiming, lowered_launches, weight_layout,
+};
 pub use exec::{AlignedBuf, CpuExecutor, HostState, HostWeights};
 pub use plan::{Bucket, LogitRows, Plan, SLOT_ALIGN, Slot, StepShape};
 

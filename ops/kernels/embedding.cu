@@ -10,6 +10,7 @@ extern "C" __global__ void embedding_rows(const unsigned char* __restrict__ tabl
                                           const int* __restrict__ tokens,
                                           float* __restrict__ out, int V, int D,
                                           long long row_bytes, int wt) {
+    PDL_ENTER();
     const int t = blockIdx.y;
     const int id = tokens[t];
     const bool ok = id >= 0 && id < V;

@@ -13,6 +13,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // out[t][s][i] = x[t][i].
 extern "C" __global__ void hc_expand(const float* __restrict__ x, float* __restrict__ out, int hc, int D,
                                      long long total) {
+    PDL_ENTER();
     for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {
         const long long ts = e / D, i = e % D, t = ts / hc;
@@ -42,7 +43,7 @@ __device__ __forceinline__ void stream_mean_body(const float* __restrict__ h, fl
 }
 #define STREAM_MEAN(HCT)                                                                          \
     extern "C" __global__ void stream_mean_##HCT(const float* h, float* out, int hc, int D,       \
-                                                 long long total) {                               \
+                                                 long long total) { PDL_ENTER();                  \
         stream_mean_body<HCT>(h, out, hc, D, total);                                              \
     }
 HC_VARIANTS(STREAM_MEAN)
@@ -71,7 +72,7 @@ __device__ __forceinline__ void hc_post_body(const float* __restrict__ y, const 
 #define HC_POST(HCT)                                                                              \
     extern "C" __global__ void hc_post_##HCT(const float* y, const float* h, const float* post,  \
                                              const float* comb, float* out, int hc, int D,        \
-                                             long long total) {                                   \
+                                             long long total) { PDL_ENTER();                      \
         hc_post_body<HCT>(y, h, post, comb, out, hc, D, total);                                   \
     }
 HC_VARIANTS(HC_POST)
@@ -183,7 +184,7 @@ __device__ __forceinline__ void pre_partial(const float* __restrict__ h, const v
 
 #define PRE_PARTIAL(NAME, BF, VEC, TB)                                                            \
     extern "C" __global__ void __launch_bounds__(256) hc_pre_partial_##NAME(                      \
-        const float* h, const void* fn, float* part, int n, int W, int K, int L) {                \
+        const float* h, const void* fn, float* part, int n, int W, int K, int L) { PDL_ENTER();   \
         pre_partial<BF, VEC, TB>(h, fn, part, n, W, K, L);                                         \
     }
 PRE_PARTIAL(bf16_vec_1, true, true, 1)
@@ -261,7 +262,7 @@ __device__ __forceinline__ void pre_pairs(const float* __restrict__ h, const voi
 
 #define PRE_PAIRS(NAME, BF, TB)                                                                   \
     extern "C" __global__ void __launch_bounds__(256) hc_pre_pairs_##NAME(                        \
-        const float* h, const void* fn, float* part, int n, int W, int K, int L) {                \
+        const float* h, const void* fn, float* part, int n, int W, int K, int L) { PDL_ENTER();   \
         pre_pairs<BF, TB>(h, fn, part, n, W, K, L);                                                \
     }
 PRE_PAIRS(bf16_1, true, 1)
@@ -298,7 +299,8 @@ __device__ __forceinline__ void finish_body(const float* __restrict__ h, const f
                                             const float* __restrict__ base, const float* __restrict__ scale,
                                             float* __restrict__ x, float* __restrict__ post,
                                             float* __restrict__ comb, int hc_rt, int D, int K, int splits,
-                                            float rms_eps, float hc_eps, float clamp, int iters, int cb) {
+                                            float rms_eps, float hc_eps, float clamp, int iters, int cb,
+                                            const float* __restrict__ norm_w, float norm_eps) {
     extern __shared__ float fin_smem[];
     const int hc = HCT ? HCT : hc_rt;
     float* tot = fin_smem;   // K+1 totals (K: the sum of squares)
@@ -330,6 +332,44 @@ __device__ __forceinline__ void finish_body(const float* __restrict__ h, const f
         const int i0 = blockIdx.y * blockDim.x + threadIdx.x;
         // 16-byte loads when every stream row and the output row are 16-byte aligned.
         const bool vec = (D & 3) == 0 && ((unsigned long long)hp & 15) == 0 && ((unsigned long long)xt & 15) == 0;
+        if (norm_w) {
+            // The sub-layer's RMSNorm fused in (the host launches this only with 16-byte
+            // views, cb == 1 and D/4 <= blockDim): one float4 of x a thread, its sum of
+            // squares in the RmsNorm kernel's per-thread order, warps added in warp order.
+            __shared__ float red[32];
+            const int i = threadIdx.x, D4 = D >> 2;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < D4) {
+                const float4 a = __ldg(reinterpret_cast<const float4*>(hp) + i);
+                v = make_float4(__fmul_rn(M[0], a.x), __fmul_rn(M[0], a.y), __fmul_rn(M[0], a.z),
+                                __fmul_rn(M[0], a.w));
+                for (int s = 1; s < hc; ++s) {
+                    const float4 b = __ldg(reinterpret_cast<const float4*>(hp + (long long)s * D) + i);
+                    v.x = __fadd_rn(v.x, __fmul_rn(M[s], b.x));
+                    v.y = __fadd_rn(v.y, __fmul_rn(M[s], b.y));
+                    v.z = __fadd_rn(v.z, __fmul_rn(M[s], b.z));
+                    v.w = __fadd_rn(v.w, __fmul_rn(M[s], b.w));
+                }
+            }
+            float ss = 0.f;
+            ss += __fmul_rn(v.x, v.x);
+            ss += __fmul_rn(v.y, v.y);
+            ss += __fmul_rn(v.z, v.z);
+            ss += __fmul_rn(v.w, v.w);
+            ss = warp_sum(ss);
+            if (lane == 0) red[warp] = ss;
+            __syncthreads();
+            float all = 0.f;
+            for (int w = 0; w < nwarps; ++w) all += red[w];
+            const float ns = 1.0f / sqrtf(all / (float)D + norm_eps);
+            if (i < D4) {
+                const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + i);
+                reinterpret_cast<float4*>(xt)[i] =
+                    make_float4(__fmul_rn(__fmul_rn(v.x, ns), g.x), __fmul_rn(__fmul_rn(v.y, ns), g.y),
+                                __fmul_rn(__fmul_rn(v.z, ns), g.z), __fmul_rn(__fmul_rn(v.w, ns), g.w));
+            }
+            return;
+        }
         if (vec) {
             const int D4 = D >> 2;
             for (int i = i0; i < D4; i += nthr) {
@@ -460,8 +500,9 @@ __device__ __forceinline__ void finish_body(const float* __restrict__ h, const f
     extern "C" __global__ void __launch_bounds__(1024) hc_pre_finish_##HCT(                       \
         const float* h, const float* part, const float* base, const float* scale,                 \
         float* x, float* post, float* comb, int hc, int D, int K, int splits, float rms_eps,       \
-        float hc_eps, float clamp, int iters, int cb) {                                           \
+        float hc_eps, float clamp, int iters, int cb, const float* norm_w, float norm_eps) {      \
+        PDL_ENTER();                                                                              \
         finish_body<HCT>(h, part, base, scale, x, post, comb, hc, D, K, splits, rms_eps,           \
-                         hc_eps, clamp, iters, cb);                                               \
+                         hc_eps, clamp, iters, cb, norm_w, norm_eps);                             \
     }
 HC_VARIANTS(PRE_FINISH)

@@ -12,7 +12,7 @@ use crate::cpu::matmul;
 use crate::elementwise::{arity, want_dtype};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
 use crate::linear::as_i32;
-use crate::norm::rms_norm_rows;
+use crate::norm::{launch_rms_norm, rms_norm_rows};
 use crate::op::check_device;
 use crate::op::check_host;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
@@ -461,8 +461,32 @@ impl Op for HcPre {
         scratch: Scratch,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
+        let [x, post, comb] = outputs else {
+            return Err(OpError::shape(self.name(), "expects 3 outputs"));
+        };
+        // SAFETY: check_device checked every input and output against the op's shapes.
+        unsafe { self.enqueue(ctx, inputs, [x.ptr, post.ptr, comb.ptr], scratch, None) }
+    }
+}
+
+impl HcPre {
+    /// The two launches of `hc_pre` over `inputs` (H, fn, base, scale), writing x, post and
+    /// comb at `outs`. With `norm = Some((w, eps))` the collapse block also applies the
+    /// sub-layer's RMSNorm to x (only when [`HcPre::norm_fuses`] said so).
+    ///
+    /// # Safety
+    /// `inputs` must be checked against [`Op::infer`] and `outs` must address buffers of the
+    /// inferred output sizes; `norm`'s weight must hold D f32.
+    unsafe fn enqueue(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outs: [u64; 3],
+        scratch: Scratch,
+        norm: Option<(u64, f32)>,
+    ) -> Result<(), OpError> {
         let op = self.name();
-        let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+        let metas: Vec<&TensorMeta> = inputs.iter().take(4).map(|t| t.meta).collect();
         let (n, w, k, splits) =
             pre_dims(self, &metas).ok_or_else(|| OpError::shape(op, "inputs refused"))?;
         if n == 0 {
@@ -548,9 +572,9 @@ impl Op for HcPre {
                 .arg(part)
                 .arg(inputs[2].ptr)
                 .arg(inputs[3].ptr)
-                .arg(outputs[0].ptr)
-                .arg(outputs[1].ptr)
-                .arg(outputs[2].ptr)
+                .arg(outs[0])
+                .arg(outs[1])
+                .arg(outs[2])
                 .arg(as_i32(op, "hc", self.hc)?)
                 .arg(as_i32(op, "D", d)?)
                 .arg(ki)
@@ -560,8 +584,122 @@ impl Op for HcPre {
                 .arg(self.clamp)
                 .arg(as_i32(op, "iters", self.sinkhorn_iters)?)
                 .arg(cb as i32)
+                .arg(norm.map_or(0, |(w, _)| w))
+                .arg(norm.map_or(0.0, |(_, eps)| eps))
                 .enqueue()
                 .map_err(dev_err)
+        }
+    }
+
+    /// Whether the finishing kernel can apply the RMSNorm itself: one collapse block holding
+    /// all of x, one float4 a thread, 16-byte aligned streams, output and weight.
+    fn norm_fuses(d: usize, ptrs: &[u64]) -> bool {
+        d.is_multiple_of(4) && d / 4 <= PRE_FINISH_THREADS && ptrs.iter().all(|p| p.is_multiple_of(16))
+    }
+}
+
+/// `hc_pre` followed by the sub-layer's RMSNorm of its collapsed x (spec §3.0's `rms(x)`):
+/// the pre-norm x has no other reader, so on the GPU the finishing kernel normalises the row
+/// it has just collapsed instead of a separate kernel reading it back.
+///
+/// Inputs: H, fn, base, scale (as [`HcPre`]) and the norm weight F32 `[D]`.
+/// Outputs: `rms_norm(x)·w` F32 `[n, D]`, post, comb.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HcPreNorm {
+    pub pre: HcPre,
+    pub norm_eps: f32,
+}
+
+impl Op for HcPreNorm {
+    fn name(&self) -> &'static str {
+        "hc_pre_norm"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        arity(op, inputs, 5)?;
+        let outs = self.pre.infer(&inputs[..4])?;
+        let d = outs[0].shape[1];
+        want_f32(op, "norm weight", inputs[4], &[d])?;
+        Ok(outs)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        self.pre.cpu(&inputs[..4], outputs)?;
+        let d = inputs[0].meta.shape[2];
+        let w = inputs[4].f32()?;
+        let x = outputs[0].f32_mut()?;
+        let collapsed = x.to_vec();
+        rms_norm_rows(&collapsed, Some(w), d, self.norm_eps, x);
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} then rms_norm(eps={:e})",
+            self.pre.describe(),
+            self.norm_eps
+        )
+    }
+
+    /// The partials of `hc_pre`, then room for the collapsed x when the norm cannot be fused.
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        let partials = self.pre.cuda_scratch_bytes(&inputs[..4.min(inputs.len())]);
+        let x = inputs.first().map_or(0, |h| {
+            h.shape.first().copied().unwrap_or(0) * h.shape.last().copied().unwrap_or(0)
+        });
+        partials.next_multiple_of(16) + x * 4
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let [x, post, comb] = outputs else {
+            return Err(OpError::shape(self.name(), "expects 3 outputs"));
+        };
+        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[2]);
+        let w = inputs[4].ptr;
+        if HcPre::norm_fuses(d, &[inputs[0].ptr, x.ptr, w]) {
+            // SAFETY: check_device checked the inputs and outputs; w holds D f32.
+            return unsafe {
+                self.pre.enqueue(
+                    ctx,
+                    inputs,
+                    [x.ptr, post.ptr, comb.ptr],
+                    scratch,
+                    Some((w, self.norm_eps)),
+                )
+            };
+        }
+        let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+        let need = self.cuda_scratch_bytes(&metas);
+        if scratch.bytes < need {
+            return Err(OpError::Type(format!(
+                "hc_pre_norm: scratch of {} bytes, {need} needed",
+                scratch.bytes
+            )));
+        }
+        let partials = self
+            .pre
+            .cuda_scratch_bytes(&metas[..4])
+            .next_multiple_of(16);
+        let collapsed = scratch.ptr + partials as u64;
+        // SAFETY: as above; the collapsed x goes to the scratch past the partials (n·D f32,
+        // checked against `need`), then the norm reads it into the output.
+        unsafe {
+            self.pre
+                .enqueue(ctx, inputs, [collapsed, post.ptr, comb.ptr], scratch, None)?;
+            launch_rms_norm(ctx, collapsed, Some(w), x.ptr, n, d, self.norm_eps)
         }
     }
 }

@@ -104,7 +104,13 @@ impl Op for Argmax {
         }
         let n =
             u32::try_from(n).map_err(|_| OpError::shape(op, format!("{n} rows in one launch")))?;
-        let k = ctx.kernel("head.cu", HEAD_CU, "argmax_rows")?;
+        let vec = v.is_multiple_of(4) && inputs[0].ptr.is_multiple_of(16);
+        let name = if vec {
+            "argmax_rows_vec"
+        } else {
+            "argmax_rows"
+        };
+        let k = ctx.kernel("head.cu", HEAD_CU, name)?;
         // SAFETY: argmax_rows(x, out, V); check_device checked x holds n×V f32 and out n i32.
         unsafe {
             ctx.device

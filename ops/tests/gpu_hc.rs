@@ -3,7 +3,7 @@
 
 use half::bf16;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::hc::{HcExpand, HcPost, HcPre, StreamMean};
+use ops::hc::{HcExpand, HcPost, HcPre, HcPreNorm, StreamMean};
 use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::{DType, Op, TensorMeta};
 use proptest::prelude::*;
@@ -168,6 +168,41 @@ fn hc_pre_matches_the_cpu_reference_at_the_real_width() {
             rel[0], rel[1], rel[2]
         );
     }
+}
+
+/// The fused norm changes only x: the tolerances are `PreCase::check`'s, with x's absolute
+/// part scaled by the norm (x/rms(x)·w is O(|w|) where x was O(max|H|)).
+#[test]
+fn hc_pre_norm_matches_hc_pre_then_rms_norm_fused_or_not() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(40), |(
+        hc in prop::sample::select(vec![1usize, 2, 3, 4]),
+        // Whole float4 rows up to 4096 take the fused kernel; other widths and wider rows
+        // the separate norm launch.
+        d in prop_oneof![1usize..300, (1usize..1024).prop_map(|v| v * 4), 4097usize..4400],
+        n in 1usize..5,
+        seed in any::<u64>(),
+    )| {
+        let c = PreCase::random(seed, hc, n, d, DType::BF16, 20.0);
+        let mut r = Rng(seed ^ 0x5eed);
+        let w = r.vec(d, -2.0, 2.0);
+        let wmax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let mut inputs = c.inputs.clone();
+        inputs.push(HostValue::f32([d], &w));
+        let op = HcPreNorm { pre: pre_op(hc), norm_eps: 1e-6 };
+        let cpu = run_cpu(&op, &inputs).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
+        let dev = run_gpu(&gpu, &op, &inputs).map_err(|e| TestCaseError::fail(format!("cuda: {e}")))?;
+        let tols = [
+            Tolerance::new(1e-3, 1e-3 * wmax.max(1e-3)),
+            Tolerance::new(1e-3, 1e-5),
+            Tolerance::new(1e-3, 1e-5),
+        ];
+        for (i, ((m, cv), (_, g))) in cpu.iter().zip(&dev).enumerate() {
+            compare(m, cv.bytes(), g, tols[i]).map_err(|e| {
+                TestCaseError::fail(format!("hc={hc} n={n} D={d}: output {i}: {e}"))
+            })?;
+        }
+    });
 }
 
 #[test]

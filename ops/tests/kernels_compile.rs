@@ -16,7 +16,10 @@ fn resource_lines(log: &str) -> Vec<&str> {
 #[test]
 fn every_kernel_source_compiles_for_sm_90a_without_spilling() {
     let mut spilled = Vec::new();
-    for (name, source) in ops::kernel_sources() {
+    let sources = ops::kernel_sources()
+        .into_iter()
+        .chain([("stall.cu", cuda::STALL_CU)]);
+    for (name, source) in sources {
         let build = match compile_offline(name, source, ARCH, &["--ptxas-options=-v".into()]) {
             Ok(b) => b,
             Err(CudaError::NvrtcNotLoaded { tried }) => {
@@ -48,3 +51,4 @@ fn every_kernel_source_compiles_for_sm_90a_without_spilling() {
         spilled.join("\n")
     );
 }
+

@@ -13,8 +13,7 @@
 use deepseek2::Trunk;
 use graph::{GraphBuilder, GraphError, ModelDecl, StepShape, ValueId};
 use loader::hparams::HParams;
-use ops::hc::{HcExpand, HcPost, HcPre, StreamMean};
-use ops::norm::RmsNorm;
+use ops::hc::{HcExpand, HcPost, HcPre, HcPreNorm, StreamMean};
 
 /// Spec §1.2: the comb-logit clamp comes from config.json; ±30 when it is absent.
 pub const DEFAULT_COMB_CLAMP: f32 = 30.0;
@@ -41,18 +40,21 @@ impl Xing4 {
         })
     }
 
-    /// `hc_pre` of one HC set (`hc_attn` / `hc_ffn`): the collapsed sub-layer input,
-    /// the post gates and the comb matrix.
-    fn hc_pre(
+    /// `rms(hc_pre(H))` of one HC set (`hc_attn` / `hc_ffn`) with the sub-layer's norm
+    /// (`attn_norm` / `ffn_norm`): the normalised sub-layer input, the post gates and the comb
+    /// matrix. One op, since the collapsed x has no other reader.
+    fn hc_pre_norm(
         &self,
         b: &mut GraphBuilder<'_>,
         layer: usize,
         set: &str,
+        norm: &str,
         streams: ValueId,
     ) -> Result<[ValueId; 3], GraphError> {
         let f = b.weight(&format!("blk.{layer}.{set}_fn.weight"))?;
         let base = b.weight(&format!("blk.{layer}.{set}_base.weight"))?;
         let scale = b.weight(&format!("blk.{layer}.{set}_scale.weight"))?;
+        let w_norm = b.weight(&format!("blk.{layer}.{norm}.weight"))?;
         let pre = HcPre {
             hc: self.hc,
             sinkhorn_iters: self.sinkhorn_iters,
@@ -60,7 +62,15 @@ impl Xing4 {
             hc_eps: self.hc_eps,
             clamp: self.clamp,
         };
-        b.opn(&format!("{set}_pre"), pre, &[streams, f, base, scale])
+        let op = HcPreNorm {
+            pre,
+            norm_eps: self.trunk.h.rms_eps,
+        };
+        b.opn(
+            &format!("{set}_pre_{norm}"),
+            op,
+            &[streams, f, base, scale, w_norm],
+        )
     }
 }
 
@@ -78,12 +88,8 @@ impl ModelDecl for Xing4 {
             streams = b.scope(
                 &format!("blk.{layer}"),
                 |b| -> Result<ValueId, GraphError> {
-                    let w_attn_norm = b.weight(&format!("blk.{layer}.attn_norm.weight"))?;
-                    let w_ffn_norm = b.weight(&format!("blk.{layer}.ffn_norm.weight"))?;
-                    let eps = t.h.rms_eps;
-
-                    let [x, post, comb] = self.hc_pre(b, layer, "hc_attn", streams)?;
-                    let a = b.op1("attn_norm", RmsNorm { eps }, &[x, w_attn_norm])?;
+                    let [a, post, comb] =
+                        self.hc_pre_norm(b, layer, "hc_attn", "attn_norm", streams)?;
                     let y = t.attention(b, layer, a, positions, shape)?;
                     let streams = b.op1(
                         "hc_attn_post",
@@ -91,8 +97,8 @@ impl ModelDecl for Xing4 {
                         &[y, streams, post, comb],
                     )?;
 
-                    let [x, post, comb] = self.hc_pre(b, layer, "hc_ffn", streams)?;
-                    let z = b.op1("ffn_norm", RmsNorm { eps }, &[x, w_ffn_norm])?;
+                    let [z, post, comb] =
+                        self.hc_pre_norm(b, layer, "hc_ffn", "ffn_norm", streams)?;
                     let y = t.ffn(b, layer, z)?;
                     b.op1(
                         "hc_ffn_post",

@@ -64,6 +64,49 @@ struct Args {
     /// Decode steps timed with events per arm for the host-vs-device columns.
     #[arg(long, default_value_t = 32)]
     timing_steps: usize,
+    /// At each depth, profile one decode step node by node (GPU only) and print where its
+    /// device time goes, grouped by the node's name without its layer prefix.
+    #[arg(long)]
+    profile: bool,
+}
+
+/// `blk.12.attn.q_a` → `attn.q_a`; names outside the layers stay as they are.
+fn without_layer(name: &str) -> &str {
+    match name.strip_prefix("blk.") {
+        Some(rest) => rest.split_once('.').map_or(name, |(_, tail)| tail),
+        None => name,
+    }
+}
+
+/// Prints a profiled step grouped by node name without its layer: launches, µs, share.
+fn print_profile(label: &str, nodes: &[engine::NodeTime]) {
+    let total: f64 = nodes.iter().map(|n| n.ms).sum::<f64>() * 1e3;
+    let mut groups: Vec<(String, String, usize, f64)> = Vec::new();
+    for n in nodes {
+        let key = without_layer(&n.node);
+        match groups.iter_mut().find(|g| g.0 == key) {
+            Some(g) => {
+                g.2 += 1;
+                g.3 += n.ms * 1e3;
+            }
+            None => groups.push((key.to_string(), n.op.clone(), 1, n.ms * 1e3)),
+        }
+    }
+    groups.sort_by(|a, b| b.3.total_cmp(&a.3));
+    println!();
+    println!(
+        "profile {label}: {} nodes, {total:.0} µs of device time back to back",
+        nodes.len()
+    );
+    println!("| node | op | count | µs/step | µs each | share |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: |");
+    for (name, op, count, us) in &groups {
+        println!(
+            "| {name} | {op} | {count} | {us:.1} | {:.2} | {:.1}% |",
+            us / *count as f64,
+            100.0 * us / total.max(1e-9)
+        );
+    }
 }
 
 /// Mean and sample standard deviation.
@@ -93,6 +136,7 @@ fn synthetic_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 /// One decode run: per-step seconds, and the host/device split when timing is on.
 struct DecodeRun {
+    last_id: u32,
     steps: Vec<f64>,
     host: Vec<f64>,
     device: Vec<f64>,
@@ -101,6 +145,7 @@ struct DecodeRun {
 /// Decodes `n` greedy steps from the current cache, feeding each chosen id back.
 fn decode(engine: &mut Engine, first: u32, n: usize) -> Result<DecodeRun> {
     let mut run = DecodeRun {
+        last_id: first,
         steps: Vec::with_capacity(n),
         host: Vec::new(),
         device: Vec::new(),
@@ -115,6 +160,7 @@ fn decode(engine: &mut Engine, first: u32, n: usize) -> Result<DecodeRun> {
             run.device.push(tm.device_s);
         }
     }
+    run.last_id = id;
     Ok(run)
 }
 
@@ -216,6 +262,7 @@ fn main() -> Result<()> {
     }
     let gpu = engine.on_gpu();
     let mut rows: Vec<Row> = Vec::new();
+    let mut profiles: Vec<(String, Vec<engine::NodeTime>)> = Vec::new();
 
     for &p in &a.prompt {
         let ids = synthetic_ids(p, vocab, p as u64);
@@ -313,9 +360,20 @@ fn main() -> Result<()> {
                 eprintln!("  {} [{}] {:.1} t/s", row.test, row.arm, row.rate.0);
                 rows.push(row);
             }
+            if gpu && a.profile {
+                engine.set_cuda_graphs(true);
+                let id = restart(&mut engine)?;
+                let id = decode(&mut engine, id, 2)?.last_id;
+                engine.profile_next_step();
+                engine.forward_argmax(&[id])?;
+                profiles.push((format!("tg{n} @ d{d}"), engine.take_profile()));
+            }
         }
     }
     engine.set_cuda_graphs(true);
+    for (label, nodes) in &profiles {
+        print_profile(label, nodes);
+    }
 
     let device_name = engine.device_name();
     println!(
