@@ -286,6 +286,20 @@ fn main() -> Result<()> {
         };
         eprintln!("  {} {:.1} t/s", row.test, row.rate.0);
         rows.push(row);
+        if gpu && a.profile {
+            // The last chunk: its attention reads the most cache rows.
+            let last = p - (p - 1) % a.prefill_chunk.max(1) - 1;
+            engine.reset();
+            if last > 0 {
+                engine.forward_argmax(&ids[..last])?;
+            }
+            engine.profile_next_step();
+            engine.forward_argmax(&ids[last..])?;
+            profiles.push((
+                format!("pp{p}, chunk at {last}..{p}"),
+                engine.take_profile(),
+            ));
+        }
     }
 
     let arms: Vec<(&'static str, bool)> = match (gpu, a.no_ab) {
