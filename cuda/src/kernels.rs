@@ -81,16 +81,19 @@ fn cuda_include_dirs() -> Vec<String> {
         candidates.push(PathBuf::from(home).join("include"));
     }
     candidates.push(PathBuf::from("/usr/local/cuda/include"));
-    let mut dirs: Vec<String> = Vec::new();
-    for dir in candidates {
-        if dir.join("cuda_fp16.h").is_file() {
-            let s = dir.to_string_lossy().into_owned();
-            if !dirs.contains(&s) {
-                dirs.push(s);
-            }
-        }
+    // The first toolkit include folder with the fp16 header, and its `cccl` folder (CUDA 13
+    // keeps libcu++/CUB there; cooperative_groups needs `cuda/std`).
+    let Some(dir) = candidates
+        .into_iter()
+        .find(|d| d.join("cuda_fp16.h").is_file())
+    else {
+        return Vec::new();
+    };
+    let mut dirs = vec![dir.to_string_lossy().into_owned()];
+    let cccl = dir.join("cccl");
+    if cccl.join("cuda").is_dir() {
+        dirs.push(cccl.to_string_lossy().into_owned());
     }
-    dirs.truncate(1);
     dirs
 }
 

@@ -200,14 +200,49 @@ PRE_PARTIAL(f32_any_8, false, false, 8)
 // the block takes (mix k, 8-column unit u) pairs of the segment, so all of the segment's
 // fn bytes are requested at once (one memory latency); the per-unit products meet in
 // shared memory and are summed in unit order. Dynamic shared: TB·(K+1)·U floats.
-template <bool BF, int TB>
-__device__ __forceinline__ void pre_pairs(const float* __restrict__ h, const void* __restrict__ fn,
-                                          float* __restrict__ part, int n, int W, int K, int L) {
+//
+// POST: the block first forms its segment of H' = hc_post(y, H, post, comb) for its tokens,
+// element by element in hc_post's rounding order (so H' has hc_post's bits), writes it to h
+// (the new residual streams) and keeps it in shared memory for the dots: hc_post's own launch
+// and its round trip through memory disappear. Dynamic shared then adds TB·8U floats.
+template <bool G>
+__device__ __forceinline__ float4 ld4(const float4* p) {
+    if constexpr (G) return __ldg(p);
+    else return *p;
+}
+
+template <bool BF, int TB, bool POST>
+__device__ __forceinline__ void pre_pairs(float* __restrict__ h, const void* __restrict__ fn,
+                                          float* __restrict__ part, int n, int W, int K, int L,
+                                          const float* __restrict__ y, const float* __restrict__ hin,
+                                          const float* __restrict__ post, const float* __restrict__ comb,
+                                          int hc, int D) {
     extern __shared__ float pair_smem[];
     const int sp = blockIdx.x, splits = gridDim.x, t0 = blockIdx.y * TB;
     const int s0 = sp * L, U = (min(W, s0 + L) - s0) >> 3;
     float* dots = pair_smem;              // [TB][K][U]
     float* sq = pair_smem + TB * K * U;   // [TB][U]
+    float* hs = sq + TB * U;              // POST: [TB][8U], this segment of H'
+    if constexpr (POST) {
+        for (int p = threadIdx.x; p < TB * 8 * U; p += blockDim.x) {
+            const int t = p / (8 * U), c = p - t * 8 * U;
+            if (t0 + t >= n) continue;
+            const long long tt = t0 + t;
+            const int col = s0 + c, d = col / D, i = col - d * D;
+            const float* cp = comb + tt * hc * hc + d * hc;
+            const float* hp = hin + tt * W + i;
+            float o = __fmul_rn(post[tt * hc + d], y[tt * D + i]);
+            for (int s = 0; s < hc; ++s) o = __fadd_rn(o, __fmul_rn(cp[s], hp[(long long)s * D]));
+            hs[p] = o;
+            h[tt * W + col] = o;
+        }
+        __syncthreads();
+    }
+    // Where a token's segment of the streams is read from: shared memory (POST) or global.
+    auto seg = [&](int t) -> const float* {
+        if constexpr (POST) return hs + t * 8 * U;
+        else return h + (long long)(t0 + t) * W + s0;
+    };
     const int pairs = K * U;
     for (int p0 = threadIdx.x; p0 < pairs; p0 += 2 * blockDim.x) {
         const int p1 = p0 + blockDim.x;
@@ -219,16 +254,16 @@ __device__ __forceinline__ void pre_pairs(const float* __restrict__ h, const voi
 #pragma unroll
         for (int t = 0; t < TB; ++t) {
             if (t0 + t < n) {
-                const float* ht = h + (long long)(t0 + t) * W + s0;
+                const float* ht = seg(t);
                 const float4* a = reinterpret_cast<const float4*>(ht + 8 * u0);
-                const float4 x0 = __ldg(a), x1 = __ldg(a + 1);
+                const float4 x0 = ld4<!POST>(a), x1 = ld4<!POST>(a + 1);
                 float r = w0[0] * x0.x;
                 r = fmaf(w0[1], x0.y, r); r = fmaf(w0[2], x0.z, r); r = fmaf(w0[3], x0.w, r);
                 r = fmaf(w0[4], x1.x, r); r = fmaf(w0[5], x1.y, r); r = fmaf(w0[6], x1.z, r); r = fmaf(w0[7], x1.w, r);
                 dots[(t * K + k0) * U + u0] = r;
                 if (two) {
                     const float4* c = reinterpret_cast<const float4*>(ht + 8 * u1);
-                    const float4 y0 = __ldg(c), y1 = __ldg(c + 1);
+                    const float4 y0 = ld4<!POST>(c), y1 = ld4<!POST>(c + 1);
                     float z = w1[0] * y0.x;
                     z = fmaf(w1[1], y0.y, z); z = fmaf(w1[2], y0.z, z); z = fmaf(w1[3], y0.w, z);
                     z = fmaf(w1[4], y1.x, z); z = fmaf(w1[5], y1.y, z); z = fmaf(w1[6], y1.z, z); z = fmaf(w1[7], y1.w, z);
@@ -241,8 +276,8 @@ __device__ __forceinline__ void pre_pairs(const float* __restrict__ h, const voi
         const int t = p / U, u = p % U;
         float q = 0.f;
         if (t0 + t < n) {
-            const float4* a = reinterpret_cast<const float4*>(h + (long long)(t0 + t) * W + s0 + 8 * u);
-            const float4 x0 = __ldg(a), x1 = __ldg(a + 1);
+            const float4* a = reinterpret_cast<const float4*>(seg(t) + 8 * u);
+            const float4 x0 = ld4<!POST>(a), x1 = ld4<!POST>(a + 1);
             q = x0.x * x0.x;
             q = fmaf(x0.y, x0.y, q); q = fmaf(x0.z, x0.z, q); q = fmaf(x0.w, x0.w, q);
             q = fmaf(x1.x, x1.x, q); q = fmaf(x1.y, x1.y, q); q = fmaf(x1.z, x1.z, q); q = fmaf(x1.w, x1.w, q);
@@ -263,7 +298,14 @@ __device__ __forceinline__ void pre_pairs(const float* __restrict__ h, const voi
 #define PRE_PAIRS(NAME, BF, TB)                                                                   \
     extern "C" __global__ void __launch_bounds__(256) hc_pre_pairs_##NAME(                        \
         const float* h, const void* fn, float* part, int n, int W, int K, int L) { PDL_ENTER();   \
-        pre_pairs<BF, TB>(h, fn, part, n, W, K, L);                                                \
+        pre_pairs<BF, TB, false>(const_cast<float*>(h), fn, part, n, W, K, L, nullptr, nullptr,   \
+                                 nullptr, nullptr, 0, 1);                                         \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) hc_post_pre_pairs_##NAME(                   \
+        const float* y, const float* hin, const float* post, const float* comb, float* h,         \
+        const void* fn, float* part, int n, int W, int K, int L, int hc, int D) {                 \
+        PDL_ENTER();                                                                              \
+        pre_pairs<BF, TB, true>(h, fn, part, n, W, K, L, y, hin, post, comb, hc, D);              \
     }
 PRE_PAIRS(bf16_1, true, 1)
 PRE_PAIRS(bf16_8, true, 8)

@@ -465,7 +465,16 @@ impl Op for HcPre {
             return Err(OpError::shape(self.name(), "expects 3 outputs"));
         };
         // SAFETY: check_device checked every input and output against the op's shapes.
-        unsafe { self.enqueue(ctx, inputs, [x.ptr, post.ptr, comb.ptr], scratch, None) }
+        unsafe {
+            self.enqueue(
+                ctx,
+                inputs,
+                [x.ptr, post.ptr, comb.ptr],
+                scratch,
+                None,
+                None,
+            )
+        }
     }
 }
 
@@ -484,6 +493,7 @@ impl HcPre {
         outs: [u64; 3],
         scratch: Scratch,
         norm: Option<(u64, f32)>,
+        post: Option<[u64; 4]>,
     ) -> Result<(), OpError> {
         let op = self.name();
         let metas: Vec<&TensorMeta> = inputs.iter().take(4).map(|t| t.meta).collect();
@@ -513,16 +523,51 @@ impl HcPre {
         } else {
             "f32"
         };
-        // The pair kernel keeps every (mix, 8-column) product of its tokens in shared memory.
+        // The pair kernel keeps every (mix, 8-column) product of its tokens in shared memory;
+        // fused with hc_post, also the segment of H' it forms.
         let pair_smem = tb * (k + 1) * (seg / 8) * 4;
+        let pairs = vec && pair_smem + tb * seg * 4 <= 48 << 10;
+        let part = scratch.ptr;
+        let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
+        if let Some(p) = post {
+            if pairs {
+                let kp = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_pre_pairs_{fn_ty}_{tb}"))?;
+                // SAFETY: the fused partial kernel reads y, H, post, comb (the caller's hc_post
+                // inputs), writes H' (n×W) at inputs[0] and part[n][K+1][splits] in scratch.
+                unsafe {
+                    ctx.device
+                        .launch(&kp)
+                        .grid((splits as u32, groups as u32))
+                        .block(256)
+                        .shared_mem((pair_smem + tb * seg * 4) as u32)
+                        .arg(p[0])
+                        .arg(p[1])
+                        .arg(p[2])
+                        .arg(p[3])
+                        .arg(h.ptr)
+                        .arg(f.ptr)
+                        .arg(part)
+                        .arg(as_i32(op, "n", n)?)
+                        .arg(wi)
+                        .arg(ki)
+                        .arg(as_i32(op, "segment", seg)?)
+                        .arg(as_i32(op, "hc", self.hc)?)
+                        .arg(as_i32(op, "D", d)?)
+                        .enqueue()
+                        .map_err(dev_err)?;
+                }
+                // SAFETY: as for the partial kernel below.
+                return unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm) };
+            }
+            // SAFETY: the caller's hc_post inputs and H' (inputs[0]) are n×… as checked.
+            unsafe { launch_hc_post(ctx, self.hc, p, h.ptr, n, d)? };
+        }
         let (name, smem) = if vec && pair_smem <= 48 << 10 {
             (format!("hc_pre_pairs_{fn_ty}_{tb}"), pair_smem as u32)
         } else {
             let v = if vec { "vec" } else { "any" };
             (format!("hc_pre_partial_{fn_ty}_{v}_{tb}"), 0)
         };
-        let part = scratch.ptr;
-        let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
         let kp = ctx.kernel("hc.cu", HC_CU, &name)?;
         // SAFETY: the partial kernel reads H (n×W f32) and fn (K×W) and writes
         // part[n][K+1][splits] inside the scratch checked above.
@@ -542,6 +587,29 @@ impl HcPre {
                 .enqueue()
                 .map_err(dev_err)?;
         }
+        // SAFETY: the partials are in scratch; the caller's contract covers the rest.
+        unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm) }
+    }
+
+    /// The finishing launch of `hc_pre` (totals, gates, Sinkhorn, collapse and the optional
+    /// fused norm), once the partials are in `scratch`.
+    ///
+    /// # Safety
+    /// As [`HcPre::enqueue`], with the partial pass already enqueued.
+    unsafe fn enqueue_finish(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outs: [u64; 3],
+        scratch: Scratch,
+        norm: Option<(u64, f32)>,
+    ) -> Result<(), OpError> {
+        let op = self.name();
+        let metas: Vec<&TensorMeta> = inputs.iter().take(4).map(|t| t.meta).collect();
+        let (n, w, k, splits) =
+            pre_dims(self, &metas).ok_or_else(|| OpError::shape(op, "inputs refused"))?;
+        let (h, d, part) = (&inputs[0], w / self.hc, scratch.ptr);
+        let ki = as_i32(op, "mixes", k)?;
         // Four collapse columns per thread (one 16-byte load a stream), all in flight at once.
         let cb = d.div_ceil(4 * PRE_FINISH_THREADS).max(1);
         let smem = (k + 1 + self.hc * self.hc) * 4;
@@ -594,7 +662,9 @@ impl HcPre {
     /// Whether the finishing kernel can apply the RMSNorm itself: one collapse block holding
     /// all of x, one float4 a thread, 16-byte aligned streams, output and weight.
     fn norm_fuses(d: usize, ptrs: &[u64]) -> bool {
-        d.is_multiple_of(4) && d / 4 <= PRE_FINISH_THREADS && ptrs.iter().all(|p| p.is_multiple_of(16))
+        d.is_multiple_of(4)
+            && d / 4 <= PRE_FINISH_THREADS
+            && ptrs.iter().all(|p| p.is_multiple_of(16))
     }
 }
 
@@ -667,21 +737,41 @@ impl Op for HcPreNorm {
         let [x, post, comb] = outputs else {
             return Err(OpError::shape(self.name(), "expects 3 outputs"));
         };
+        // SAFETY: check_device checked every input and output.
+        unsafe { self.enqueue(ctx, inputs, [x.ptr, post.ptr, comb.ptr], scratch, None) }
+    }
+}
+
+impl HcPreNorm {
+    /// `inputs`: H (or, with `hc_post`, the H' it is to write), fn, base, scale, norm weight.
+    ///
+    /// # Safety
+    /// `inputs` checked against [`Op::infer`], `outs` addressing the outputs' sizes, and
+    /// `hc_post`'s y, H, post and comb (when given) of the shapes `HcPost` checks.
+    unsafe fn enqueue(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        [x, post, comb]: [u64; 3],
+        scratch: Scratch,
+        hc_post: Option<[u64; 4]>,
+    ) -> Result<(), OpError> {
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[2]);
         let w = inputs[4].ptr;
-        if HcPre::norm_fuses(d, &[inputs[0].ptr, x.ptr, w]) {
-            // SAFETY: check_device checked the inputs and outputs; w holds D f32.
+        if HcPre::norm_fuses(d, &[inputs[0].ptr, x, w]) {
+            // SAFETY: the caller's contract; w holds D f32.
             return unsafe {
                 self.pre.enqueue(
                     ctx,
                     inputs,
-                    [x.ptr, post.ptr, comb.ptr],
+                    [x, post, comb],
                     scratch,
                     Some((w, self.norm_eps)),
+                    hc_post,
                 )
             };
         }
-        let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+        let metas: Vec<&TensorMeta> = inputs.iter().take(5).map(|t| t.meta).collect();
         let need = self.cuda_scratch_bytes(&metas);
         if scratch.bytes < need {
             return Err(OpError::Type(format!(
@@ -698,8 +788,118 @@ impl Op for HcPreNorm {
         // checked against `need`), then the norm reads it into the output.
         unsafe {
             self.pre
-                .enqueue(ctx, inputs, [collapsed, post.ptr, comb.ptr], scratch, None)?;
-            launch_rms_norm(ctx, collapsed, Some(w), x.ptr, n, d, self.norm_eps)
+                .enqueue(ctx, inputs, [collapsed, post, comb], scratch, None, hc_post)?;
+            launch_rms_norm(ctx, collapsed, Some(w), x, n, d, self.norm_eps)
+        }
+    }
+}
+
+/// `hc_post` of one sub-layer straight into the next one's `hc_pre` and norm (spec §3.0: the
+/// streams a sub-layer leaves are the next one's input). The new streams H' are an output (the
+/// residual), and on the GPU the partial pass of `hc_pre` forms them itself, so hc_post has no
+/// launch of its own.
+///
+/// Inputs: y, H, post, comb (as [`HcPost`]), then fn, base, scale and the norm weight (as
+/// [`HcPreNorm`]). Outputs: H', the normalised x, post', comb'.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HcPostPreNorm {
+    pub post: HcPost,
+    pub pre_norm: HcPreNorm,
+}
+
+impl HcPostPreNorm {
+    fn pre_metas<'a>(&self, h: &'a TensorMeta, inputs: &[&'a TensorMeta]) -> Vec<&'a TensorMeta> {
+        std::iter::once(h)
+            .chain(inputs[4..].iter().copied())
+            .collect()
+    }
+}
+
+impl Op for HcPostPreNorm {
+    fn name(&self) -> &'static str {
+        "hc_post_pre_norm"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        arity(self.name(), inputs, 8)?;
+        if self.post.hc != self.pre_norm.pre.hc {
+            return Err(OpError::shape(
+                self.name(),
+                format!(
+                    "hc_post has {} streams, hc_pre {}",
+                    self.post.hc, self.pre_norm.pre.hc
+                ),
+            ));
+        }
+        let streams = self.post.infer(&inputs[..4])?.remove(0);
+        let mut outs = vec![streams.clone()];
+        outs.extend(self.pre_norm.infer(&self.pre_metas(&streams, inputs))?);
+        Ok(outs)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let (streams, rest) = outputs.split_at_mut(1);
+        self.post.cpu(&inputs[..4], streams)?;
+        let h = HostTensor {
+            meta: streams[0].meta,
+            data: &*streams[0].data,
+        };
+        let pre_inputs: Vec<HostTensor<'_>> = std::iter::once(h)
+            .chain(inputs[4..].iter().cloned())
+            .collect();
+        self.pre_norm.cpu(&pre_inputs, rest)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} then {}", self.post.describe(), self.pre_norm.describe())
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match self.post.infer(&inputs[..4.min(inputs.len())]) {
+            Ok(streams) if inputs.len() == 8 => self
+                .pre_norm
+                .cuda_scratch_bytes(&self.pre_metas(&streams[0], inputs)),
+            _ => 0,
+        }
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let [streams, x, post, comb] = outputs else {
+            return Err(OpError::shape(self.name(), "expects 4 outputs"));
+        };
+        let pre_inputs: Vec<DeviceTensor<'_>> = std::iter::once(DeviceTensor {
+            meta: streams.meta,
+            ptr: streams.ptr,
+            bytes: streams.bytes,
+        })
+        .chain(inputs[4..].iter().map(|t| DeviceTensor {
+            meta: t.meta,
+            ptr: t.ptr,
+            bytes: t.bytes,
+        }))
+        .collect();
+        let hc_post = [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, inputs[3].ptr];
+        // SAFETY: check_device checked all eight inputs and four outputs; H' is an output.
+        unsafe {
+            self.pre_norm.enqueue(
+                ctx,
+                &pre_inputs,
+                [x.ptr, post.ptr, comb.ptr],
+                scratch,
+                Some(hc_post),
+            )
         }
     }
 }
@@ -768,30 +968,57 @@ impl Op for HcPost {
         _scratch: Scratch,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
-        let op = self.name();
-        let total = inputs[0].meta.numel();
-        if total == 0 {
-            return Ok(());
-        }
-        let k = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_{}", hc_variant(self.hc)))?;
-        // SAFETY: hc_post(y, h, post, comb, out, hc, D, n·D); check_device checked every
-        // view against the shape rule (y n×D, H and out n×hc×D, post n×hc, comb n×hc×hc).
+        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        // SAFETY: check_device checked every view against the shape rule (y n×D, H and out
+        // n×hc×D, post n×hc, comb n×hc×hc).
         unsafe {
-            ctx.device
-                .launch(&k)
-                .grid(stride_grid(total))
-                .block(256)
-                .arg(inputs[0].ptr)
-                .arg(inputs[1].ptr)
-                .arg(inputs[2].ptr)
-                .arg(inputs[3].ptr)
-                .arg(outputs[0].ptr)
-                .arg(as_i32(op, "hc", self.hc)?)
-                .arg(as_i32(op, "D", inputs[0].meta.shape[1])?)
-                .arg(total as i64)
-                .enqueue()
-                .map_err(dev_err)
+            launch_hc_post(
+                ctx,
+                self.hc,
+                [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, inputs[3].ptr],
+                outputs[0].ptr,
+                n,
+                d,
+            )
         }
+    }
+}
+
+/// Enqueues `hc_post` over `[y, H, post, comb]` into `out` for n tokens of width D.
+///
+/// # Safety
+/// The addresses must hold y n×D, H n×hc×D, post n×hc, comb n×hc×hc and out n×hc×D f32,
+/// alive until the kernel has run.
+unsafe fn launch_hc_post(
+    ctx: &GpuCtx,
+    hc: usize,
+    [y, h, post, comb]: [u64; 4],
+    out: u64,
+    n: usize,
+    d: usize,
+) -> Result<(), OpError> {
+    let op = "hc_post";
+    let total = n * d;
+    if total == 0 {
+        return Ok(());
+    }
+    let k = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_{}", hc_variant(hc)))?;
+    // SAFETY: hc_post(y, h, post, comb, out, hc, D, n·D) over the caller's buffers.
+    unsafe {
+        ctx.device
+            .launch(&k)
+            .grid(stride_grid(total))
+            .block(256)
+            .arg(y)
+            .arg(h)
+            .arg(post)
+            .arg(comb)
+            .arg(out)
+            .arg(as_i32(op, "hc", hc)?)
+            .arg(as_i32(op, "D", d)?)
+            .arg(total as i64)
+            .enqueue()
+            .map_err(dev_err)
     }
 }
 

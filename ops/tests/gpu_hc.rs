@@ -3,7 +3,7 @@
 
 use half::bf16;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::hc::{HcExpand, HcPost, HcPre, HcPreNorm, StreamMean};
+use ops::hc::{HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreNorm, StreamMean};
 use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::{DType, Op, TensorMeta};
 use proptest::prelude::*;
@@ -193,6 +193,50 @@ fn hc_pre_norm_matches_hc_pre_then_rms_norm_fused_or_not() {
         let cpu = run_cpu(&op, &inputs).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
         let dev = run_gpu(&gpu, &op, &inputs).map_err(|e| TestCaseError::fail(format!("cuda: {e}")))?;
         let tols = [
+            Tolerance::new(1e-3, 1e-3 * wmax.max(1e-3)),
+            Tolerance::new(1e-3, 1e-5),
+            Tolerance::new(1e-3, 1e-5),
+        ];
+        for (i, ((m, cv), (_, g))) in cpu.iter().zip(&dev).enumerate() {
+            compare(m, cv.bytes(), g, tols[i]).map_err(|e| {
+                TestCaseError::fail(format!("hc={hc} n={n} D={d}: output {i}: {e}"))
+            })?;
+        }
+    });
+}
+
+/// The fused exit-and-entry: H' must carry hc_post's exact bits (the partial pass forms it in
+/// hc_post's rounding order); x, post and comb as `hc_pre_norm`'s test.
+#[test]
+fn hc_post_pre_norm_gives_hc_posts_bits_and_hc_pre_norms_outputs() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(40), |(
+        hc in prop::sample::select(vec![1usize, 2, 3, 4]),
+        // Rows of whole 8-value groups take the fused partial kernel, others hc_post first.
+        d in prop_oneof![1usize..300, (1usize..512).prop_map(|v| v * 8)],
+        n in 1usize..12,
+        seed in any::<u64>(),
+    )| {
+        let c = PreCase::random(seed, hc, n, d, DType::BF16, 20.0);
+        let mut r = Rng(seed ^ 0xfeed);
+        let w = r.vec(d, -2.0, 2.0);
+        let wmax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let mut inputs = vec![
+            HostValue::f32([n, d], &r.vec(n * d, -20.0, 20.0)),
+            c.inputs[0].clone(),
+            HostValue::f32([n, hc], &r.vec(n * hc, 0.0, 2.0)),
+            HostValue::f32([n, hc, hc], &r.vec(n * hc * hc, 0.0, 1.0)),
+        ];
+        inputs.extend(c.inputs[1..].iter().cloned());
+        inputs.push(HostValue::f32([d], &w));
+        let op = HcPostPreNorm {
+            post: HcPost { hc },
+            pre_norm: HcPreNorm { pre: pre_op(hc), norm_eps: 1e-6 },
+        };
+        let cpu = run_cpu(&op, &inputs).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
+        let dev = run_gpu(&gpu, &op, &inputs).map_err(|e| TestCaseError::fail(format!("cuda: {e}")))?;
+        let tols = [
+            EXACT,
             Tolerance::new(1e-3, 1e-3 * wmax.max(1e-3)),
             Tolerance::new(1e-3, 1e-5),
             Tolerance::new(1e-3, 1e-5),
