@@ -204,7 +204,8 @@ PRE_PARTIAL(f32_any_8, false, false, 8)
 // POST: the block first forms its segment of H' = hc_post(y, H, post, comb) for its tokens,
 // element by element in hc_post's rounding order (so H' has hc_post's bits), writes it to h
 // (the new residual streams) and keeps it in shared memory for the dots: hc_post's own launch
-// and its round trip through memory disappear. Dynamic shared then adds TB·8U floats.
+// and its round trip through memory disappear. Dynamic shared then adds TB·8U floats (after
+// rounding the partial products up to a 16-byte boundary).
 template <bool G>
 __device__ __forceinline__ float4 ld4(const float4* p) {
     if constexpr (G) return __ldg(p);
@@ -222,7 +223,8 @@ __device__ __forceinline__ void pre_pairs(float* __restrict__ h, const void* __r
     const int s0 = sp * L, U = (min(W, s0 + L) - s0) >> 3;
     float* dots = pair_smem;              // [TB][K][U]
     float* sq = pair_smem + TB * K * U;   // [TB][U]
-    float* hs = sq + TB * U;              // POST: [TB][8U], this segment of H'
+    // POST: [TB][8U], this segment of H', 16-byte aligned for its float4 reads.
+    float* hs = pair_smem + ((TB * (K + 1) * U + 3) & ~3);
     if constexpr (POST) {
         for (int p = threadIdx.x; p < TB * 8 * U; p += blockDim.x) {
             const int t = p / (8 * U), c = p - t * 8 * U;

@@ -526,7 +526,8 @@ impl HcPre {
         // The pair kernel keeps every (mix, 8-column) product of its tokens in shared memory;
         // fused with hc_post, also the segment of H' it forms.
         let pair_smem = tb * (k + 1) * (seg / 8) * 4;
-        let pairs = vec && pair_smem + tb * seg * 4 <= 48 << 10;
+        let fused_smem = pair_smem.next_multiple_of(16) + tb * seg * 4;
+        let pairs = vec && fused_smem <= 48 << 10;
         let part = scratch.ptr;
         let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
         if let Some(p) = post {
@@ -539,7 +540,7 @@ impl HcPre {
                         .launch(&kp)
                         .grid((splits as u32, groups as u32))
                         .block(256)
-                        .shared_mem((pair_smem + tb * seg * 4) as u32)
+                        .shared_mem(fused_smem as u32)
                         .arg(p[0])
                         .arg(p[1])
                         .arg(p[2])

@@ -217,6 +217,26 @@ fn hc_post_pre_norm_gives_hc_posts_bits_and_hc_pre_norms_outputs() {
         n in 1usize..12,
         seed in any::<u64>(),
     )| {
+        post_pre_norm_case(&gpu, hc, n, d, seed).map_err(TestCaseError::fail)?;
+    });
+}
+
+#[test]
+fn hc_post_pre_norm_matches_at_the_real_width() {
+    let Some(gpu) = test_gpu() else { return };
+    for n in [1, 9, 40] {
+        post_pre_norm_case(&gpu, 4, n, 3584, n as u64).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+fn post_pre_norm_case(
+    gpu: &GpuCtx,
+    hc: usize,
+    n: usize,
+    d: usize,
+    seed: u64,
+) -> Result<(), String> {
+    {
         let c = PreCase::random(seed, hc, n, d, DType::BF16, 20.0);
         let mut r = Rng(seed ^ 0xfeed);
         let w = r.vec(d, -2.0, 2.0);
@@ -231,10 +251,13 @@ fn hc_post_pre_norm_gives_hc_posts_bits_and_hc_pre_norms_outputs() {
         inputs.push(HostValue::f32([d], &w));
         let op = HcPostPreNorm {
             post: HcPost { hc },
-            pre_norm: HcPreNorm { pre: pre_op(hc), norm_eps: 1e-6 },
+            pre_norm: HcPreNorm {
+                pre: pre_op(hc),
+                norm_eps: 1e-6,
+            },
         };
-        let cpu = run_cpu(&op, &inputs).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
-        let dev = run_gpu(&gpu, &op, &inputs).map_err(|e| TestCaseError::fail(format!("cuda: {e}")))?;
+        let cpu = run_cpu(&op, &inputs).map_err(|e| format!("cpu: {e}"))?;
+        let dev = run_gpu(gpu, &op, &inputs).map_err(|e| format!("cuda: {e}"))?;
         let tols = [
             EXACT,
             Tolerance::new(1e-3, 1e-3 * wmax.max(1e-3)),
@@ -242,11 +265,11 @@ fn hc_post_pre_norm_gives_hc_posts_bits_and_hc_pre_norms_outputs() {
             Tolerance::new(1e-3, 1e-5),
         ];
         for (i, ((m, cv), (_, g))) in cpu.iter().zip(&dev).enumerate() {
-            compare(m, cv.bytes(), g, tols[i]).map_err(|e| {
-                TestCaseError::fail(format!("hc={hc} n={n} D={d}: output {i}: {e}"))
-            })?;
+            compare(m, cv.bytes(), g, tols[i])
+                .map_err(|e| format!("hc={hc} n={n} D={d}: output {i}: {e}"))?;
         }
-    });
+        Ok(())
+    }
 }
 
 #[test]
