@@ -164,7 +164,7 @@ impl Device {
             driver_version: (drv / 1000, (drv % 1000) / 10),
         };
         let programmatic = info.compute_capability.0 >= 9
-            && std::env::var("XING4_PROGRAMMATIC_LAUNCH").is_ok_and(|v| v == "1");
+            && std::env::var("XING4_PROGRAMMATIC_LAUNCH").map_or(true, |v| v != "0");
         Ok(Device {
             ctx,
             stream,

@@ -650,7 +650,11 @@ fn programmatic_launches_still_see_every_predecessors_writes() {
         let a = device.alloc_zeros::<f32>(n).unwrap();
         let b = device.alloc_zeros::<f32>(n).unwrap();
         let step = |d: &Device, i: usize| -> Result<(), CudaError> {
-            let (src, dst) = if i.is_multiple_of(2) { (&a, &b) } else { (&b, &a) };
+            let (src, dst) = if i.is_multiple_of(2) {
+                (&a, &b)
+            } else {
+                (&b, &a)
+            };
             // SAFETY: slow_copy_plus_one(const float*, float*, unsigned) over n elements.
             unsafe {
                 d.launch(&k)

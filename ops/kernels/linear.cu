@@ -1,8 +1,8 @@
 // y[n, O] = x[n, K] · W[O, K]ᵀ, W stored as F32/F16/BF16/Q8_0/Q6_K/IQ4_NL, x and y f32.
 // Prepended with dequant.cuh.
 //
-// Three paths, chosen on the host (ops/src/linear.rs), plus gemv_iq4_nl_dec for one token
-// of IQ4_NL (described where it is defined):
+// Three paths, chosen on the host (ops/src/linear.rs), plus two decode kernels described
+// where they are defined (gemv_iq4_nl_rows_* for IQ4_NL, gemv_bf16_dec_* for one BF16 token):
 // * gemv_<type>_<NT> (n ≤ 8): each warp owns whole weight rows (grid-strided over the
 //   rows so a small matrix still covers the chip and a large one pipelines). A row is
 //   streamed in chunks of whole blocks, staged into the warp's shared memory with
@@ -274,6 +274,7 @@ __device__ __forceinline__ void gemv_body(const unsigned char* __restrict__ W, c
     extern "C" __global__ void __launch_bounds__(128, (NT) >= 8 ? 4 : 6)                          \
         gemv_##NAME##_##NT(const unsigned char* W, const float* x, float* y, int n, int K, int O, \
                            long long RB) {                                                        \
+        PDL_ENTER();                                                                              \
         gemv_body<WT, NT>(W, x, y, n, K, O, RB);                                                  \
     }
 #define GEMV_ALL(NAME, WT) GEMV(NAME, WT, 1) GEMV(NAME, WT, 2) GEMV(NAME, WT, 4) GEMV(NAME, WT, 8)
@@ -285,117 +286,96 @@ GEMV_ALL(q6_k, WT_Q6_K)
 GEMV_ALL(iq4_nl, WT_IQ4_NL)
 
 // ---------------------------------------------------------------------------------------------
-// Decode (n = 1) IQ4_NL GEMV, K a multiple of 64 (so every row starts 4-byte aligned) and at
-// most 16 slices of 1024 columns. The staged GEMV above spends its shared-memory/L1 load
-// unit on codebook lookups and x reads (~4 loads per weight byte); here neither touches it:
-// * lane l of a warp owns block 32s+l of every row (slice s = the warp's index mod S), so
-//   its 32 x values are loaded once into registers and reused for all of the warp's rows;
-// * a block's 18 bytes come straight from global memory as four aligned words and one
-//   halfword (which side the halfword is on depends on the block's parity = the lane's);
-// * the codebook is four registers of biased bytes (code + 128) selected by byte permutes,
-//   and a biased byte becomes a float exactly by building 2^23 + u and subtracting 2^23 + 128.
-// A block of S·G warps takes G groups of R rows a step; the S slice sums of a row meet in
-// shared memory and are added in slice order (deterministic).
-#define IQ4D_R 4
-
-__device__ __forceinline__ float iq4_biased_to_float(unsigned c4, int k) {
-    return __int_as_float((int)__byte_perm(c4, 0x4B000000u, 0x7440u | (unsigned)k)) - 8388736.0f;
-}
-
-extern "C" __global__ void __launch_bounds__(512, 1)
-    gemv_iq4_nl_dec(const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
-                    int n, int K, int O, long long RB) {
-    (void)n;
-    __shared__ float red[16 * IQ4D_R];  // [G][R][S], G·S ≤ 16 warps
-    constexpr unsigned T0 = 0xbfad9881u ^ 0x80808080u, T1 = 0xf6eaddcfu ^ 0x80808080u;
-    constexpr unsigned T2 = 0x26190d01u ^ 0x80808080u, T3 = 0x71594535u ^ 0x80808080u;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int nb = K >> 5, S = (nb + 31) >> 5, G = (int)(blockDim.x >> 5) / S;
-    const int s = warp % S, g = warp / S;
-    const int b = 32 * s + lane;
-    // Warps past S·G (none when the host sizes the block) still take part in the barriers.
-    const bool live = b < nb && g < G;
-    const bool odd = lane & 1;
-    float xv[32];
-    if (live) {
-        const float4* xp = reinterpret_cast<const float4*>(x + 32 * b);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float4 v = __ldg(xp + i);
-            xv[4 * i] = v.x; xv[4 * i + 1] = v.y; xv[4 * i + 2] = v.z; xv[4 * i + 3] = v.w;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) xv[i] = 0.f;
+// Decode IQ4_NL GEMV (n ≤ 8, K a multiple of 256): iq4g_tile (dequant.cuh), one tile of RT
+// rows a block, NR tokens' sums at once. Shared with the routed experts.
+#define GEMV_IQ4_ROWS(NR)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 1) gemv_iq4_nl_rows_##NR(                   \
+        const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,  \
+        int n, int K, int O, long long RB, int RT, int KP) {                                      \
+        PDL_ENTER();                                                                              \
+        (void)RB;                                                                                 \
+        iq4g_tile<NR>(W, nullptr, x, nullptr, y, K, O, n, 0, n, blockIdx.x * RT, RT, KP);         \
     }
-    const int chunk = G * IQ4D_R;
-    for (long long base = (long long)blockIdx.x * chunk; base < O; base += (long long)gridDim.x * chunk) {
-        unsigned w[IQ4D_R][4];
-        unsigned e[IQ4D_R];
+GEMV_IQ4_ROWS(1)
+GEMV_IQ4_ROWS(2)
+GEMV_IQ4_ROWS(4)
+GEMV_IQ4_ROWS(8)
+
+// ---------------------------------------------------------------------------------------------
+// Decode (n = 1) BF16 GEMV, K a multiple of 8 (whole 16-byte units). A block of S warps takes
+// R rows, each warp the units u ≡ lane + 32·warp (mod 32·S) of every row, so its lanes read
+// 512 contiguous bytes an instruction. Every lane issues all of its R·JU 16-byte weight loads
+// before its first FMA (a whole row in flight at once: the small projections are latency-
+// bound), and each x unit is loaded once (L1) for the R rows. Lane sums meet in a fixed
+// butterfly and the warps' sums in shared memory in warp order, so results are deterministic.
+template <int JU, int R>
+__device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restrict__ W,
+                                                   const float* __restrict__ x, float* __restrict__ y,
+                                                   int K, int O, long long RB) {
+    __shared__ float red[8 * R];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, S = blockDim.x >> 5;
+    const int u = K >> 3;
+    const long long r0 = (long long)blockIdx.x * R;
+    uint4 w[R][JU];
 #pragma unroll
-        for (int j = 0; j < IQ4D_R; ++j) {
-            const long long row = base + g * IQ4D_R + j;
-            if (live && row < O) {
-                // Even block: d and qs[0..13] in four words from its start, qs[14..15] in the
-                // halfword at 16. Odd block (start ≡ 2 mod 4): d at 0, qs in the words from 2.
-                const unsigned char* bp = W + row * RB + 18ll * b;
-                const unsigned* wp = reinterpret_cast<const unsigned*>(bp + (odd ? 2 : 0));
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) w[j][i] = __ldg(wp + i);
-                e[j] = __ldg(reinterpret_cast<const unsigned short*>(bp + (odd ? 0 : 16)));
-            } else {
+        for (int j = 0; j < JU; ++j) {
+            const int i = lane + 32 * (warp + S * j);
+            w[r][j] = (i < u && r0 + r < O)
+                          ? __ldg(reinterpret_cast<const uint4*>(W + (r0 + r) * RB) + i)
+                          : make_uint4(0u, 0u, 0u, 0u);
+        }
+    float acc[R];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) w[j][i] = 0u;
-                e[j] = 0u;  // d = 0 and x = 0: the dead lane adds an exact zero
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < JU; ++j) {
+        // Past the row's end the weights are zero and x reads as zero (no branch, so the
+        // weight loads above stay ahead of everything).
+        const int i = lane + 32 * (warp + S * j);
+        const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 a = i < u ? ldx4(x + 8 * i) : z4, b = i < u ? ldx4(x + 8 * i + 4) : z4;
+        const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const unsigned q[4] = {w[r][j].x, w[r][j].y, w[r][j].z, w[r][j].w};
+            float s = acc[r];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                s = fmaf(__uint_as_float(q[k] << 16), xv[2 * k], s);
+                s = fmaf(__uint_as_float(q[k] & 0xffff0000u), xv[2 * k + 1], s);
             }
+            acc[r] = s;
         }
-        float part[IQ4D_R];
+    }
 #pragma unroll
-        for (int j = 0; j < IQ4D_R; ++j) {
-            unsigned q[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                q[i] = odd ? w[j][i] : __funnelshift_r(w[j][i], i < 3 ? w[j][i + 1] : e[j], 16);
-            const unsigned short db = (unsigned short)(odd ? e[j] : (w[j][0] & 0xffffu));
-            float r[4];
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                // Selector nibbles (low, high nibble of qs[4m+2h], then of qs[4m+2h+1]) are
-                // values 4m+2h, 16+4m+2h, 4m+2h+1, 16+4m+2h+1.
-                float a = 0.f;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const unsigned sel = q[m] >> (16 * h);
-                    const unsigned lo = __byte_perm(T0, T1, sel & 0x7777u);
-                    const unsigned hi = __byte_perm(T2, T3, sel & 0x7777u);
-                    const unsigned c4 = __byte_perm(lo, hi, 0x3210u | ((sel >> 1) & 0x4444u));
-                    const int v = 4 * m + 2 * h;
-                    a = fmaf(iq4_biased_to_float(c4, 0), xv[v], a);
-                    a = fmaf(iq4_biased_to_float(c4, 1), xv[16 + v], a);
-                    a = fmaf(iq4_biased_to_float(c4, 2), xv[v + 1], a);
-                    a = fmaf(iq4_biased_to_float(c4, 3), xv[16 + v + 1], a);
-                }
-                r[m] = a;
-            }
-            part[j] = warp_sum(h2f(db) * ((r[0] + r[1]) + (r[2] + r[3])));
-        }
-        if (lane == 0 && g < G) {
-#pragma unroll
-            for (int j = 0; j < IQ4D_R; ++j) red[(g * IQ4D_R + j) * S + s] = part[j];
-        }
-        __syncthreads();
-        if ((int)threadIdx.x < chunk) {
-            const long long row = base + threadIdx.x;
-            if (row < O) {
-                const float* rp = red + threadIdx.x * S;
-                float v = rp[0];
-                for (int q = 1; q < S; ++q) v += rp[q];
-                y[row] = v;
-            }
-        }
-        __syncthreads();
+    for (int r = 0; r < R; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) red[warp * R + r] = v;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < R && r0 + threadIdx.x < O) {
+        float v = red[threadIdx.x];
+        for (int s = 1; s < S; ++s) v += red[s * R + threadIdx.x];
+        y[r0 + threadIdx.x] = v;
     }
 }
+
+#define GEMV_BF16_DEC(JU, R)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_dec_##JU##_##R(                \
+        const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,  \
+        int n, int K, int O, long long RB) {                                                      \
+        PDL_ENTER();                                                                              \
+        (void)n;                                                                                  \
+        gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB);                                             \
+    }
+GEMV_BF16_DEC(16, 1)
+GEMV_BF16_DEC(8, 1)
+GEMV_BF16_DEC(4, 1)
+GEMV_BF16_DEC(4, 4)
+GEMV_BF16_DEC(2, 4)
+GEMV_BF16_DEC(1, 4)
 
 // ---------------------------------------------------------------------------------------------
 // Prefill: tensor-core tiles.
@@ -613,6 +593,7 @@ __device__ __forceinline__ void tc_body(const unsigned char* __restrict__ W, con
     extern "C" __global__ void __launch_bounds__(128)                                             \
         linear_tc_##NAME(const unsigned char* W, const float* x, float* y, int n, int K, int O,  \
                          long long RB) {                                                          \
+        PDL_ENTER();                                                                              \
         tc_body<WT>(W, x, y, n, K, O, RB);                                                        \
     }
 TC(f32, WT_F32)
@@ -626,6 +607,7 @@ TC(iq4_nl, WT_IQ4_NL)
 // Fallback: grid (ceil(O/4), ceil(n/8)), block 128; a warp per row, 8 tokens per grid row.
 extern "C" __global__ void __launch_bounds__(128)
     linear_generic(const unsigned char* W, const float* x, float* y, int n, int K, int O, long long RB, int wt) {
+    PDL_ENTER();
     const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const int t0 = blockIdx.y * 8;
     if (row >= O) return;

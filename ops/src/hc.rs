@@ -38,6 +38,13 @@ fn pre_segment(w: usize) -> usize {
     w.div_ceil(128).next_multiple_of(8).max(32)
 }
 
+/// `XING4_HC_FUSION=0` runs hc_post, hc_pre and the norm as separate kernels even where one
+/// launch could do their work (same results up to f32 rounding): an A/B switch for the device.
+fn hc_fusion() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("XING4_HC_FUSION").map_or(true, |v| v != "0"))
+}
+
 /// Threads of an `hc_pre_finish` block (its `__launch_bounds__`): a warp per mix total.
 const PRE_FINISH_THREADS: usize = 1024;
 
@@ -531,7 +538,7 @@ impl HcPre {
         let part = scratch.ptr;
         let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
         if let Some(p) = post {
-            if pairs {
+            if pairs && hc_fusion() {
                 let kp = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_pre_pairs_{fn_ty}_{tb}"))?;
                 // SAFETY: the fused partial kernel reads y, H, post, comb (the caller's hc_post
                 // inputs), writes H' (n×W) at inputs[0] and part[n][K+1][splits] in scratch.
@@ -759,7 +766,7 @@ impl HcPreNorm {
     ) -> Result<(), OpError> {
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[2]);
         let w = inputs[4].ptr;
-        if HcPre::norm_fuses(d, &[inputs[0].ptr, x, w]) {
+        if hc_fusion() && HcPre::norm_fuses(d, &[inputs[0].ptr, x, w]) {
             // SAFETY: the caller's contract; w holds D f32.
             return unsafe {
                 self.pre.enqueue(

@@ -51,27 +51,114 @@ const GEMV_SMEM: u32 = (GEMV_WARPS * 2 * (4096 + 32)) as u32;
 /// GEMV blocks resident per SM (its `__launch_bounds__`); the grid never exceeds one wave.
 const GEMV_BLOCKS_PER_SM: usize = 6;
 
-/// Most K slices (warps) of a `gemv_iq4_nl_dec` block: 512 threads, its shared sums' size.
-const IQ4_DEC_MAX_SLICES: usize = 16;
-/// Warps resident per SM: 95 registers a thread (ptxas, sm_90) leave room for 21.
-const IQ4_DEC_WARPS_PER_SM: usize = 20;
-/// Rows a row group of `gemv_iq4_nl_dec` takes a step (`IQ4D_R` in linear.cu).
-const IQ4_DEC_ROWS: usize = 4;
+/// How `iq4g_tile` (kernels/dequant.cuh) splits an IQ4_NL product of 256·`nch` inputs: `rt`
+/// row slots a block (for SwiGLU half gate rows, half the same up rows), `kp` K parts of
+/// whole 256-value chunks (at most `cw` each), one thread a (row, part): `threads` = rt·kp
+/// rounded up to whole warps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RowsPlan {
+    pub rt: usize,
+    pub kp: usize,
+    pub threads: usize,
+    cw: usize,
+}
+
+impl RowsPlan {
+    /// The split that spreads `slots` matrices of `n_out` rows best over `sms` multiprocessors.
+    /// Cost model: the busiest multiprocessor's thread-chunks, ⌈blocks/sms⌉·threads·cw (the
+    /// products are bandwidth- and issue-bound, so that is its time); ties go to more resident
+    /// warps up to 12 a multiprocessor (latency hiding), then to two chunks a thread (the
+    /// second lands while the first is decoded), then to smaller blocks. None when the K
+    /// parts would not fit a block (more than 256 threads or ~110 KB of shared memory).
+    pub(crate) fn choose(
+        nch: usize,
+        n_out: usize,
+        slots: usize,
+        swiglu: bool,
+        sms: usize,
+    ) -> Option<RowsPlan> {
+        let sms = sms.max(1);
+        let mut best: Option<((usize, usize, usize, usize), RowsPlan)> = None;
+        for rt in [32usize, 16, 8, 4] {
+            let outs = if swiglu { rt / 2 } else { rt };
+            let blocks = n_out.div_ceil(outs) * slots;
+            for kp in 1..=nch {
+                let cw = nch.div_ceil(kp);
+                let threads = (rt * kp).next_multiple_of(32);
+                let plan = RowsPlan {
+                    rt,
+                    kp,
+                    threads,
+                    cw,
+                };
+                if threads > 256 || plan.smem_bytes(8) > 110 * 1024 {
+                    continue;
+                }
+                let per_sm = blocks.div_ceil(sms);
+                let cost = per_sm * threads * cw;
+                let warps = (per_sm * threads / 32).min(12);
+                let key = (cost, 12 - warps, cw.abs_diff(2), threads);
+                if best.as_ref().is_none_or(|(k, _)| key < *k) {
+                    best = Some((key, plan));
+                }
+            }
+        }
+        best.map(|(_, p)| p)
+    }
+
+    /// Dynamic shared memory for `nr` inputs at once: each thread's chunks (an odd number of
+    /// 16-byte units, so a quarter-warp's reads hit distinct banks), then the K parts' sums.
+    pub(crate) fn smem_bytes(&self, nr: usize) -> usize {
+        let units = 9 * self.cw + usize::from(self.cw.is_multiple_of(2));
+        self.threads * (units * 16 + nr * 4)
+    }
+}
+
+/// (units a lane, rows a block, warps a block) of `gemv_bf16_dec_<JU>_<R>` for one token of a
+/// BF16 weight with K = 8·u: short rows take four at a time; long ones are split over up to 8
+/// warps until about 16 warps a multiprocessor are in flight (the small attention projections
+/// are latency-bound), keeping at least 4 loads a lane. None past 32768 inputs.
+fn bf16_dec_plan(k: usize, o: usize, sms: usize) -> Option<(usize, usize, usize)> {
+    let u = k / 8;
+    let per_lane = u.div_ceil(32);
+    if per_lane <= 4 {
+        return Some((per_lane.next_power_of_two(), 4, 1));
+    }
+    let mut s = 1;
+    while u.div_ceil(32 * s) > 16 {
+        s *= 2;
+        if s > 8 {
+            return None;
+        }
+    }
+    while s < 8 && o * s < sms * 16 && u.div_ceil(64 * s) >= 4 {
+        s *= 2;
+    }
+    Some((u.div_ceil(32 * s).next_power_of_two().max(4), 1, s))
+}
 
 enum LinearPath {
-    /// n = 1, IQ4_NL, K a multiple of 64 and at most 16 slices of 1024: `gemv_iq4_nl_dec`
-    /// with this many K slices (one warp each) per row.
-    Iq4Decode(usize),
+    /// IQ4_NL, n ≤ 8, K a multiple of 256: `gemv_iq4_nl_rows_<nr>` split as planned.
+    Iq4Rows(usize, RowsPlan),
+    /// BF16, n = 1: `gemv_bf16_dec_<JU>_<R>` with S warps a block.
+    Bf16Dec(usize, usize, usize),
     Gemv(usize),
     Tensor,
     Generic,
 }
 
-/// Which kernel a call takes: the GEMV when n ≤ 8 and K is whole units of the weight's
-/// 16-byte decode group (4 F32, 8 F16/BF16, 32 Q8_0/IQ4_NL, 256 Q6_K); tensor-core tiles
-/// when n > 8 and K % 32 == 0; otherwise (and for views not 16-byte aligned) the
-/// element-wise fallback.
-fn linear_path(dtype: DType, n: usize, k: usize, x_ptr: u64, w_ptr: u64) -> LinearPath {
+/// Which kernel a call takes: the IQ4_NL row GEMV for n ≤ 8 when K is whole 256-value
+/// chunks, the BF16 decode GEMV for one token; otherwise the GEMV when n ≤ 8 and K is whole
+/// units of the weight's 16-byte decode group (4 F32, 8 F16/BF16, 32 Q8_0/IQ4_NL, 256 Q6_K);
+/// tensor-core tiles when n > 8 and K % 32 == 0; otherwise (and for views not 16-byte
+/// aligned) the element-wise fallback.
+fn linear_path(
+    dtype: DType,
+    (n, k, o): (usize, usize, usize),
+    x_ptr: u64,
+    w_ptr: u64,
+    sms: usize,
+) -> LinearPath {
     let unit = match dtype {
         DType::F32 => 4,
         DType::F16 | DType::BF16 => 8,
@@ -80,14 +167,23 @@ fn linear_path(dtype: DType, n: usize, k: usize, x_ptr: u64, w_ptr: u64) -> Line
         DType::I32 => return LinearPath::Generic,
     };
     if k == 0 || !x_ptr.is_multiple_of(16) || !w_ptr.is_multiple_of(16) {
-        LinearPath::Generic
-    } else if n == 1
+        return LinearPath::Generic;
+    }
+    if n <= GEMV_MAX_TOKENS
         && dtype == DType::IQ4_NL
-        && k.is_multiple_of(64)
-        && k.div_ceil(1024) <= IQ4_DEC_MAX_SLICES
+        && k.is_multiple_of(256)
+        && let Some(plan) = RowsPlan::choose(k / 256, o, 1, false, sms)
     {
-        LinearPath::Iq4Decode(k.div_ceil(1024))
-    } else if n <= GEMV_MAX_TOKENS && k.is_multiple_of(unit) {
+        return LinearPath::Iq4Rows(n.next_power_of_two(), plan);
+    }
+    if n == 1
+        && dtype == DType::BF16
+        && k.is_multiple_of(8)
+        && let Some((ju, r, s)) = bf16_dec_plan(k, o, sms)
+    {
+        return LinearPath::Bf16Dec(ju, r, s);
+    }
+    if n <= GEMV_MAX_TOKENS && k.is_multiple_of(unit) {
         LinearPath::Gemv(n.next_power_of_two())
     } else if n > GEMV_MAX_TOKENS && k.is_multiple_of(32) {
         LinearPath::Tensor
@@ -190,9 +286,9 @@ impl Op for Linear {
             as_i32(op, "in", k)?,
             as_i32(op, "out", o)?,
         );
-        let launch = |name: &str, grid: (u32, u32), block: u32, smem: u32, wt: Option<i32>| {
+        let launch = |name: &str, grid: (u32, u32), block: u32, smem: u32, extra: &[i32]| {
             let kern = ctx.kernel("linear.cu", LINEAR_CU, name)?;
-            let l = ctx
+            let mut l = ctx
                 .device
                 .launch(&kern)
                 .grid(grid)
@@ -205,36 +301,40 @@ impl Op for Linear {
                 .arg(ki)
                 .arg(oi)
                 .arg(rb as i64);
-            let l = match wt {
-                Some(code) => l.arg(code),
-                None => l,
-            };
+            for &v in extra {
+                l = l.arg(v);
+            }
             // SAFETY: the arguments follow the kernel's C signature; check_device checked
             // that x, W and y hold n×in f32, out rows of `rb` bytes and n×out f32, which
             // is all the kernels touch; the executor keeps the buffers alive.
             unsafe { l.enqueue() }.map_err(dev_err)
         };
-        match linear_path(dtype, n, k, x.ptr, w.ptr) {
-            LinearPath::Iq4Decode(slices) => {
-                // G row groups of `slices` warps, about 8 warps a block.
-                let groups = (8 / slices).max(1);
-                let warps = slices * groups;
-                let per_sm = (IQ4_DEC_WARPS_PER_SM / warps).max(1);
-                let sms = ctx.device.sm_count() as usize;
-                let blocks = o.div_ceil(groups * IQ4_DEC_ROWS).min(sms * per_sm).max(1);
+        let sms = ctx.device.sm_count() as usize;
+        match linear_path(dtype, (n, k, o), x.ptr, w.ptr, sms) {
+            LinearPath::Iq4Rows(nr, plan) => {
+                let blocks = as_i32(op, "row tiles", o.div_ceil(plan.rt))?;
                 launch(
-                    "gemv_iq4_nl_dec",
+                    &format!("gemv_iq4_nl_rows_{nr}"),
                     (blocks as u32, 1),
-                    (32 * warps) as u32,
+                    plan.threads as u32,
+                    plan.smem_bytes(nr) as u32,
+                    &[plan.rt as i32, plan.kp as i32],
+                )
+            }
+            LinearPath::Bf16Dec(ju, r, s) => {
+                let blocks = as_i32(op, "row groups", o.div_ceil(r))?;
+                launch(
+                    &format!("gemv_bf16_dec_{ju}_{r}"),
+                    (blocks as u32, 1),
+                    (32 * s) as u32,
                     0,
-                    None,
+                    &[],
                 )
             }
             LinearPath::Gemv(nt) => {
-                let sms = ctx.device.sm_count() as usize;
                 let blocks = o.div_ceil(GEMV_WARPS).min(sms * GEMV_BLOCKS_PER_SM);
                 let name = format!("gemv_{}_{nt}", kernel_suffix(dtype));
-                launch(&name, (blocks as u32, 1), 128, GEMV_SMEM, None)
+                launch(&name, (blocks as u32, 1), 128, GEMV_SMEM, &[])
             }
             LinearPath::Tensor => {
                 let grid = (o.div_ceil(64), n.div_ceil(64));
@@ -245,7 +345,7 @@ impl Op for Linear {
                     ));
                 }
                 let name = format!("linear_tc_{}", kernel_suffix(dtype));
-                launch(&name, (grid.0 as u32, grid.1 as u32), 128, 0, None)
+                launch(&name, (grid.0 as u32, grid.1 as u32), 128, 0, &[])
             }
             LinearPath::Generic => {
                 let grid = (o.div_ceil(4), n.div_ceil(8));
@@ -261,7 +361,7 @@ impl Op for Linear {
                     (grid.0 as u32, grid.1 as u32),
                     128,
                     0,
-                    Some(code),
+                    &[code],
                 )
             }
         }
@@ -398,6 +498,63 @@ mod tests {
             ),
             Ok(vec![TensorMeta::f32([2, 8])])
         );
+    }
+
+    #[test]
+    fn rows_plans_fit_one_block_and_give_every_chunk_to_one_k_part() {
+        for nch in 1..=96 {
+            for n_out in [1, 7, 100, 1024, 3584, 9216] {
+                for (slots, swiglu) in [(1, false), (4, false), (4, true), (32, true)] {
+                    let p = RowsPlan::choose(nch, n_out, slots, swiglu, 132)
+                        .unwrap_or_else(|| panic!("no plan for {nch} chunks, {n_out} rows"));
+                    let at = format!("{nch} chunks, {n_out} rows, {slots} slots: {p:?}");
+                    assert!(p.threads <= 256 && p.threads.is_multiple_of(32), "{at}");
+                    assert!(
+                        p.rt * p.kp <= p.threads && p.threads < p.rt * p.kp + 32,
+                        "{at}"
+                    );
+                    assert!(p.kp <= nch && p.cw == nch.div_ceil(p.kp), "{at}");
+                    // The kernel gives part q the chunks [q·nch/kp, (q+1)·nch/kp).
+                    let covered: usize = (0..p.kp)
+                        .map(|q| (q + 1) * nch / p.kp - q * nch / p.kp)
+                        .inspect(|&c| assert!(c <= p.cw, "{at}"))
+                        .sum();
+                    assert_eq!(covered, nch, "{at}");
+                    assert!(p.smem_bytes(8) <= 110 * 1024, "{at}");
+                    assert!(!swiglu || p.rt.is_multiple_of(2), "{at}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_decode_expert_shapes_keep_every_multiprocessor_within_five_percent_of_an_even_share() {
+        // (chunks, rows per expert, experts, SwiGLU): Xing4.0's gate+up and down at top-4.
+        for (nch, n_out, slots, swiglu) in [(14, 1024, 4, true), (4, 3584, 4, false)] {
+            let p = RowsPlan::choose(nch, n_out, slots, swiglu, 132).unwrap();
+            let outs = if swiglu { p.rt / 2 } else { p.rt };
+            let blocks = n_out.div_ceil(outs) * slots;
+            let busiest = blocks.div_ceil(132) * p.threads * p.cw;
+            let rows = n_out * slots * if swiglu { 2 } else { 1 };
+            let even = (rows * nch) as f64 / 132.0;
+            assert!(busiest as f64 <= 1.05 * even, "{p:?}: {busiest} vs {even}");
+        }
+    }
+
+    #[test]
+    fn bf16_decode_plans_cover_the_row_with_an_instantiated_kernel() {
+        for units in 1..=4096 {
+            for o in [1, 576, 6144] {
+                let (ju, r, s) = bf16_dec_plan(8 * units, o, 132).unwrap();
+                assert!(32 * s * ju >= units, "{units} units: {ju} x {s} warps");
+                assert!(s.is_power_of_two() && s <= 8, "{units} units: {s} warps");
+                assert!(
+                    [(16, 1), (8, 1), (4, 1), (4, 4), (2, 4), (1, 4)].contains(&(ju, r)),
+                    "{units} units: no gemv_bf16_dec_{ju}_{r}"
+                );
+            }
+        }
+        assert_eq!(bf16_dec_plan(8 * 4097, 10, 132), None);
     }
 
     #[test]

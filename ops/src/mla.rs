@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{dot, matmul};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
+use crate::mla_prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
 use crate::op::{check_device, check_host};
 use crate::rope::{RopeConsts, RopeParams, rope_norm_cached};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
@@ -883,14 +884,103 @@ impl Op for MlaAttention {
         )
     }
 
-    /// Split-K flash attention (`mla_attn_split`, then `mla_attn_combine` when a token's rows
-    /// are split over several chunks). See [`attention_chunks`] for the split.
+    /// Split-K flash attention on the tensor cores (`mla_attn_split_t*`, then
+    /// `mla_attn_combine` when a token's rows are split over several chunks). See
+    /// [`attention_chunks`] for the split and [`attention_tile`] for the tile.
     fn cuda(
         &self,
         ctx: &GpuCtx,
         inputs: &[DeviceTensor<'_>],
         outputs: &[DeviceTensor<'_>],
         scratch: Scratch,
+    ) -> Result<(), OpError> {
+        let rows = inputs
+            .get(1)
+            .map_or(0, |c| c.meta.shape.first().copied().unwrap_or(0));
+        let n = inputs
+            .get(2)
+            .map_or(0, |p| p.meta.shape.first().copied().unwrap_or(0));
+        let w = inputs
+            .get(1)
+            .map_or(0, |c| c.meta.shape.get(1).copied().unwrap_or(0));
+        if self.takes_prefill_kernel(n, w) {
+            check_device(self, inputs, outputs)?;
+            let need = mla_prefill_scratch_bytes(rows, w);
+            if scratch.bytes < need {
+                return Err(OpError::Type(format!(
+                    "mla_attention: scratch of {} bytes, {need} needed",
+                    scratch.bytes
+                )));
+            }
+            // SAFETY: check_device checked q (n×heads×W), the cache (rows×W), positions (n)
+            // and out (n×heads×kv_lora); the scratch holds the f16 copy of the cache.
+            return unsafe {
+                launch_mla_prefill(
+                    ctx,
+                    inputs[0].ptr,
+                    inputs[1].ptr,
+                    inputs[2].ptr,
+                    outputs[0].ptr,
+                    n,
+                    self.n_head,
+                    w,
+                    self.kv_lora,
+                    rows,
+                    self.kq_scale,
+                    scratch,
+                )
+            };
+        }
+        let kernel = AttentionKernel {
+            tile: attention_tile(n, rows, self.n_head),
+            bf16_corrections: ATT_BF16_CORRECTIONS,
+        };
+        self.cuda_with(ctx, inputs, outputs, scratch, kernel)
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match (inputs.get(1), inputs.get(2)) {
+            (Some(cache), Some(pos)) => {
+                let (n, rows) = (
+                    pos.shape.first().copied().unwrap_or(0),
+                    cache.shape.first().copied().unwrap_or(0),
+                );
+                let w = cache.shape.get(1).copied().unwrap_or(0);
+                let split = attention_scratch(n, rows, self.n_head, self.kv_lora);
+                if self.takes_prefill_kernel(n, w) {
+                    split.max(mla_prefill_scratch_bytes(rows, w))
+                } else {
+                    split
+                }
+            }
+            _ => 0,
+        }
+    }
+}
+
+/// Prefill chunks of at least this many tokens take the f16 tensor-core flash kernel
+/// (`mla_prefill`): below it its (token, head) tiles no longer fill the chip.
+pub const PREFILL_KERNEL_MIN_TOKENS: usize = 256;
+
+impl MlaAttention {
+    /// Whether `n` tokens over rows of width `w` go to the prefill kernel.
+    fn takes_prefill_kernel(&self, n: usize, w: usize) -> bool {
+        n >= PREFILL_KERNEL_MIN_TOKENS
+            && w == self.kv_lora + 64
+            && self.kv_lora.is_multiple_of(64)
+            && self.kv_lora <= 512
+    }
+
+    /// [`Op::cuda`] with the split kernel chosen by the caller, so tests can check and time
+    /// every variant; the scratch is the same for all.
+    #[doc(hidden)]
+    pub fn cuda_with(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+        kernel: AttentionKernel,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
         let op = self.name();
@@ -910,17 +1000,36 @@ impl Op for MlaAttention {
                 ),
             ));
         }
+        let tile = kernel.tile;
+        let name = match (tile, kernel.bf16_corrections) {
+            (16, false) => "mla_attn_split_t16",
+            (32, false) => "mla_attn_split_t32",
+            (16, true) => "mla_attn_split_t16_bf",
+            (32, true) => "mla_attn_split_t32_bf",
+            _ => {
+                return Err(OpError::shape(
+                    op,
+                    format!("the CUDA kernel has tiles of 16 or 32 rows, not {tile}"),
+                ));
+            }
+        };
         for (what, t) in [("Q", q), ("cache", cache), ("o_lat", out)] {
             aligned16(op, what, t)?;
         }
         let groups = nh.div_ceil(32);
-        if n > 65535 || nh > 65535 {
+        if n > 65535 || groups > 65535 {
             return Err(OpError::shape(
                 op,
                 format!("{n} tokens × {groups} head groups exceed the grid"),
             ));
         }
         let chunks = attention_chunks(n, rows, nh);
+        if chunks > ATT_MAX_CHUNKS {
+            return Err(OpError::shape(
+                op,
+                format!("{chunks} chunks exceed the merge kernel's {ATT_MAX_CHUNKS}"),
+            ));
+        }
         let need = attention_scratch(n, rows, nh, lora);
         if scratch.bytes < need || (need > 0 && !scratch.ptr.is_multiple_of(16)) {
             return Err(OpError::Type(format!(
@@ -930,24 +1039,22 @@ impl Op for MlaAttention {
         }
         let part_o = scratch.ptr;
         let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
-        let smem = attention_smem(w);
-        let split = ctx.kernel("mla.cu", MLA_CU, "mla_attn_split")?;
+        let split = ctx.kernel("mla.cu", MLA_CU, name)?;
         let i = |what, v| as_i32(op, what, v);
-        // SAFETY: argument list matches mla_attn_split; rows read are clamped to the cache,
-        // partials written only when chunks > 1, into the scratch checked above.
+        // SAFETY: argument list matches mla_attn_split_t*; rows read are clamped to the
+        // cache, partials written only when chunks > 1, into the scratch checked above.
         unsafe {
             ctx.device
                 .launch(&split)
                 .grid((chunks as u32, n as u32, groups as u32))
                 .block(256)
-                .shared_mem(smem as u32)
+                .shared_mem(attention_smem(tile) as u32)
                 .arg(q.ptr)
                 .arg(cache.ptr)
                 .arg(pos.ptr)
                 .arg(out.ptr)
                 .arg(part_o)
                 .arg(part_ml)
-                .arg(n as i32)
                 .arg(i("n_head", nh)?)
                 .arg(w as i32)
                 .arg(lora as i32)
@@ -962,13 +1069,12 @@ impl Op for MlaAttention {
         }
         let combine = ctx.kernel("mla.cu", MLA_CU, "mla_attn_combine")?;
         // SAFETY: argument list matches mla_attn_combine; it reads the partials the split
-        // kernel wrote for the chunks the position makes valid.
+        // kernel wrote for the chunks the position makes valid (same tile, same division).
         unsafe {
             ctx.device
                 .launch(&combine)
                 .grid((blocks_for(lora, 128), nh as u32, n as u32))
                 .block(256)
-                .shared_mem(((8 * 128 + chunks) * 4) as u32)
                 .arg(part_o)
                 .arg(part_ml)
                 .arg(pos.ptr)
@@ -977,47 +1083,62 @@ impl Op for MlaAttention {
                 .arg(lora as i32)
                 .arg(rows as i32)
                 .arg(chunks as i32)
+                .arg(tile as i32)
                 .enqueue()
                 .map_err(dev_err)
         }
     }
-
-    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
-        match (inputs.get(1), inputs.get(2)) {
-            (Some(cache), Some(pos)) => attention_scratch(
-                pos.shape.first().copied().unwrap_or(0),
-                cache.shape.first().copied().unwrap_or(0),
-                self.n_head,
-                self.kv_lora,
-            ),
-            _ => 0,
-        }
-    }
 }
 
-/// Key rows a tile of `mla_attn_split` stages (`ATT_T` there).
-const ATT_T: usize = 16;
-/// Widest cache row and latent the kernel's per-warp registers cover (8 warps × 72 / × 64).
+/// Widest cache row and latent the kernel covers (8 warps × 72 query dims / × 64 columns).
 const ATT_MAX_W: usize = 576;
 const ATT_MAX_LORA: usize = 512;
+/// Shared-memory row stride of a staged key row (`ATT_WS` there): 576 floats + 8.
+const ATT_WS: usize = 584;
 /// Blocks the attention launch aims for: one per SM of an H200 (the kernel holds one block
 /// an SM), so a single decode token still spreads over the whole chip.
 const ATT_TARGET_BLOCKS: usize = 132;
+/// Chunks `mla_attn_combine` merges at most (`ATT_MAX_CHUNKS` there: 17 a warp).
+const ATT_MAX_CHUNKS: usize = 136;
 
 /// Chunks each token's rows are split into. Fixed by the plan's shapes (tokens, cache rows,
 /// heads), never by the position, so one captured graph serves a whole bucket: the kernel
-/// divides rows `0..=pos` among the chunks at run time and chunks past the end do nothing.
-/// Prefill (many tokens) gets one chunk a token and no combine.
+/// divides rows `0..=pos` among the chunks at run time (whole tiles each) and chunks past the
+/// end do nothing. Prefill (many tokens) gets one chunk a token and no combine.
 pub fn attention_chunks(n: usize, rows: usize, n_head: usize) -> usize {
     let per_token = ATT_TARGET_BLOCKS.div_ceil(n.max(1) * n_head.div_ceil(32).max(1));
-    per_token.clamp(1, rows.div_ceil(ATT_T).max(1))
+    per_token.clamp(1, rows.div_ceil(16).max(1))
 }
 
-/// Dynamic shared memory of `mla_attn_split`: Q of 32 heads, three key tiles in flight (rows
-/// padded to `att_stride`), score partials, scores, weights and the per-head statistics.
-fn attention_smem(w: usize) -> usize {
-    let ws = w + ((36 - (w & 31)) & 31);
-    (32 * ws + 3 * ATT_T * ws + 8 * ATT_T * 32 + 2 * ATT_T * 32 + 2 * 32 + 8 * 32) * 4
+/// Which `mla_attn_split` variant runs: its tile rows (16 or 32) and whether the two
+/// correction products of the operand split are one BF16 mma (`true`) or two TF32 ones.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionKernel {
+    pub tile: usize,
+    pub bf16_corrections: bool,
+}
+
+/// The corrections in one BF16 mma: two tensor instructions per k-step instead of three,
+/// at ~2^-20 instead of ~2^-21 relative error per product (H200: 38.0 vs 42.2 µs at 16448
+/// rows; worst |Δ| against the CPU 1.5e-6 vs 7e-7 on values in [-1, 1]).
+const ATT_BF16_CORRECTIONS: bool = true;
+
+/// Key rows a tile of the split kernel stages: 32 once every position of the bucket (the
+/// upper half of `rows`) fills whole 32-row chunks (fewer barriers and softmax passes a row),
+/// 16 below, where a half-empty 32-row tile would cost a full one (H200, tile 16 vs 32:
+/// 21.8 vs 20.9 µs at 4224 rows of an 8192 bucket, 12.5 vs 14.5 at 512 rows).
+pub fn attention_tile(n: usize, rows: usize, n_head: usize) -> usize {
+    let per_chunk = rows.div_ceil(attention_chunks(n, rows, n_head));
+    if per_chunk >= 48 { 32 } else { 16 }
+}
+
+/// Dynamic shared memory of `mla_attn_split_t{tile}`: the key buffers (four of 16 rows or two
+/// of 32), the 8 warps' score partials, the weights' A fragments (big and small) and the
+/// per-head correction, max and sum.
+fn attention_smem(tile: usize) -> usize {
+    let bufs = if tile == 16 { 4 } else { 2 };
+    (bufs * tile * ATT_WS + 8 * tile * 32 + 2 * tile * 32 + 3 * 32) * 4
 }
 
 /// Scratch for the chunk partials: `o[kv_lora]` then `(m, l)` per (token, chunk, head).

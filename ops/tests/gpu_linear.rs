@@ -161,10 +161,24 @@ fn the_one_token_iq4_nl_gemv_matches_the_cpu_reference_over_slice_counts() {
         o in 1usize..300, seed in any::<u64>(),
         pairs in prop::sample::select(vec![1usize, 3, 16, 17, 50, 56, 144, 160, 256]),
     )| {
-        // K = 64·pairs: from part of one 1024-column slice to 16 slices (256 pairs), last
-        // slices partial (17, 50, 56 = 3584) or whole (16, 144 = 9216, 160); random row
-        // counts leave partial row groups.
+        // K = 64·pairs: whole 256-value chunks (16, 56 = 3584, 144 = 9216, 160, 256) take the
+        // row GEMV, split into K parts of one to four chunks; the others (1, 3, 17, 50) the
+        // staged GEMV. Random row counts leave partial row tiles.
         let c = Case::random(seed, DType::IQ4_NL, 1, 64 * pairs, o);
+        let r = check(&gpu, &Linear, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(r.elements, o);
+    });
+}
+
+#[test]
+fn the_one_token_bf16_gemv_matches_the_cpu_reference_over_row_lengths() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(32), |(
+        units in 1usize..1200, o in 1usize..400, seed in any::<u64>(),
+    )| {
+        // K = 8·units: up to 128 units rows go four to a block, longer ones one to a block
+        // split over 1 to 8 warps, with the last warps' loads partly past the row's end.
+        let c = Case::random(seed, DType::BF16, 1, 8 * units, o);
         let r = check(&gpu, &Linear, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
         prop_assert_eq!(r.elements, o);
     });
@@ -244,6 +258,7 @@ fn linear_gives_the_same_bits_on_every_run() {
     let Some(gpu) = test_gpu() else { return };
     for (n, dtype) in [
         (1, DType::BF16),
+        (1, DType::IQ4_NL),
         (5, DType::IQ4_NL),
         (1, DType::Q6_K),
         (70, DType::IQ4_NL),

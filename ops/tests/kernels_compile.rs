@@ -52,3 +52,59 @@ fn every_kernel_source_compiles_for_sm_90a_without_spilling() {
     );
 }
 
+/// The name of each kernel (`extern "C" __global__` function) whose body does not start with
+/// `PDL_ENTER();`. Macro-made kernels are checked in their macro's text.
+fn kernels_without_pdl_enter(source: &str) -> Vec<String> {
+    let mut missing = Vec::new();
+    let mut rest = source;
+    while let Some(at) = rest.find("extern \"C\" __global__") {
+        rest = &rest[at..];
+        let Some(open) = rest.find('{') else { break };
+        let mut signature = rest[..open].to_string();
+        if let Some(lb) = signature.find("__launch_bounds__(")
+            && let Some(close) = signature[lb..].find(')')
+        {
+            signature.replace_range(lb..lb + close + 1, "");
+        }
+        let name = signature
+            .split('(')
+            .next()
+            .and_then(|head| head.split_whitespace().last())
+            .unwrap_or("?")
+            .to_string();
+        let body = rest[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+        if !body.starts_with("PDL_ENTER();") {
+            missing.push(name);
+        }
+        rest = &rest[open + 1..];
+    }
+    missing
+}
+
+/// Launches carry the programmatic-serialization attribute on Hopper, so a kernel that touched
+/// memory before `griddepcontrol.wait` could read its predecessor's inputs half-written.
+#[test]
+fn every_kernel_waits_for_its_predecessor_before_anything_else() {
+    let sources = ops::kernel_sources()
+        .into_iter()
+        .chain([("stall.cu", cuda::STALL_CU)]);
+    let mut missing = Vec::new();
+    for (name, source) in sources {
+        for kernel in kernels_without_pdl_enter(source) {
+            missing.push(format!("{name}: {kernel}"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "kernels not starting with PDL_ENTER();\n{}",
+        missing.join("\n")
+    );
+}
+
+#[test]
+fn the_pdl_check_sees_plain_and_macro_kernels() {
+    let src = "extern \"C\" __global__ void a(int* x) {\n    PDL_ENTER();\n}\n\
+               #define K(N) extern \"C\" __global__ void b_##N(int* x) { \\\n    x[0] = 1; }\n\
+               extern \"C\" __global__ void __launch_bounds__(128) c(int* x) { x[0] = 2; }\n";
+    assert_eq!(kernels_without_pdl_enter(src), vec!["b_##N", "c"]);
+}

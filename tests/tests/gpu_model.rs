@@ -255,6 +255,23 @@ fn gpu_logits_stay_close_to_the_cpu_reference() {
         .sum();
     let den: f64 = cpu.iter().map(|a| (*a as f64).powi(2)).sum();
     let rel = (num / den).sqrt();
+    // Per position, so a drift confined to some rows shows where it is.
+    let vocab = cpu.len() / p.len();
+    let mut rows: Vec<(usize, f64)> = cpu
+        .chunks(vocab)
+        .zip(gpu.chunks(vocab))
+        .enumerate()
+        .map(|(i, (c, g))| {
+            let n: f64 = c.iter().zip(g).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let d: f64 = c.iter().map(|a| (*a as f64).powi(2)).sum();
+            (i, (n / d).sqrt())
+        })
+        .collect();
+    rows.sort_by(|a, b| b.1.total_cmp(&a.1));
+    eprintln!(
+        "worst positions (index, rel): {:?}",
+        &rows[..rows.len().min(6)]
+    );
     eprintln!(
         "small xing4, {} positions: ‖gpu − cpu‖/‖cpu‖ = {rel:.3e}",
         p.len()

@@ -1,0 +1,228 @@
+//! MLA attention for prefill chunks on the tensor cores (`kernels/mla_prefill.cu`).
+//!
+//! The same function as [`crate::mla::MlaAttention`] (absorbed form, causal over the latent
+//! cache, the value the first `kv_lora` columns of each row), computed flash-attention style
+//! with f16 operands and f32 accumulation: Q·Kᵀ and P·V on `mma.m16n8k16`, the online softmax
+//! in f32. One block takes 64 (token, head) query rows and stops at the largest position among
+//! them, so a causal chunk does about half the work of the full square.
+//!
+//! Precision: Q, the cache rows and the softmax weights are rounded to f16 (11 significant
+//! bits), as llama.cpp's default f16 KV cache does; the error is a few f16 units of the value
+//! scale (see the parity tests for the bound used).
+
+use crate::OpError;
+use crate::gpu::{GpuCtx, Scratch, dev_err};
+
+pub(crate) const MLA_PREFILL_CU: &str = include_str!("../kernels/mla_prefill.cu");
+
+const OP: &str = "mla_prefill";
+/// Query rows (token, head pairs) a block of `mla_prefill_attn` takes.
+const ROWS: usize = 64;
+/// Key rows a tile; widest row; the rope part the kernel expects after the latent.
+const KEYS: usize = 64;
+const MAX_W: usize = 576;
+const ROPE: usize = 64;
+/// Cache rows a block of `mla_prefill_convert` narrows.
+const CONVERT_ROWS: usize = 16;
+
+/// Dynamic shared memory of `mla_prefill_attn`: Q, two key tiles (f16, `MAX_W` wide), P, then
+/// the per-row tile maxima (2 key halves), rescale factors, sums (2 halves) and key counts.
+const ATTN_SMEM: usize = ROWS * MAX_W * 2 + 2 * KEYS * MAX_W * 2 + ROWS * KEYS * 2 + 6 * ROWS * 4;
+// An H200 block may opt in to 227 KiB.
+const _: () = assert!(ATTN_SMEM <= 227 * 1024);
+
+/// Scratch [`launch_mla_prefill`] needs: the cache narrowed to f16 (`ctx_rows × w`), rounded
+/// up to 16 bytes.
+pub fn mla_prefill_scratch_bytes(ctx_rows: usize, w: usize) -> usize {
+    (ctx_rows * w * 2).next_multiple_of(16)
+}
+
+/// Refuses the shapes the kernels do not cover.
+fn check_shapes(
+    n_tok: usize,
+    n_head: usize,
+    w: usize,
+    kv_lora: usize,
+    ctx_rows: usize,
+) -> Result<(), OpError> {
+    if n_head == 0 || kv_lora == 0 || !kv_lora.is_multiple_of(64) || kv_lora + ROPE > MAX_W {
+        return Err(OpError::shape(
+            OP,
+            format!(
+                "the kernel needs n_head > 0 (found {n_head}) and kv_lora a multiple of 64 up \
+                 to {} (found {kv_lora})",
+                MAX_W - ROPE
+            ),
+        ));
+    }
+    if w != kv_lora + ROPE {
+        return Err(OpError::shape(
+            OP,
+            format!(
+                "the kernel needs rows of kv_lora + {ROPE} = {} values, found w {w}",
+                kv_lora + ROPE
+            ),
+        ));
+    }
+    // The kernel indexes rows and blocks as i32 (byte offsets are 64-bit).
+    let fits = n_tok
+        .checked_mul(n_head)
+        .and_then(|r| r.checked_add(ROWS))
+        .is_some_and(|r| i32::try_from(r).is_ok())
+        && i32::try_from(ctx_rows).is_ok();
+    if !fits {
+        return Err(OpError::shape(
+            OP,
+            format!("{n_tok} tokens × {n_head} heads or {ctx_rows} cache rows exceed an i32"),
+        ));
+    }
+    Ok(())
+}
+
+/// Enqueues the prefill attention: `out[t][h] = Σ_j softmax_j(kq_scale·q[t][h]·cache[j])·
+/// cache[j][..kv_lora]` over rows `j ≤ positions[t]`; a token whose position is outside
+/// `[0, ctx_rows)` gets zeros. Two launches (narrow the cache rows up to the largest valid
+/// position to f16 into `scratch`, then the attention); no host synchronization, so it can be
+/// captured into a graph: the grids depend on `n_tok`, `n_head` and `ctx_rows` only.
+///
+/// Shapes: `w = kv_lora + 64`, `kv_lora` a multiple of 64 up to 512; other shapes are a
+/// [`OpError::Shape`]. `q`, `cache` and `out` must be 16-byte aligned, `scratch` 16-byte aligned
+/// with at least [`mla_prefill_scratch_bytes`]`(ctx_rows, w)` bytes ([`OpError::Type`] if not).
+///
+/// Rows a token's mask hides but its block reads (up to the largest position of the 64 query
+/// rows' tokens) get weight exactly 0; their values are clamped to ±65504 when narrowed (a NaN
+/// becomes finite), so they cannot turn an output into NaN. Rows past the largest valid
+/// position are not read.
+///
+/// # Safety
+/// Every address must be a live device allocation on `ctx`'s device, unchanged until the
+/// kernels have run: `q` F32 `[n_tok, n_head, w]`, `cache` F32 `[ctx_rows, w]`, `positions` I32
+/// `[n_tok]`, `out` F32 `[n_tok, n_head, kv_lora]`, `scratch` as above. `out` and `scratch`
+/// must not overlap each other or any input.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_mla_prefill(
+    ctx: &GpuCtx,
+    q: u64,
+    cache: u64,
+    positions: u64,
+    out: u64,
+    n_tok: usize,
+    n_head: usize,
+    w: usize,
+    kv_lora: usize,
+    ctx_rows: usize,
+    kq_scale: f32,
+    scratch: Scratch,
+) -> Result<(), OpError> {
+    check_shapes(n_tok, n_head, w, kv_lora, ctx_rows)?;
+    if n_tok == 0 {
+        return Ok(());
+    }
+    for (what, ptr) in [
+        ("q", q),
+        ("cache", cache),
+        ("out", out),
+        ("scratch", scratch.ptr),
+    ] {
+        if !ptr.is_multiple_of(16) {
+            return Err(OpError::Type(format!(
+                "{OP}: {what} at device address {ptr:#x} is not 16-byte aligned"
+            )));
+        }
+    }
+    let need = mla_prefill_scratch_bytes(ctx_rows, w);
+    if scratch.bytes < need {
+        return Err(OpError::Type(format!(
+            "{OP}: scratch of {} bytes, {need} needed for {ctx_rows} rows of {w}",
+            scratch.bytes
+        )));
+    }
+    let (n_tok_i, n_head_i, w_i, lora_i, ctx_i) = (
+        n_tok as i32,
+        n_head as i32,
+        w as i32,
+        kv_lora as i32,
+        ctx_rows as i32,
+    );
+    if ctx_rows > 0 {
+        let convert = ctx.kernel("mla_prefill.cu", MLA_PREFILL_CU, "mla_prefill_convert")?;
+        // SAFETY: argument list matches mla_prefill_convert; it reads rows below the largest
+        // position in [0, ctx_rows) of `cache` and writes the same rows of the scratch, whose
+        // size was checked above; the caller guarantees the allocations.
+        unsafe {
+            ctx.device
+                .launch(&convert)
+                .grid(ctx_rows.div_ceil(CONVERT_ROWS) as u32)
+                .block(256)
+                .arg(cache)
+                .arg(positions)
+                .arg(scratch.ptr)
+                .arg(n_tok_i)
+                .arg(w_i)
+                .arg(ctx_i)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
+    }
+    let attn = ctx.kernel("mla_prefill.cu", MLA_PREFILL_CU, "mla_prefill_attn")?;
+    let blocks = (n_tok * n_head).div_ceil(ROWS);
+    // SAFETY: argument list matches mla_prefill_attn; it reads the scratch rows the convert
+    // launch wrote (below each block's largest valid position), Q rows below n_tok·n_head and
+    // writes exactly the n_tok·n_head·kv_lora outputs.
+    unsafe {
+        ctx.device
+            .launch(&attn)
+            .grid(blocks as u32)
+            .block(256)
+            .shared_mem(ATTN_SMEM as u32)
+            .arg(q)
+            .arg(scratch.ptr)
+            .arg(positions)
+            .arg(out)
+            .arg(n_tok_i)
+            .arg(n_head_i)
+            .arg(w_i)
+            .arg(lora_i)
+            .arg(ctx_i)
+            .arg(kq_scale * std::f32::consts::LOG2_E)
+            .enqueue()
+            .map_err(dev_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_the_kernel_does_not_cover_are_shape_errors() {
+        assert!(check_shapes(4, 32, 576, 512, 4096).is_ok());
+        assert!(check_shapes(1, 1, 128, 64, 1).is_ok());
+        for (n, nh, w, lora, rows) in [
+            (4, 32, 576, 500, 4096),    // kv_lora not a multiple of 64
+            (4, 32, 640, 576, 4096),    // kv_lora past 512
+            (4, 32, 560, 512, 4096),    // rope not 64
+            (4, 0, 576, 512, 4096),     // no heads
+            (1 << 26, 64, 576, 512, 1), // rows overflow an i32
+        ] {
+            let e = check_shapes(n, nh, w, lora, rows).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    OpError::Shape {
+                        op: "mla_prefill",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_scratch_holds_the_f16_cache_rounded_to_16_bytes() {
+        assert_eq!(mla_prefill_scratch_bytes(4096, 576), 4096 * 576 * 2);
+        assert_eq!(mla_prefill_scratch_bytes(1, 128), 256);
+        assert_eq!(mla_prefill_scratch_bytes(0, 576), 0);
+    }
+}
