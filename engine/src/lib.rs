@@ -68,12 +68,19 @@ impl From<graph::CudaExecError> for EngineError {
     }
 }
 
+/// Prefill chunk on the CPU when the config leaves it at 0.
+pub const DEFAULT_PREFILL_CHUNK_CPU: usize = 256;
+/// Prefill chunk on a GPU when the config leaves it at 0: on the H200, pp4096 ran at 3,928 t/s
+/// with 256-token chunks, 5,330 with 512 and 6,424 with 1024 (larger GEMMs and expert groups).
+pub const DEFAULT_PREFILL_CHUNK_CUDA: usize = 1024;
+
 /// Engine settings fixed for a session's life.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Cache rows (positions) a sequence may use.
     pub max_model_len: usize,
-    /// Tokens per prefill chunk (bounds the activations a chunk needs).
+    /// Tokens per prefill chunk (bounds the activations a chunk needs); 0: the device's
+    /// default, [`DEFAULT_PREFILL_CHUNK_CPU`] or [`DEFAULT_PREFILL_CHUNK_CUDA`].
     pub prefill_chunk: usize,
     /// The smallest decode KV bucket (buckets are powers of two from here).
     pub min_kv_bucket: usize,
@@ -88,7 +95,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             max_model_len: 4096,
-            prefill_chunk: 256,
+            prefill_chunk: 0,
             min_kv_bucket: 64,
             device: Device::Cpu,
             cuda_graphs: true,
@@ -126,7 +133,13 @@ impl Engine {
     /// A session on `config.device`. On a GPU the weights are uploaded here, and a
     /// `max_model_len` whose cache, weights and step memory do not fit the card's free
     /// memory is refused with the numbers.
-    pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Engine, EngineError> {
+    pub fn new(model: Arc<Model>, mut config: EngineConfig) -> Result<Engine, EngineError> {
+        if config.prefill_chunk == 0 {
+            config.prefill_chunk = match config.device {
+                Device::Cpu => DEFAULT_PREFILL_CHUNK_CPU,
+                Device::Cuda(_) => DEFAULT_PREFILL_CHUNK_CUDA,
+            };
+        }
         let rows = Bucket::kv_bucket_for(config.max_model_len, config.min_kv_bucket);
         let (probe, prefill) = backend::sizing_plans(
             &model,

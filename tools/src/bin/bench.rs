@@ -55,8 +55,9 @@ struct Args {
     /// Repetitions of each test (and of each arm of the A/B).
     #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
     reps: usize,
-    /// Prefill chunk size in tokens.
-    #[arg(long, default_value_t = 256)]
+    /// Prefill chunk size in tokens (0: the engine's default for the device, 1024 on a GPU,
+    /// 256 on the CPU).
+    #[arg(long, default_value_t = 0)]
     prefill_chunk: usize,
     /// Skip the eager arm of the decode A/B (graph replay only).
     #[arg(long)]
@@ -249,7 +250,7 @@ fn main() -> Result<()> {
         engine.device_name(),
         t_load.elapsed().as_secs_f64(),
         config.max_model_len,
-        config.prefill_chunk
+        engine.config().prefill_chunk
     );
     if let Some(b) = engine.device_budget() {
         eprintln!(
@@ -288,7 +289,7 @@ fn main() -> Result<()> {
         rows.push(row);
         if gpu && a.profile {
             // The last chunk: its attention reads the most cache rows.
-            let last = p - (p - 1) % a.prefill_chunk.max(1) - 1;
+            let last = p - (p - 1) % engine.config().prefill_chunk.max(1) - 1;
             engine.reset();
             if last > 0 {
                 engine.forward_argmax(&ids[..last])?;

@@ -64,8 +64,8 @@ struct Args {
     /// `: keep-alive` comment, so that proxies and clients do not time it out.
     #[arg(long, default_value_t = 5.0)]
     sse_keep_alive: f64,
-    /// Tokens per prefill chunk.
-    #[arg(long, default_value_t = 256)]
+    /// Tokens per prefill chunk (0: 1024 on a GPU, 256 on the CPU).
+    #[arg(long, default_value_t = 0)]
     prefill_chunk: usize,
 }
 
@@ -107,7 +107,7 @@ fn main() -> Result<()> {
         } else {
             4096
         }),
-        prefill_chunk: args.prefill_chunk.max(1),
+        prefill_chunk: args.prefill_chunk,
         device,
         ..EngineConfig::default()
     };
