@@ -71,8 +71,9 @@ impl From<graph::CudaExecError> for EngineError {
 /// Prefill chunk on the CPU when the config leaves it at 0.
 pub const DEFAULT_PREFILL_CHUNK_CPU: usize = 256;
 /// Prefill chunk on a GPU when the config leaves it at 0: on the H200, pp4096 ran at 3,928 t/s
-/// with 256-token chunks, 5,330 with 512 and 6,424 with 1024 (larger GEMMs and expert groups).
-pub const DEFAULT_PREFILL_CHUNK_CUDA: usize = 1024;
+/// with 256-token chunks, 5,330 with 512, 6,463 with 1024 and 6,907 with 2048 (larger GEMMs
+/// and expert groups; the step arena grows to 465 MiB at 2048).
+pub const DEFAULT_PREFILL_CHUNK_CUDA: usize = 2048;
 
 /// Engine settings fixed for a session's life.
 #[derive(Clone, Debug)]
