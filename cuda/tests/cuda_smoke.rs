@@ -20,13 +20,14 @@ extern "C" __global__ void add_one(float* x, unsigned n) {
 }
 "#;
 
-// Block 0 dawdles before reading, so a successor that did not wait for it would read early.
+// Block 0 dawdles before writing its range, and each thread reads the mirrored element, so the
+// successor's last block reads what block 0 wrote: without the wait it would read it early.
 const CHAIN_SRC: &str = r#"
 extern "C" __global__ void slow_copy_plus_one(const float* src, float* dst, unsigned n) {
     PDL_ENTER();
     if (blockIdx.x == 0) __nanosleep(20000);
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dst[i] = src[i] + 1.0f;
+    if (i < n) dst[i] = src[n - 1 - i] + 1.0f;
 }
 "#;
 

@@ -765,6 +765,9 @@ impl HcPreNorm {
         hc_post: Option<[u64; 4]>,
     ) -> Result<(), OpError> {
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[2]);
+        if n == 0 {
+            return Ok(());
+        }
         let w = inputs[4].ptr;
         if hc_fusion() && HcPre::norm_fuses(d, &[inputs[0].ptr, x, w]) {
             // SAFETY: the caller's contract; w holds D f32.

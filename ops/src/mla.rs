@@ -884,9 +884,13 @@ impl Op for MlaAttention {
         )
     }
 
-    /// Split-K flash attention on the tensor cores (`mla_attn_split_t*`, then
-    /// `mla_attn_combine` when a token's rows are split over several chunks). See
-    /// [`attention_chunks`] for the split and [`attention_tile`] for the tile.
+    /// Chunks of [`PREFILL_KERNEL_MIN_TOKENS`] tokens or more: the f16 tensor-core flash kernel
+    /// of [`crate::mla_prefill`]. Otherwise split-K flash attention on the tensor cores with
+    /// f32-class corrections (`mla_attn_split_t*`, then `mla_attn_combine` when a token's rows
+    /// are split over several chunks); see [`attention_chunks`] for the split and
+    /// [`attention_tile`] for the tile. A position at or past the cache end (which the CPU
+    /// reference and the engine refuse) gets zeros from the prefill kernel and all rows from
+    /// the split kernel.
     fn cuda(
         &self,
         ctx: &GpuCtx,

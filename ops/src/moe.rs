@@ -701,7 +701,8 @@ impl Op for ExpertSwiGlu {
     }
 }
 
-/// One grouped expert product on the device (see `expert_rows_iq4_*` / `expert_gemm_iq4_*`).
+/// One grouped expert product on the device (see `expert_rows_iq4_*` in moe.cu and
+/// `expert_gemm_tc_iq4` in moe_prefill.cu).
 struct Experts<'a> {
     wa: &'a DeviceTensor<'a>,
     /// The up projection for SwiGLU (`wa` is then the gate); `None` for the down projection.

@@ -236,40 +236,38 @@ fn post_pre_norm_case(
     d: usize,
     seed: u64,
 ) -> Result<(), String> {
-    {
-        let c = PreCase::random(seed, hc, n, d, DType::BF16, 20.0);
-        let mut r = Rng(seed ^ 0xfeed);
-        let w = r.vec(d, -2.0, 2.0);
-        let wmax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let mut inputs = vec![
-            HostValue::f32([n, d], &r.vec(n * d, -20.0, 20.0)),
-            c.inputs[0].clone(),
-            HostValue::f32([n, hc], &r.vec(n * hc, 0.0, 2.0)),
-            HostValue::f32([n, hc, hc], &r.vec(n * hc * hc, 0.0, 1.0)),
-        ];
-        inputs.extend(c.inputs[1..].iter().cloned());
-        inputs.push(HostValue::f32([d], &w));
-        let op = HcPostPreNorm {
-            post: HcPost { hc },
-            pre_norm: HcPreNorm {
-                pre: pre_op(hc),
-                norm_eps: 1e-6,
-            },
-        };
-        let cpu = run_cpu(&op, &inputs).map_err(|e| format!("cpu: {e}"))?;
-        let dev = run_gpu(gpu, &op, &inputs).map_err(|e| format!("cuda: {e}"))?;
-        let tols = [
-            EXACT,
-            Tolerance::new(1e-3, 1e-3 * wmax.max(1e-3)),
-            Tolerance::new(1e-3, 1e-5),
-            Tolerance::new(1e-3, 1e-5),
-        ];
-        for (i, ((m, cv), (_, g))) in cpu.iter().zip(&dev).enumerate() {
-            compare(m, cv.bytes(), g, tols[i])
-                .map_err(|e| format!("hc={hc} n={n} D={d}: output {i}: {e}"))?;
-        }
-        Ok(())
+    let c = PreCase::random(seed, hc, n, d, DType::BF16, 20.0);
+    let mut r = Rng(seed ^ 0xfeed);
+    let w = r.vec(d, -2.0, 2.0);
+    let wmax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let mut inputs = vec![
+        HostValue::f32([n, d], &r.vec(n * d, -20.0, 20.0)),
+        c.inputs[0].clone(),
+        HostValue::f32([n, hc], &r.vec(n * hc, 0.0, 2.0)),
+        HostValue::f32([n, hc, hc], &r.vec(n * hc * hc, 0.0, 1.0)),
+    ];
+    inputs.extend(c.inputs[1..].iter().cloned());
+    inputs.push(HostValue::f32([d], &w));
+    let op = HcPostPreNorm {
+        post: HcPost { hc },
+        pre_norm: HcPreNorm {
+            pre: pre_op(hc),
+            norm_eps: 1e-6,
+        },
+    };
+    let cpu = run_cpu(&op, &inputs).map_err(|e| format!("cpu: {e}"))?;
+    let dev = run_gpu(gpu, &op, &inputs).map_err(|e| format!("cuda: {e}"))?;
+    let tols = [
+        EXACT,
+        Tolerance::new(1e-3, 1e-3 * wmax.max(1e-3)),
+        Tolerance::new(1e-3, 1e-5),
+        Tolerance::new(1e-3, 1e-5),
+    ];
+    for (i, ((m, cv), (_, g))) in cpu.iter().zip(&dev).enumerate() {
+        compare(m, cv.bytes(), g, tols[i])
+            .map_err(|e| format!("hc={hc} n={n} D={d}: output {i}: {e}"))?;
     }
+    Ok(())
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! CUDA parity of the tensor-core prefill attention (`launch_mla_prefill`) against
 //! `MlaAttention`'s CPU reference; skips without a GPU, saying why. The timing table at the real
-//! Xing4.0 shapes (against the split kernel `MlaAttention::cuda` uses today) is ignored: run it
-//! on the GPU host with `--include-ignored`.
+//! Xing4.0 shapes (against the split kernel, which `MlaAttention::cuda` takes below
+//! `PREFILL_KERNEL_MIN_TOKENS` tokens) is ignored: run it on the GPU host with
+//! `--include-ignored`.
 //!
 //! Tolerance. The kernel rounds Q, the cache rows and the softmax weights to f16 (2^-11
 //! relative), so its error is a few f16 units of the *value scale*, not of each output element:
@@ -15,7 +16,7 @@
 
 use cuda::DeviceBuffer;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::mla::MlaAttention;
+use ops::mla::{AttentionKernel, MlaAttention, attention_tile};
 use ops::mla_prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
 use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::tensor::{HostTensor, HostTensorMut};
@@ -50,6 +51,59 @@ impl Rng {
     }
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// The split kernel whatever the token count (`MlaAttention::cuda` sends 256 tokens and more to
+/// the prefill kernel), with its default tile and correction terms.
+fn split_kernel(
+    att: &MlaAttention,
+    gpu: &GpuCtx,
+    inputs: &[DeviceTensor<'_>],
+    outputs: &[DeviceTensor<'_>],
+    scratch: Scratch,
+) -> Result<(), OpError> {
+    let n = inputs[2].meta.shape[0];
+    let rows = inputs[1].meta.shape[0];
+    let kernel = AttentionKernel {
+        tile: attention_tile(n, rows, att.n_head),
+        bf16_corrections: true,
+    };
+    att.cuda_with(gpu, inputs, outputs, scratch, kernel)
+}
+
+/// [`MlaAttention`] on the split kernel at any token count, for the comparisons below.
+#[derive(Debug)]
+struct Split(MlaAttention);
+
+impl Op for Split {
+    fn name(&self) -> &'static str {
+        "mla_attention_split"
+    }
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        self.0.infer(inputs)
+    }
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.0.cpu(inputs, outputs)
+    }
+    fn describe(&self) -> String {
+        format!("{} (split kernel)", self.0.describe())
+    }
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        split_kernel(&self.0, ctx, inputs, outputs, scratch)
+    }
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        self.0.cuda_scratch_bytes(inputs)
     }
 }
 
@@ -247,7 +301,7 @@ fn a_512_token_chunk_matches_the_split_kernel() {
     for (first, bucket) in [(3584, 4096), (0, 512)] {
         let ins = inputs(17, 32, 576, bucket, &consecutive(first, 512));
         let new = run_gpu(&gpu, &Prefill(att.clone()), &ins).expect("prefill kernel");
-        let old = run_gpu(&gpu, &att, &ins).expect("split kernel");
+        let old = run_gpu(&gpu, &Split(att.clone()), &ins).expect("split kernel");
         let r = compare(&old[0].0, &old[0].1, &new[0].1, PREFILL_TOL)
             .unwrap_or_else(|e| panic!("pos={first}.. bucket={bucket}: {e}"));
         eprintln!("mla_prefill vs split kernel, 512 tokens pos={first}.. bucket={bucket}: {r}");
@@ -373,7 +427,8 @@ fn time_chunk(gpu: &GpuCtx, first: usize, bucket: usize) {
         }
     };
     let old = |i: usize| {
-        att.cuda(
+        split_kernel(
+            &att,
             gpu,
             &[
                 view(&qm, &q),

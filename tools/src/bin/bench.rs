@@ -65,8 +65,9 @@ struct Args {
     /// Decode steps timed with events per arm for the host-vs-device columns.
     #[arg(long, default_value_t = 32)]
     timing_steps: usize,
-    /// At each depth, profile one decode step node by node (GPU only) and print where its
-    /// device time goes, grouped by the node's name without its layer prefix.
+    /// At each depth, profile one decode step node by node (GPU only), and the last chunk of
+    /// each prefill test, and print where their device time goes, grouped by the node's name
+    /// without its layer prefix.
     #[arg(long)]
     profile: bool,
 }
