@@ -318,3 +318,45 @@ pub fn test_gpu() -> Option<GpuCtx> {
         }
     }
 }
+
+/// Microseconds per call of `call(i)`: `reps` calls captured into one CUDA graph (as the engine
+/// runs a step), replayed for at least 0.3 s first so the clocks have ramped up, then the median
+/// of 7 timed replays, divided by `reps`. For the timing tables of the GPU tests.
+pub fn time_calls_us(
+    gpu: &GpuCtx,
+    reps: usize,
+    call: &dyn Fn(usize) -> Result<(), OpError>,
+) -> Result<f64, OpError> {
+    let dev = &gpu.device;
+    call(0)?;
+    let mut failed = None;
+    let graph = dev
+        .capture(|_| {
+            for i in 0..reps {
+                if let Err(e) = call(i) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            Ok(())
+        })
+        .map_err(dev_err)?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    graph.upload().map_err(dev_err)?;
+    let start = std::time::Instant::now();
+    while start.elapsed().as_secs_f64() < 0.3 {
+        graph.launch().map_err(dev_err)?;
+        dev.synchronize().map_err(dev_err)?;
+    }
+    let timer = cuda::Timer::new(dev).map_err(dev_err)?;
+    let mut ms = Vec::with_capacity(7);
+    for _ in 0..7 {
+        timer.start().map_err(dev_err)?;
+        graph.launch().map_err(dev_err)?;
+        ms.push(f64::from(timer.stop().map_err(dev_err)?));
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[3] * 1e3 / reps.max(1) as f64)
+}

@@ -526,43 +526,6 @@ fn view<'a>(meta: &'a TensorMeta, b: &DeviceBuffer<u8>) -> DeviceTensor<'a> {
     }
 }
 
-/// Microseconds per call of `call(i)`: `reps` calls captured into one CUDA graph (as the
-/// engine runs a step), replayed for ≥ 0.3 s first so the clocks have ramped up, then the
-/// median of 7 timed replays.
-fn time_calls(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
-    let dev = &gpu.device;
-    call(0).expect("warm-up");
-    let mut failed = None;
-    let graph = dev
-        .capture(|_| {
-            for i in 0..reps {
-                if let Err(e) = call(i) {
-                    failed = Some(e);
-                    break;
-                }
-            }
-            Ok(())
-        })
-        .expect("capture");
-    assert!(failed.is_none(), "{failed:?}");
-    graph.upload().expect("graph upload");
-    let start = std::time::Instant::now();
-    while start.elapsed().as_secs_f64() < 0.3 {
-        graph.launch().expect("replay");
-        dev.synchronize().expect("sync");
-    }
-    let timer = cuda::Timer::new(dev).expect("timer");
-    let mut ms: Vec<f64> = (0..7)
-        .map(|_| {
-            timer.start().expect("timer");
-            graph.launch().expect("replay");
-            timer.stop().expect("timer") as f64
-        })
-        .collect();
-    ms.sort_by(f64::total_cmp);
-    ms[3] * 1e3 / reps as f64
-}
-
 fn line(what: &str, us: f64, bytes: f64) {
     println!("{what:<64} {us:>9.2} µs {:>7.0} GB/s", bytes / us / 1e3);
 }
@@ -615,7 +578,7 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
                 Some(k) => op.cuda_with(gpu, &ins, &outs, scratch, k),
             }
         };
-        let us = time_calls(gpu, 4 * layers, &call);
+        let us = time_us(gpu, 4 * layers, &call);
         // Rows read: the union over the tokens (each token's rows are read by its own blocks,
         // from L2 after the first); Q, the output and the partials written and read back.
         let bytes = (rows * w * 4 + n * 32 * w * 4 + n * 32 * 512 * 4 + 2 * sbytes) as f64;
@@ -670,7 +633,7 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
                     .map_err(|e| OpError::Type(e.to_string()))
             }
         };
-        let us = time_calls(gpu, 64, &call);
+        let us = time_us(gpu, 64, &call);
         line(
             &format!("  of which mla_attn_combine alone (tile={default})"),
             us,
@@ -752,7 +715,7 @@ fn time_head_gemv(gpu: &GpuCtx, n: usize, value_out: bool) {
             )
         }
     };
-    let us = time_calls(gpu, 4 * copies, &call);
+    let us = time_us(gpu, 4 * copies, &call);
     let bytes = (wbytes.len() + xb.len() + n * y_w * 4) as f64;
     let name = if value_out {
         "mla_value_out"
@@ -779,7 +742,7 @@ fn time_kv(gpu: &GpuCtx, n: usize) {
             .collect();
         op.cuda(gpu, &v, &[view(&om, &out)], Scratch::default())
     };
-    let us = time_calls(gpu, 50, &call);
+    let us = time_us(gpu, 50, &call);
     line(
         &format!("mla_kv n={n}"),
         us,
@@ -803,4 +766,8 @@ fn mla_timings_at_the_real_shapes() {
     // Prefill chunks of 512 tokens (one chunk a token, no combine).
     time_attention(&gpu, 512, 0, 4096);
     time_attention(&gpu, 512, 3584, 4096);
+}
+
+fn time_us(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
+    ops::parity::time_calls_us(gpu, reps, call).expect("timing")
 }

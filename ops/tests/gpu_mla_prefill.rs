@@ -336,42 +336,6 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Milliseconds per call of `call(i)`: `reps` calls captured into one CUDA graph, replayed for
-/// ≥ 0.3 s first so the clocks ramp up, then the median of 5 timed replays.
-fn time_calls(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
-    let dev = &gpu.device;
-    call(0).expect("warm-up");
-    let mut failed = None;
-    let graph = dev
-        .capture(|_| {
-            for i in 0..reps {
-                if let Err(e) = call(i) {
-                    failed = Some(e);
-                    break;
-                }
-            }
-            Ok(())
-        })
-        .expect("capture");
-    assert!(failed.is_none(), "{failed:?}");
-    graph.upload().expect("graph upload");
-    let start = std::time::Instant::now();
-    while start.elapsed().as_secs_f64() < 0.3 {
-        graph.launch().expect("replay");
-        dev.synchronize().expect("sync");
-    }
-    let timer = cuda::Timer::new(dev).expect("timer");
-    let mut ms: Vec<f64> = (0..5)
-        .map(|_| {
-            timer.start().expect("timer");
-            graph.launch().expect("replay");
-            timer.stop().expect("timer") as f64
-        })
-        .collect();
-    ms.sort_by(f64::total_cmp);
-    ms[2] / reps as f64
-}
-
 /// One 512-token chunk at positions `first..first+512` over a bucket of `bucket` rows, the new
 /// kernel and the split kernel, each over several cache copies (the rows come from HBM, as
 /// across layers).
@@ -445,8 +409,8 @@ fn time_chunk(gpu: &GpuCtx, first: usize, bucket: usize) {
     let flops: f64 = (0..n)
         .map(|i| 2.0 * nh as f64 * (first + i + 1) as f64 * (w + lora) as f64)
         .sum();
-    let ms_new = time_calls(gpu, copies, &new);
-    let ms_old = time_calls(gpu, copies, &old);
+    let ms_new = time_ms(gpu, copies, &new);
+    let ms_old = time_ms(gpu, copies, &old);
     for (what, ms) in [
         ("mla_prefill (f16 mma)", ms_new),
         ("mla_attention split (3xTF32)", ms_old),
@@ -466,4 +430,9 @@ fn mla_prefill_timings_at_the_real_shapes() {
     let Some(gpu) = test_gpu() else { return };
     time_chunk(&gpu, 3584, 4096);
     time_chunk(&gpu, 0, 512);
+}
+
+/// Milliseconds per call (see `ops::parity::time_calls_us`).
+fn time_ms(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
+    ops::parity::time_calls_us(gpu, reps, call).expect("timing") / 1e3
 }

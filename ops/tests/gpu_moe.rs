@@ -575,43 +575,6 @@ fn view<'a>(meta: &'a TensorMeta, b: &DeviceBuffer<u8>) -> DeviceTensor<'a> {
     }
 }
 
-/// Microseconds per call of `call(i)`: `reps` calls captured into one CUDA graph (as the
-/// engine runs a step), replayed for ≥ 0.3 s first so the clocks have ramped up, then the
-/// median of 7 timed replays.
-fn time_calls(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
-    let dev = &gpu.device;
-    call(0).expect("warm-up");
-    let mut failed = None;
-    let graph = dev
-        .capture(|_| {
-            for i in 0..reps {
-                if let Err(e) = call(i) {
-                    failed = Some(e);
-                    break;
-                }
-            }
-            Ok(())
-        })
-        .expect("capture");
-    assert!(failed.is_none(), "{failed:?}");
-    graph.upload().expect("graph upload");
-    let start = std::time::Instant::now();
-    while start.elapsed().as_secs_f64() < 0.3 {
-        graph.launch().expect("replay");
-        dev.synchronize().expect("sync");
-    }
-    let timer = cuda::Timer::new(dev).expect("timer");
-    let mut ms: Vec<f64> = (0..7)
-        .map(|_| {
-            timer.start().expect("timer");
-            graph.launch().expect("replay");
-            timer.stop().expect("timer") as f64
-        })
-        .collect();
-    ms.sort_by(f64::total_cmp);
-    ms[3] * 1e3 / reps as f64
-}
-
 fn line(what: &str, us: f64, bytes: f64, flops: f64) {
     println!(
         "{what:<40} {us:>9.2} µs {:>7.0} GB/s {:>6.1} TFLOP/s",
@@ -692,7 +655,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
     }
     let reps = if n == 1 { 64 } else { 4 };
 
-    let us = time_calls(gpu, reps, &|_| {
+    let us = time_us(gpu, reps, &|_| {
         router.cuda(
             gpu,
             &[v(&z), v(&rw), v(&bias)],
@@ -713,7 +676,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
         n_expert: NE,
         top_k: TOPK,
     };
-    let us = time_calls(gpu, reps, &|i| {
+    let us = time_us(gpu, reps, &|i| {
         plan_op.cuda(
             gpu,
             &[v(&plans[i % sets][0])],
@@ -722,7 +685,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
         )
     });
     line(&format!("route_plan n={n}"), us, (rt * 12) as f64, 0.0);
-    let us = time_calls(gpu, reps, &|i| {
+    let us = time_us(gpu, reps, &|i| {
         router.cuda(
             gpu,
             &[v(&z), v(&rw), v(&bias)],
@@ -761,7 +724,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
         n_expert: NE,
         n_ff: NFF,
     };
-    let us = time_calls(gpu, reps, &|i| {
+    let us = time_us(gpu, reps, &|i| {
         let p = &plans[i % sets];
         sw.cuda(
             gpu,
@@ -780,7 +743,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
         n_expert: NE,
         n_embd: EMBD,
     };
-    let us = time_calls(gpu, reps, &|i| {
+    let us = time_us(gpu, reps, &|i| {
         let p = &plans[i % sets];
         dn.cuda(
             gpu,
@@ -796,7 +759,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
         2.0 * (rt * NFF * EMBD) as f64,
     );
     let ts = TopKSum { top_k: TOPK };
-    let us = time_calls(gpu, reps, &|i| {
+    let us = time_us(gpu, reps, &|i| {
         let p = &plans[i % sets];
         ts.cuda(
             gpu,
@@ -812,7 +775,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
         0.0,
     );
     // The whole routed chain as a step runs it (router → plan → experts → sum).
-    let us = time_calls(gpu, reps, &|i| {
+    let us = time_us(gpu, reps, &|i| {
         let p = &plans[i % sets];
         router.cuda(
             gpu,
@@ -863,4 +826,8 @@ fn moe_timings_at_the_real_shapes() {
     for n in [1, 512] {
         time_moe(&gpu, n);
     }
+}
+
+fn time_us(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
+    ops::parity::time_calls_us(gpu, reps, call).expect("timing")
 }

@@ -427,42 +427,6 @@ fn the_tensor_core_path_matches_and_repeats_bit_for_bit_at_the_real_shapes() {
 
 // ---- timings ----------------------------------------------------------------------------
 
-/// Microseconds per call of `call(i)`: `reps` calls captured into one CUDA graph, replayed
-/// for ≥ 0.3 s first so the clocks have ramped up, then the median of 7 timed replays.
-fn time_calls(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
-    let dev = &gpu.device;
-    call(0).expect("warm-up");
-    let mut failed = None;
-    let graph = dev
-        .capture(|_| {
-            for i in 0..reps {
-                if let Err(e) = call(i) {
-                    failed = Some(e);
-                    break;
-                }
-            }
-            Ok(())
-        })
-        .expect("capture");
-    assert!(failed.is_none(), "{failed:?}");
-    graph.upload().expect("graph upload");
-    let start = std::time::Instant::now();
-    while start.elapsed().as_secs_f64() < 0.3 {
-        graph.launch().expect("replay");
-        dev.synchronize().expect("sync");
-    }
-    let timer = cuda::Timer::new(dev).expect("timer");
-    let mut ms: Vec<f64> = (0..7)
-        .map(|_| {
-            timer.start().expect("timer");
-            graph.launch().expect("replay");
-            timer.stop().expect("timer") as f64
-        })
-        .collect();
-    ms.sort_by(f64::total_cmp);
-    ms[3] * 1e3 / reps as f64
-}
-
 struct Dev {
     buf: DeviceBuffer<u8>,
 }
@@ -516,7 +480,7 @@ fn expert_gemm_timings_at_the_real_shapes() {
         let dn_bytes = experts * slice + ((rt * NFF + rt * EMBD) * 4) as f64;
 
         // SAFETY (both closures): the buffers above hold the real shapes.
-        let tc_sw = time_calls(&gpu, reps, &|_| unsafe {
+        let tc_sw = time_us(&gpu, reps, &|_| unsafe {
             launch_expert_gemm_tc(
                 &gpu,
                 gate.ptr(),
@@ -532,7 +496,7 @@ fn expert_gemm_timings_at_the_real_shapes() {
                 rt,
             )
         });
-        let tc_dn = time_calls(&gpu, reps, &|_| unsafe {
+        let tc_dn = time_us(&gpu, reps, &|_| unsafe {
             launch_expert_gemm_tc(
                 &gpu,
                 down.ptr(),
@@ -566,4 +530,8 @@ fn expert_gemm_timings_at_the_real_shapes() {
             dn_flops,
         );
     }
+}
+
+fn time_us(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
+    ops::parity::time_calls_us(gpu, reps, call).expect("timing")
 }
