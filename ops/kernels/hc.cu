@@ -48,6 +48,17 @@ __device__ __forceinline__ void stream_mean_body(const float* __restrict__ h, fl
     }
 HC_VARIANTS(STREAM_MEAN)
 
+// One destination stream's element of hc_post, post_d·yv + Σ_s comb_row[s]·H[s] (H at stride D),
+// each product and sum rounded on its own in the reference's order. hc_post and the fused
+// partial pass of hc_pre both use it, so H' has the same bits either way.
+__device__ __forceinline__ float hc_post_elem(float post_d, float yv, const float* __restrict__ comb_row,
+                                              const float* __restrict__ hp, int hc, long long D) {
+    float o = __fmul_rn(post_d, yv);
+#pragma unroll
+    for (int s = 0; s < hc; ++s) o = __fadd_rn(o, __fmul_rn(comb_row[s], hp[s * D]));
+    return o;
+}
+
 // One thread per (t, i): out[t][d][i] = post[t][d]·y[t][i] + Σ_s comb[t][d][s]·H[t][s][i].
 template <int HCT>
 __device__ __forceinline__ void hc_post_body(const float* __restrict__ y, const float* __restrict__ h,
@@ -61,12 +72,8 @@ __device__ __forceinline__ void hc_post_body(const float* __restrict__ y, const 
         const float* hp = h + t * hc * D + i;
         const float* cp = comb + t * hc * hc;
 #pragma unroll
-        for (int d = 0; d < hc; ++d) {
-            float o = __fmul_rn(post[t * hc + d], yv);
-#pragma unroll
-            for (int s = 0; s < hc; ++s) o = __fadd_rn(o, __fmul_rn(cp[d * hc + s], hp[(long long)s * D]));
-            out[(t * hc + d) * D + i] = o;
-        }
+        for (int d = 0; d < hc; ++d)
+            out[(t * hc + d) * D + i] = hc_post_elem(post[t * hc + d], yv, cp + d * hc, hp, hc, D);
     }
 }
 #define HC_POST(HCT)                                                                              \
@@ -231,10 +238,8 @@ __device__ __forceinline__ void pre_pairs(float* __restrict__ h, const void* __r
             if (t0 + t >= n) continue;
             const long long tt = t0 + t;
             const int col = s0 + c, d = col / D, i = col - d * D;
-            const float* cp = comb + tt * hc * hc + d * hc;
-            const float* hp = hin + tt * W + i;
-            float o = __fmul_rn(post[tt * hc + d], y[tt * D + i]);
-            for (int s = 0; s < hc; ++s) o = __fadd_rn(o, __fmul_rn(cp[s], hp[(long long)s * D]));
+            const float o = hc_post_elem(post[tt * hc + d], y[tt * D + i], comb + tt * hc * hc + d * hc,
+                                         hin + tt * W + i, hc, D);
             hs[p] = o;
             h[tt * W + col] = o;
         }
