@@ -319,6 +319,192 @@ PRE_PAIRS(bf16_8, true, 8)
 PRE_PAIRS(f32_1, false, 1)
 PRE_PAIRS(f32_8, false, 8)
 
+// ---------------------------------------------------------------------------------------------
+// The partial pass for many tokens (hc = 4, 24 mixes, bf16 fn, D a multiple of 32): the mixes
+// of 16 tokens are a 16×24 product over the W = 4D columns, run on the tensor cores.
+// grid (splits, ceil(n/16)), block 256: every warp takes 32-column chunks i0..i0+31 of all four
+// streams for the block's 16 tokens; lane (g, q) holds columns 8q..8q+7 of tokens g and g+8.
+// A dot does not care in which order its columns meet, so k-step j of an m16n8k8 mma pairs
+// A's column q with the lane's column 8q+j and q+4 with 8q+4+j; B's rows follow the same map,
+// which makes a lane's B fragment of mix row 8·nt+g one 16-byte load of fn. fn is bf16, exact
+// in tf32; H is split as tf32(H) + tf32(H − tf32(H)) (22 of its 24 bits), two mma each, f32
+// sums: f32-class mixes. POST forms H' = hc_post(y, H, post, comb) element by element in
+// hc_post's order first (its bits), writes it, and uses it for the dots.
+#define ROWS_HC 4
+#define ROWS_K 24
+#define ROWS_TT 16
+
+__device__ __forceinline__ unsigned rows_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void rows_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Element e (0..7) of eight bf16 packed in a uint4, as f32 bits (exact as tf32).
+__device__ __forceinline__ unsigned bf16_bits(const uint4& v, int e) {
+    const unsigned w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
+    return (e & 1) ? (w & 0xffff0000u) : (w << 16);
+}
+
+__device__ __forceinline__ void ld8(const float* p, float (&v)[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ void st8(float* p, const float (&v)[8]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+template <bool POST>
+__device__ __forceinline__ void pre_rows(float* __restrict__ h, const unsigned short* __restrict__ fn,
+                                         float* __restrict__ part, int n, int D, int cpw,
+                                         const float* __restrict__ y, const float* __restrict__ hin,
+                                         const float* __restrict__ post, const float* __restrict__ comb) {
+    __shared__ float pc[ROWS_TT][ROWS_HC + ROWS_HC * ROWS_HC];  // POST: a token's post, then comb
+    __shared__ float red[8][ROWS_TT][ROWS_K + 1];               // per warp: mixes, sum of squares
+    const int sp = blockIdx.x, splits = gridDim.x, t0 = blockIdx.y * ROWS_TT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const long long W = (long long)ROWS_HC * D;
+    const int nchunks = D >> 5;
+    const int rows[2] = {t0 + g, t0 + g + 8};
+    const bool live[2] = {rows[0] < n, rows[1] < n};
+    if constexpr (POST) {
+        constexpr int E = ROWS_HC + ROWS_HC * ROWS_HC;
+        for (int p = threadIdx.x; p < ROWS_TT * E; p += blockDim.x) {
+            const int tok = p / E, e = p % E, tt = t0 + tok;
+            pc[tok][e] = tt < n ? (e < ROWS_HC ? post[(long long)tt * ROWS_HC + e]
+                                               : comb[(long long)tt * ROWS_HC * ROWS_HC + e - ROWS_HC])
+                                : 0.f;
+        }
+        __syncthreads();
+    }
+    float acc[3][4];
+#pragma unroll
+    for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+    float ss[2] = {0.f, 0.f};
+
+    for (int c = 0; c < cpw; ++c) {
+        const int chunk = (sp * cpw + c) * 8 + warp;
+        if (chunk >= nchunks) break;
+        const int i = chunk * 32 + 8 * q;
+        // src[r][s]: stream s of token r at columns i..i+7 (H, or the H that H' is formed from).
+        float src[2][ROWS_HC][8];
+        float yv[2][8];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float* base = (POST ? hin : h) + rows[r] * W + i;
+#pragma unroll
+            for (int s = 0; s < ROWS_HC; ++s) {
+                if (live[r]) ld8(base + (long long)s * D, src[r][s]);
+                else
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) src[r][s][e] = 0.f;
+            }
+            if constexpr (POST) {
+                if (live[r]) ld8(y + (long long)rows[r] * D + i, yv[r]);
+                else
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) yv[r][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < ROWS_HC; ++d) {
+            uint4 f[3];
+#pragma unroll
+            for (int nt = 0; nt < 3; ++nt)
+                f[nt] = __ldg(reinterpret_cast<const uint4*>(fn + (long long)(8 * nt + g) * W + (long long)d * D + i));
+            // x[r]: stream d of token r, the values the dots read.
+            float x[2][8];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if constexpr (POST) {
+                    const float* pr = pc[g + 8 * r];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        float o = __fmul_rn(pr[d], yv[r][e]);
+#pragma unroll
+                        for (int s = 0; s < ROWS_HC; ++s)
+                            o = __fadd_rn(o, __fmul_rn(pr[ROWS_HC + d * ROWS_HC + s], src[r][s][e]));
+                        x[r][e] = o;
+                    }
+                    if (live[r]) st8(h + rows[r] * W + (long long)d * D + i, x[r]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) x[r][e] = src[r][d][e];
+                }
+#pragma unroll
+                for (int e = 0; e < 8; ++e) ss[r] = fmaf(x[r][e], x[r][e], ss[r]);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                unsigned hi[4], lo[4];
+                const float av[4] = {x[0][j], x[1][j], x[0][4 + j], x[1][4 + j]};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    hi[e] = rows_tf32(av[e]);
+                    lo[e] = rows_tf32(av[e] - __uint_as_float(hi[e]));
+                }
+#pragma unroll
+                for (int nt = 0; nt < 3; ++nt) {
+                    const unsigned b0 = bf16_bits(f[nt], j), b1 = bf16_bits(f[nt], 4 + j);
+                    rows_mma(acc[nt], hi[0], hi[1], hi[2], hi[3], b0, b1);
+                    rows_mma(acc[nt], lo[0], lo[1], lo[2], lo[3], b0, b1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], 1);
+        ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], 2);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 3; ++nt) {
+        red[warp][g][8 * nt + 2 * q] = acc[nt][0];
+        red[warp][g][8 * nt + 2 * q + 1] = acc[nt][1];
+        red[warp][g + 8][8 * nt + 2 * q] = acc[nt][2];
+        red[warp][g + 8][8 * nt + 2 * q + 1] = acc[nt][3];
+    }
+    if (q == 0) {
+        red[warp][g][ROWS_K] = ss[0];
+        red[warp][g + 8][ROWS_K] = ss[1];
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < ROWS_TT * (ROWS_K + 1); p += blockDim.x) {
+        const int tok = p / (ROWS_K + 1), k = p % (ROWS_K + 1);
+        if (t0 + tok >= n) continue;
+        float v = red[0][tok][k];
+#pragma unroll
+        for (int w = 1; w < 8; ++w) v += red[w][tok][k];
+        part[((long long)(t0 + tok) * (ROWS_K + 1) + k) * splits + sp] = v;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) hc_pre_rows(const float* h, const unsigned short* fn, float* part,
+                                                              int n, int D, int cpw) {
+    PDL_ENTER();
+    pre_rows<false>(const_cast<float*>(h), fn, part, n, D, cpw, nullptr, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) hc_post_pre_rows(const float* y, const float* hin, const float* post,
+                                                                   const float* comb, float* h,
+                                                                   const unsigned short* fn, float* part, int n,
+                                                                   int D, int cpw) {
+    PDL_ENTER();
+    pre_rows<true>(h, fn, part, n, D, cpw, y, hin, post, comb);
+}
+
 __device__ __forceinline__ float sigmoid_ref(float z) { return 1.0f / (1.0f + expf(-z)); }
 
 // Total of quantity k (row k of the token's partials, K = the sum of squares): each lane

@@ -45,6 +45,35 @@ fn hc_fusion() -> bool {
     *ON.get_or_init(|| std::env::var("XING4_HC_FUSION").map_or(true, |v| v != "0"))
 }
 
+/// Tokens from which `hc_pre`'s partial pass runs as 16-token tiles on the tensor cores
+/// (`hc_pre_rows`); below, the split-K pass spreads fewer tokens over more blocks.
+const ROWS_MIN_TOKENS: usize = 64;
+
+/// 32-column chunks a warp of `hc_pre_rows` takes (so a block spans 8 × this many): 0 turns
+/// the tensor-core partial pass off. `XING4_HC_ROWS` sets it for the device A/B; tests and
+/// timing tables set it with [`set_rows_chunks_per_warp`].
+static ROWS_CPW: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+fn rows_chunks_per_warp() -> usize {
+    use std::sync::atomic::Ordering;
+    let v = ROWS_CPW.load(Ordering::Relaxed);
+    if v != usize::MAX {
+        return v;
+    }
+    let from_env = std::env::var("XING4_HC_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    ROWS_CPW.store(from_env, Ordering::Relaxed);
+    from_env
+}
+
+/// Sets the chunks per warp of `hc_pre`'s tensor-core partial pass for this process (0: off,
+/// every token count takes the split-K pass). For A/B timings and tests of both paths.
+pub fn set_rows_chunks_per_warp(cpw: usize) {
+    ROWS_CPW.store(cpw, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Threads of an `hc_pre_finish` block (its `__launch_bounds__`): a warp per mix total.
 const PRE_FINISH_THREADS: usize = 1024;
 
@@ -537,17 +566,49 @@ impl HcPre {
         let pairs = vec && fused_smem <= 48 << 10;
         let part = scratch.ptr;
         let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
+        let cpw = rows_chunks_per_warp();
+        let rows = cpw > 0
+            && n >= ROWS_MIN_TOKENS
+            && self.hc == 4
+            && k == 24
+            && d.is_multiple_of(32)
+            && f.meta.dtype == DType::BF16
+            && [h.ptr, f.ptr].iter().all(|p| p.is_multiple_of(16));
+        let mut post = post;
         if let Some(p) = post {
-            if pairs && hc_fusion() {
-                let kp = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_pre_pairs_{fn_ty}_{tb}"))?;
-                // SAFETY: the fused partial kernel reads y, H, post, comb (the caller's hc_post
-                // inputs), writes H' (n×W) at inputs[0] and part[n][K+1][splits] in scratch.
-                unsafe {
+            let fuses = if rows {
+                p[..2].iter().all(|a| a.is_multiple_of(16))
+            } else {
+                pairs
+            };
+            if !(fuses && hc_fusion()) {
+                // SAFETY: the caller's hc_post inputs and H' (inputs[0]) are n×… as checked.
+                unsafe { launch_hc_post(ctx, self.hc, p, h.ptr, n, d)? };
+                post = None;
+            }
+        }
+        if rows {
+            let splits = (d / 32).div_ceil(8 * cpw);
+            let tiles = n.div_ceil(16);
+            if tiles > 65535 {
+                return Err(OpError::shape(op, format!("{n} tokens in one launch")));
+            }
+            let (ni, di, ci) = (
+                as_i32(op, "n", n)?,
+                as_i32(op, "D", d)?,
+                as_i32(op, "chunks", cpw)?,
+            );
+            let grid = (splits as u32, tiles as u32);
+            // SAFETY: the row kernels read H (or hc_post's y, H, post, comb) for n tokens of
+            // W = 4·D f32 and fn (24×W bf16), write H' (with hc_post) and part[n][25][splits],
+            // splits ≤ pre_dims' count, inside the scratch checked above.
+            unsafe {
+                if let Some(p) = post {
+                    let kp = ctx.kernel("hc.cu", HC_CU, "hc_post_pre_rows")?;
                     ctx.device
                         .launch(&kp)
-                        .grid((splits as u32, groups as u32))
+                        .grid(grid)
                         .block(256)
-                        .shared_mem(fused_smem as u32)
                         .arg(p[0])
                         .arg(p[1])
                         .arg(p[2])
@@ -555,20 +616,57 @@ impl HcPre {
                         .arg(h.ptr)
                         .arg(f.ptr)
                         .arg(part)
-                        .arg(as_i32(op, "n", n)?)
-                        .arg(wi)
-                        .arg(ki)
-                        .arg(as_i32(op, "segment", seg)?)
-                        .arg(as_i32(op, "hc", self.hc)?)
-                        .arg(as_i32(op, "D", d)?)
+                        .arg(ni)
+                        .arg(di)
+                        .arg(ci)
+                        .enqueue()
+                        .map_err(dev_err)?;
+                } else {
+                    let kp = ctx.kernel("hc.cu", HC_CU, "hc_pre_rows")?;
+                    ctx.device
+                        .launch(&kp)
+                        .grid(grid)
+                        .block(256)
+                        .arg(h.ptr)
+                        .arg(f.ptr)
+                        .arg(part)
+                        .arg(ni)
+                        .arg(di)
+                        .arg(ci)
                         .enqueue()
                         .map_err(dev_err)?;
                 }
-                // SAFETY: as for the partial kernel below.
-                return unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm) };
+                return self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits);
             }
-            // SAFETY: the caller's hc_post inputs and H' (inputs[0]) are n×… as checked.
-            unsafe { launch_hc_post(ctx, self.hc, p, h.ptr, n, d)? };
+        }
+        if let Some(p) = post {
+            let kp = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_pre_pairs_{fn_ty}_{tb}"))?;
+            // SAFETY: the fused partial kernel reads y, H, post, comb (the caller's hc_post
+            // inputs), writes H' (n×W) at inputs[0] and part[n][K+1][splits] in scratch.
+            unsafe {
+                ctx.device
+                    .launch(&kp)
+                    .grid((splits as u32, groups as u32))
+                    .block(256)
+                    .shared_mem(fused_smem as u32)
+                    .arg(p[0])
+                    .arg(p[1])
+                    .arg(p[2])
+                    .arg(p[3])
+                    .arg(h.ptr)
+                    .arg(f.ptr)
+                    .arg(part)
+                    .arg(as_i32(op, "n", n)?)
+                    .arg(wi)
+                    .arg(ki)
+                    .arg(as_i32(op, "segment", seg)?)
+                    .arg(as_i32(op, "hc", self.hc)?)
+                    .arg(as_i32(op, "D", d)?)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            // SAFETY: as for the partial kernel below.
+            return unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits) };
         }
         let (name, smem) = if vec && pair_smem <= 48 << 10 {
             (format!("hc_pre_pairs_{fn_ty}_{tb}"), pair_smem as u32)
@@ -596,7 +694,7 @@ impl HcPre {
                 .map_err(dev_err)?;
         }
         // SAFETY: the partials are in scratch; the caller's contract covers the rest.
-        unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm) }
+        unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits) }
     }
 
     /// The finishing launch of `hc_pre` (totals, gates, Sinkhorn, collapse and the optional
@@ -611,10 +709,11 @@ impl HcPre {
         outs: [u64; 3],
         scratch: Scratch,
         norm: Option<(u64, f32)>,
+        splits: usize,
     ) -> Result<(), OpError> {
         let op = self.name();
         let metas: Vec<&TensorMeta> = inputs.iter().take(4).map(|t| t.meta).collect();
-        let (n, w, k, splits) =
+        let (n, w, k, _) =
             pre_dims(self, &metas).ok_or_else(|| OpError::shape(op, "inputs refused"))?;
         let (h, d, part) = (&inputs[0], w / self.hc, scratch.ptr);
         let ki = as_i32(op, "mixes", k)?;

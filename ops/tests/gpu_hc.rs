@@ -273,7 +273,7 @@ fn post_pre_norm_case(
 #[test]
 fn hc_pre_gives_the_same_bits_on_every_run() {
     let Some(gpu) = test_gpu() else { return };
-    for n in [1, 12] {
+    for n in [1, 12, 100] {
         let c = PreCase::random(7 + n as u64, 4, n, 3584, DType::BF16, 5.0);
         let a = run_gpu(&gpu, &pre_op(4), &c.inputs).expect("first run");
         let b = run_gpu(&gpu, &pre_op(4), &c.inputs).expect("second run");
@@ -386,4 +386,130 @@ fn time_hc_pre(gpu: &GpuCtx, p: &HcPre) {
         p.sinkhorn_iters,
         bytes / us / 1e3
     );
+}
+
+/// From 64 tokens, hc = 4 with D a multiple of 32 takes the tensor-core partial pass
+/// (`hc_pre_rows`, fused with hc_post or not): H' keeps hc_post's bits, x/post/comb the
+/// split-K pass's tolerances (the mixes are tf32 hi+lo products, 22 of H's 24 bits, f32 sums).
+#[test]
+fn the_tensor_core_partial_pass_matches_the_cpu_reference() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(24), |(
+        d in (1usize..48).prop_map(|v| v * 32),
+        n in 64usize..150,
+        fused in any::<bool>(),
+        mag_exp in 0i32..4,
+        seed in any::<u64>(),
+    )| {
+        if fused {
+            post_pre_norm_case(&gpu, 4, n, d, seed).map_err(TestCaseError::fail)?;
+        } else {
+            let c = PreCase::random(seed, 4, n, d, DType::BF16, 10f32.powi(mag_exp));
+            c.check(&gpu, &pre_op(4)).map_err(TestCaseError::fail)?;
+        }
+    });
+}
+
+#[test]
+fn the_tensor_core_partial_pass_matches_at_the_real_width() {
+    let Some(gpu) = test_gpu() else { return };
+    for n in [64, 333] {
+        post_pre_norm_case(&gpu, 4, n, 3584, n as u64).unwrap_or_else(|e| panic!("{e}"));
+        let c = PreCase::random(90 + n as u64, 4, n, 3584, DType::BF16, 30.0);
+        let rel = c.check(&gpu, &pre_op(4)).unwrap_or_else(|e| panic!("{e}"));
+        println!(
+            "hc_pre rows hc=4 D=3584 n={n}: max rel x {:.2e}, post {:.2e}, comb {:.2e}",
+            rel[0], rel[1], rel[2]
+        );
+    }
+}
+
+#[test]
+#[ignore = "timing at the real shape: run on the GPU host with --ignored"]
+fn hc_boundary_timing_for_prefill_chunks() {
+    let Some(gpu) = test_gpu() else { return };
+    println!("| tokens | partial pass | µs per boundary | GB/s (H, y, H', x) |");
+    println!("| ---: | --- | ---: | ---: |");
+    for n in [64, 256, 1024, 2048] {
+        for cpw in [0, 1, 2] {
+            ops::hc::set_rows_chunks_per_warp(cpw);
+            let us = time_boundary(&gpu, n);
+            let bytes = (n * 3584 * 4 * (4 + 1 + 4 + 1)) as f64;
+            let path = if cpw == 0 {
+                "split-K (CUDA cores)".to_string()
+            } else {
+                format!("rows, {cpw} chunk(s) a warp")
+            };
+            println!("| {n} | {path} | {us:.1} | {:.0} |", bytes / us / 1e3);
+        }
+    }
+    ops::hc::set_rows_chunks_per_warp(1);
+}
+
+/// One `hc_post_pre_norm` at the real width over `n` tokens, graph-replayed.
+fn time_boundary(gpu: &GpuCtx, n: usize) -> f64 {
+    let dev = &gpu.device;
+    let (hc, d) = (4, 3584);
+    let c = PreCase::random(5, hc, n, d, DType::BF16, 3.0);
+    let mut r = Rng(77);
+    let mut inputs = vec![
+        HostValue::f32([n, d], &r.vec(n * d, -2.0, 2.0)),
+        c.inputs[0].clone(),
+        HostValue::f32([n, hc], &r.vec(n * hc, 0.0, 2.0)),
+        HostValue::f32([n, hc, hc], &r.vec(n * hc * hc, 0.0, 1.0)),
+    ];
+    inputs.extend(c.inputs[1..].iter().cloned());
+    inputs.push(HostValue::f32([d], &r.vec(d, -2.0, 2.0)));
+    let op = HcPostPreNorm {
+        post: HcPost { hc },
+        pre_norm: HcPreNorm {
+            pre: pre_op(hc),
+            norm_eps: 1e-6,
+        },
+    };
+    let ins: Vec<_> = inputs
+        .iter()
+        .map(|v| dev.upload(v.data.bytes()).expect("upload"))
+        .collect();
+    let metas: Vec<&TensorMeta> = inputs.iter().map(|v| &v.meta).collect();
+    let outs_m = op.infer(&metas).expect("shapes");
+    let outs: Vec<_> = outs_m
+        .iter()
+        .map(|m| {
+            dev.upload(&vec![0u8; m.bytes().expect("bytes")])
+                .expect("upload")
+        })
+        .collect();
+    let sb = op.cuda_scratch_bytes(&metas);
+    let scratch = dev.upload(&vec![0u8; sb.max(4)]).expect("upload");
+    let call = |_: usize| {
+        let iv: Vec<DeviceTensor<'_>> = inputs
+            .iter()
+            .zip(&ins)
+            .map(|(v, b)| DeviceTensor {
+                meta: &v.meta,
+                ptr: b.device_ptr(),
+                bytes: v.data.len(),
+            })
+            .collect();
+        let ov: Vec<DeviceTensor<'_>> = outs_m
+            .iter()
+            .zip(&outs)
+            .map(|(m, b)| DeviceTensor {
+                meta: m,
+                ptr: b.device_ptr(),
+                bytes: b.num_bytes(),
+            })
+            .collect();
+        op.cuda(
+            gpu,
+            &iv,
+            &ov,
+            Scratch {
+                ptr: scratch.device_ptr(),
+                bytes: sb,
+            },
+        )
+    };
+    ops::parity::time_calls_us(gpu, 20, &call).expect("timing")
 }
