@@ -38,6 +38,78 @@ router_logits(const float* __restrict__ z, const float* __restrict__ W, float* _
     }
 }
 
+// The same partials for a prefill chunk: part[t][s][e] over slices of `slice` values, as a
+// tiled f32 GEMM. Block = 64 tokens × 64 experts of one slice; k steps of 32 staged in shared
+// memory; each thread 4 tokens × 4 experts in registers, summed in k order. (The warp-per-
+// expert kernel above reduces across lanes for every token, which costs more than the dot.)
+#define RT_T 64
+#define RT_K 32
+#define RT_S (RT_T + 4)
+
+extern "C" __global__ void __launch_bounds__(256)
+router_logits_tiled(const float* __restrict__ z, const float* __restrict__ W, float* __restrict__ part,
+                    int n, int d, int n_expert, int n_slices, int slice) {
+    PDL_ENTER();
+    __shared__ __align__(16) float zs[RT_K * RT_S];
+    __shared__ __align__(16) float ws[RT_K * RT_S];
+    const int tid = threadIdx.x;
+    const int e0 = blockIdx.x * RT_T, s = blockIdx.y, t0 = blockIdx.z * RT_T;
+    const int k_begin = s * slice, k_end = min(d, k_begin + slice);
+    // Loader roles: 8 consecutive k (two float4) of one token row and of one expert row.
+    const int lr = tid >> 2, lk = 8 * (tid & 3);
+    const bool zrow = t0 + lr < n, wrow = e0 + lr < n_expert;
+    const float* zr = z + (long long)(t0 + lr) * d;
+    const float* wr = W + (long long)(e0 + lr) * d;
+    // Compute roles: tokens 4ty.., experts 4tx...
+    const int ty = tid >> 4, tx = tid & 15;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+
+    for (int k0 = k_begin; k0 < k_end; k0 += RT_K) {
+        float zv[8], wv[8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int k = k0 + lk + 4 * h;
+            const bool kv = k < k_end;  // d % 4 == 0: a float4 is wholly in or out
+            const float4 a = zrow && kv ? __ldg(reinterpret_cast<const float4*>(zr + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
+            const float4 b = wrow && kv ? __ldg(reinterpret_cast<const float4*>(wr + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
+            zv[4 * h] = a.x; zv[4 * h + 1] = a.y; zv[4 * h + 2] = a.z; zv[4 * h + 3] = a.w;
+            wv[4 * h] = b.x; wv[4 * h + 1] = b.y; wv[4 * h + 2] = b.z; wv[4 * h + 3] = b.w;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            zs[(lk + e) * RT_S + lr] = zv[e];
+            ws[(lk + e) * RT_S + lr] = wv[e];
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < RT_K; ++k) {
+            const float4 a = *reinterpret_cast<const float4*>(zs + k * RT_S + 4 * ty);
+            const float4 b = *reinterpret_cast<const float4*>(ws + k * RT_S + 4 * tx);
+            const float av[4] = {a.x, a.y, a.z, a.w};
+            const float bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(bv[j], av[i], acc[i][j]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int t = t0 + 4 * ty + i;
+        if (t >= n) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int e = e0 + 4 * tx + j;
+            if (e < n_expert) part[((long long)t * n_slices + s) * n_expert + e] = acc[i][j];
+        }
+    }
+}
+
 // Rust's f32::total_cmp as a signed-integer key.
 __device__ __forceinline__ int total_key(float x) {
     int b = __float_as_int(x);

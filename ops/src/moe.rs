@@ -26,6 +26,11 @@ pub(crate) const MOE_CU: &str = concat!(
 
 /// Input values one `router_logits` block column sums (`RL_SLICE` there).
 const ROUTER_SLICE: usize = 128;
+/// Tokens from which the router's logits are a tiled GEMM (`router_logits_tiled`), and its
+/// slice of D: a multiple of 128 (so the partials fit the scratch sized for ROUTER_SLICE) that
+/// gives a 1024-token chunk ~200 blocks.
+const ROUTER_TILED_MIN_TOKENS: usize = 64;
+const ROUTER_TILED_SLICE: usize = 256;
 /// Routes at or below which the expert ops take the GEMV path (decode: a few tokens, each
 /// expert's weight rows read once for all of its routes); above it the grouped GEMM.
 const GEMV_MAX_ROUTES: usize = 32;
@@ -257,7 +262,6 @@ impl Op for Router {
                 format!("{ne} experts exceed the select kernel's shared memory"),
             ));
         }
-        let slices = d.div_ceil(ROUTER_SLICE);
         let need = router_scratch(n, d, ne);
         if scratch.bytes < need {
             return Err(OpError::Type(format!(
@@ -265,29 +269,62 @@ impl Op for Router {
                 scratch.bytes
             )));
         }
-        let tok_tile = n.div_ceil(n.div_ceil(64).min(65535));
-        let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits")?;
-        // SAFETY: argument list matches router_logits; it writes n × slices × E partials.
-        unsafe {
-            ctx.device
-                .launch(&logits)
-                .grid((
-                    blocks_for(ne, 8),
-                    as_i32(op, "slices", slices)? as u32,
-                    n.div_ceil(tok_tile) as u32,
-                ))
-                .block(256)
-                .arg(inputs[0].ptr)
-                .arg(inputs[1].ptr)
-                .arg(scratch.ptr)
-                .arg(as_i32(op, "tokens", n)?)
-                .arg(as_i32(op, "D", d)?)
-                .arg(as_i32(op, "n_expert", ne)?)
-                .arg(slices as i32)
-                .arg(as_i32(op, "token tile", tok_tile)?)
-                .enqueue()
-                .map_err(dev_err)?;
-        }
+        let slices = if n >= ROUTER_TILED_MIN_TOKENS {
+            let slices = d.div_ceil(ROUTER_TILED_SLICE);
+            let token_tiles = n.div_ceil(64);
+            if token_tiles > 65535 || slices > 65535 {
+                return Err(OpError::shape(
+                    op,
+                    format!("{n} tokens of {d} exceed the grid"),
+                ));
+            }
+            let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits_tiled")?;
+            // SAFETY: argument list matches router_logits_tiled; it writes n × slices × E
+            // partials, slices ≤ ⌈D/128⌉ (the scratch checked above).
+            unsafe {
+                ctx.device
+                    .launch(&logits)
+                    .grid((blocks_for(ne, 64), slices as u32, token_tiles as u32))
+                    .block(256)
+                    .arg(inputs[0].ptr)
+                    .arg(inputs[1].ptr)
+                    .arg(scratch.ptr)
+                    .arg(as_i32(op, "tokens", n)?)
+                    .arg(as_i32(op, "D", d)?)
+                    .arg(as_i32(op, "n_expert", ne)?)
+                    .arg(slices as i32)
+                    .arg(ROUTER_TILED_SLICE as i32)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            slices
+        } else {
+            let slices = d.div_ceil(ROUTER_SLICE);
+            let tok_tile = n.div_ceil(n.div_ceil(64).min(65535));
+            let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits")?;
+            // SAFETY: argument list matches router_logits; it writes n × slices × E partials.
+            unsafe {
+                ctx.device
+                    .launch(&logits)
+                    .grid((
+                        blocks_for(ne, 8),
+                        as_i32(op, "slices", slices)? as u32,
+                        n.div_ceil(tok_tile) as u32,
+                    ))
+                    .block(256)
+                    .arg(inputs[0].ptr)
+                    .arg(inputs[1].ptr)
+                    .arg(scratch.ptr)
+                    .arg(as_i32(op, "tokens", n)?)
+                    .arg(as_i32(op, "D", d)?)
+                    .arg(as_i32(op, "n_expert", ne)?)
+                    .arg(slices as i32)
+                    .arg(as_i32(op, "token tile", tok_tile)?)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            slices
+        };
         let select = ctx.kernel("moe.cu", MOE_CU, "router_select")?;
         let bias = inputs.get(2).map_or(0, |b| b.ptr);
         // SAFETY: argument list matches router_select; it reads the partials written above.

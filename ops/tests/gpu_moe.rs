@@ -168,7 +168,8 @@ fn router_matches_its_cpu_reference_on_random_shapes() {
     // A decode step's few tokens and a prefill chunk's many share the two kernels; n > 8
     // reaches the token tiles of router_logits past the first warp of router_select.
     proptest!(ProptestConfig::with_cases(40), |(
-        n in 1usize..20, ne in 4usize..80, k in 1usize..9, d4 in 1usize..300,
+        // From 64 tokens the logits are the tiled kernel's.
+        n in prop_oneof![1usize..20, 64usize..160], ne in 4usize..80, k in 1usize..9, d4 in 1usize..300,
         softmax in any::<bool>(), biased in any::<bool>(), norm in any::<bool>(),
         seed in any::<u64>(),
     )| {
@@ -826,6 +827,51 @@ fn moe_timings_at_the_real_shapes() {
     for n in [1, 512] {
         time_moe(&gpu, n);
     }
+    // The router alone at prefill chunk sizes (the tiled logits kernel).
+    let mut r = Rng::new(11);
+    let w = real_router_weights(&mut r);
+    let router = real_router();
+    for n in [1024, 2048] {
+        let z = dev(
+            &gpu,
+            &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)),
+        );
+        let (rw, bias) = (dev(&gpu, &w.0), dev(&gpu, &w.1));
+        let ids_o = out(&gpu, TensorMeta::i32([n, TOPK]));
+        let wts_o = out(&gpu, TensorMeta::f32([n, TOPK]));
+        let rs = router.cuda_scratch_bytes(&[&z.meta, &rw.meta, &bias.meta]);
+        let scratch = upload(&gpu, &vec![0u8; rs.max(16)]);
+        let us = time_us(&gpu, 4, &|_| {
+            router.cuda(
+                &gpu,
+                &[
+                    view(&z.meta, &z.buf),
+                    view(&rw.meta, &rw.buf),
+                    view(&bias.meta, &bias.buf),
+                ],
+                &[view(&ids_o.meta, &ids_o.buf), view(&wts_o.meta, &wts_o.buf)],
+                Scratch {
+                    ptr: scratch.device_ptr(),
+                    bytes: rs,
+                },
+            )
+        });
+        line(
+            &format!("router n={n} (F32 64x3584)"),
+            us,
+            (NE * EMBD * 4 + n * EMBD * 4) as f64,
+            2.0 * (n * NE * EMBD) as f64,
+        );
+    }
+}
+
+/// The router's weight and selection bias at the real shape.
+fn real_router_weights(r: &mut Rng) -> (HostValue, HostValue) {
+    let wmax = 1.0 / (EMBD as f32).sqrt();
+    (
+        HostValue::f32([NE, EMBD], &r.vec(NE * EMBD, -wmax, wmax)),
+        HostValue::f32([NE], &r.vec(NE, -0.1, 0.1)),
+    )
 }
 
 fn time_us(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
