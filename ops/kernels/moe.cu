@@ -404,18 +404,35 @@ EXPERT_ROWS(2)
 EXPERT_ROWS(4)
 EXPERT_ROWS(8)
 
+// One dense SwiGLU (the shared expert, the leading dense FFNs) for a decode step's few tokens:
+// the same tiles with token r as route r, gate and up rows side by side in one launch.
+#define DENSE_SWIGLU_ROWS(NR)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1) dense_swiglu_iq4_##NR(                  \
+        const unsigned char* __restrict__ Wg, const unsigned char* __restrict__ Wu,              \
+        const float* __restrict__ x, float* __restrict__ y, int n_in, int n_out, int n_tok,      \
+        int RT, int KP) {                                                                         \
+        PDL_ENTER();                                                                              \
+        iq4g_tile<NR>(Wg, Wu, x, nullptr, y, n_in, n_out, n_tok, 0, n_tok, blockIdx.x * (RT >> 1), \
+                      RT, KP);                                                                    \
+    }
+DENSE_SWIGLU_ROWS(1)
+DENSE_SWIGLU_ROWS(2)
+DENSE_SWIGLU_ROWS(4)
+DENSE_SWIGLU_ROWS(8)
+
 // ---- prefill path: the grouped GEMM over the CSR table runs on the tensor cores
 // (moe_prefill.cu, launched by `expert_launch` above GEMV_MAX_ROUTES routes).
 
 // ---- top-k sum -----------------------------------------------------------------------------
 
 // out[t] = w[t][0]*x[route of slot tk] + w[t][1]*x[...] + ... in slot order, each product
-// rounded before its add, as the CPU's loop. The block finds its token's routes by scanning
-// route_slot (the inverse permutation, one writer a slot).
+// rounded before its add, as the CPU's loop; then + addend[t] (the shared expert) when given.
+// The block finds its token's routes by scanning route_slot (the inverse permutation, one
+// writer a slot).
 extern "C" __global__ void __launch_bounds__(256)
 topk_sum(const float* __restrict__ route_out, const int* __restrict__ route_slot,
-         const float* __restrict__ weights, float* __restrict__ out, int n_routes, int d,
-         int top_k) {
+         const float* __restrict__ weights, const float* __restrict__ addend,
+         float* __restrict__ out, int n_routes, int d, int top_k) {
     PDL_ENTER();
     extern __shared__ int ts_inv[];
     const int t = blockIdx.x, tid = threadIdx.x;
@@ -435,6 +452,7 @@ topk_sum(const float* __restrict__ route_out, const int* __restrict__ route_slot
             const float wx = __fmul_rn(weights[s0 + j], x);
             o = j == 0 ? wx : __fadd_rn(o, wx);
         }
+        if (addend) o = __fadd_rn(o, addend[(long long)t * d + c]);
         out[(long long)t * d + c] = o;
     }
 }

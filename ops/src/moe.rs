@@ -11,12 +11,13 @@ use std::fmt;
 use rayon::prelude::*;
 
 use crate::cpu::{dot, matmul};
+use crate::elementwise::{SwiGlu, swiglu};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
-use crate::linear::RowsPlan;
+use crate::linear::{Linear, RowsPlan};
 use crate::mla::{aligned16, as_i32, expect, expect_inputs, expect_weight, nonzero, weight_bytes};
 use crate::moe_prefill::launch_expert_gemm_tc;
 use crate::op::{check_device, check_host};
-use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
+use crate::tensor::{AlignedBuf, DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
 pub(crate) const MOE_CU: &str = concat!(
@@ -986,13 +987,178 @@ impl Op for ExpertDown {
     }
 }
 
+// ---- GateUpSwiGlu ---------------------------------------------------------------------
+
+/// `silu(x·W_gateᵀ) · (x·W_upᵀ)`: the first half of a dense SwiGLU FFN (the shared expert and
+/// the leading dense blocks), the two products and their combination as one op. Its CPU
+/// reference is the `linear`, `linear`, `swiglu` chain it replaces (same bits); on the GPU a
+/// decode step's few tokens over IQ4_NL weights take one launch (`dense_swiglu_iq4_*`, the
+/// routed experts' tiles with token r as route r), and larger ones the chain's own kernels.
+///
+/// Inputs: x F32 `[n, in]`, W_gate and W_up `[ff, in]` (any `linear` weight type).
+/// Output: F32 `[n, ff]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GateUpSwiGlu;
+
+impl GateUpSwiGlu {
+    /// Whether the one-launch decode kernel takes these inputs.
+    fn fused(x: &TensorMeta, wg: &TensorMeta, wu: &TensorMeta) -> bool {
+        x.shape[0] <= GEMV_MAXR
+            && wg.dtype == DType::IQ4_NL
+            && wu.dtype == DType::IQ4_NL
+            && x.shape[1].is_multiple_of(256)
+    }
+
+    /// Scratch of the unfused chain: gate and up `[n, ff]` each, then what `linear` needs.
+    fn chain_scratch(inputs: &[&TensorMeta]) -> (usize, usize) {
+        let (n, ff) = (inputs[0].shape[0], inputs[1].shape[0]);
+        let half = (n * ff * 4).next_multiple_of(256);
+        let lin = Linear
+            .cuda_scratch_bytes(&inputs[..2])
+            .max(Linear.cuda_scratch_bytes(&[inputs[0], inputs[2]]));
+        (half, 2 * half + lin)
+    }
+}
+
+impl Op for GateUpSwiGlu {
+    fn name(&self) -> &'static str {
+        "gate_up_swiglu"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        expect_inputs(op, inputs, 3)?;
+        let gate = Linear.infer(&inputs[..2])?;
+        let up = Linear.infer(&[inputs[0], inputs[2]])?;
+        if gate != up {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "gate weight {} and up weight {} give different outputs",
+                    inputs[1], inputs[2]
+                ),
+            ));
+        }
+        Ok(gate)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let meta = outputs[0].meta.clone();
+        let bytes = meta.numel() * 4;
+        let (mut gate, mut up) = (AlignedBuf::zeroed(bytes), AlignedBuf::zeroed(bytes));
+        Linear.cpu(
+            &[inputs[0], inputs[1]],
+            &mut [HostTensorMut::new(&meta, gate.bytes_mut())],
+        )?;
+        Linear.cpu(
+            &[inputs[0], inputs[2]],
+            &mut [HostTensorMut::new(&meta, up.bytes_mut())],
+        )?;
+        swiglu(gate.f32s(), up.f32s(), outputs[0].f32_mut()?);
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        "gate_up_swiglu".to_string()
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        if inputs.len() != 3 || self.infer(inputs).is_err() {
+            return 0;
+        }
+        if Self::fused(inputs[0], inputs[1], inputs[2]) {
+            0
+        } else {
+            Self::chain_scratch(inputs).1
+        }
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (x, wg, wu, y) = (&inputs[0], &inputs[1], &inputs[2], &outputs[0]);
+        let (n, k, ff) = (x.meta.shape[0], x.meta.shape[1], wg.meta.shape[0]);
+        if n == 0 || ff == 0 {
+            return Ok(());
+        }
+        if Self::fused(x.meta, wg.meta, wu.meta) {
+            aligned16(op, "x", x)?;
+            aligned16(op, "gate weight", wg)?;
+            aligned16(op, "up weight", wu)?;
+            let sms = ctx.device.sm_count() as usize;
+            let plan = RowsPlan::choose(k / 256, ff, 1, true, sms).ok_or_else(|| {
+                OpError::shape(
+                    op,
+                    format!("an input width of {k} is more than one GEMV block can split"),
+                )
+            })?;
+            let nr = n.next_power_of_two();
+            let kern = ctx.kernel("moe.cu", MOE_CU, &format!("dense_swiglu_iq4_{nr}"))?;
+            // SAFETY: argument list matches dense_swiglu_iq4_<NR>; rows, inputs and outputs
+            // are indexed within the shapes check_device verified.
+            return unsafe {
+                ctx.device
+                    .launch(&kern)
+                    .grid(as_i32(op, "row tiles", ff.div_ceil(plan.rt / 2))? as u32)
+                    .block(plan.threads as u32)
+                    .shared_mem(plan.smem_bytes(nr) as u32)
+                    .arg(wg.ptr)
+                    .arg(wu.ptr)
+                    .arg(x.ptr)
+                    .arg(y.ptr)
+                    .arg(as_i32(op, "input width", k)?)
+                    .arg(as_i32(op, "rows", ff)?)
+                    .arg(as_i32(op, "tokens", n)?)
+                    .arg(plan.rt as i32)
+                    .arg(plan.kp as i32)
+                    .enqueue()
+                    .map_err(dev_err)
+            };
+        }
+        let metas = [x.meta, wg.meta, wu.meta];
+        let (half, need) = Self::chain_scratch(&metas);
+        if scratch.bytes < need {
+            return Err(OpError::Type(format!(
+                "{op}: scratch of {} bytes, {need} needed",
+                scratch.bytes
+            )));
+        }
+        let out_meta = TensorMeta::f32([n, ff]);
+        let part = |i: u64| DeviceTensor {
+            meta: &out_meta,
+            ptr: scratch.ptr + i * half as u64,
+            bytes: n * ff * 4,
+        };
+        let (gate, up) = (part(0), part(1));
+        let lin_scratch = Scratch {
+            ptr: scratch.ptr + 2 * half as u64,
+            bytes: need - 2 * half,
+        };
+        Linear.cuda(ctx, &[*x, *wg], &[gate], lin_scratch)?;
+        Linear.cuda(ctx, &[*x, *wu], &[up], lin_scratch)?;
+        SwiGlu.cuda(ctx, &[gate, up], &[*y], Scratch::default())
+    }
+}
+
 // ---- TopKSum -------------------------------------------------------------------------
 
 /// `out[t] = Σ_{j=0..top_k} weights[t][j] · route_out[route of slot t·top_k+j]`, summed in
 /// slot order starting from the first term (as llama.cpp's chain of adds).
 ///
 /// Inputs: route_out F32 `[R, D]`, route_slot I32 `[R]` (a permutation of `0..R`), weights
-/// F32 `[n, top_k]` with `R = n·top_k`. Output: F32 `[n, D]`.
+/// F32 `[n, top_k]` with `R = n·top_k`, and optionally an addend F32 `[n, D]` (the shared
+/// expert's output) added last, as a separate `add` after the sum would. Output: F32 `[n, D]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TopKSum {
     pub top_k: usize,
@@ -1065,7 +1231,9 @@ impl Op for TopKSum {
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         let op = self.name();
         nonzero(op, &[("top_k", self.top_k)])?;
-        expect_inputs(op, inputs, 3)?;
+        if inputs.len() != 4 {
+            expect_inputs(op, inputs, 3)?;
+        }
         let ro = inputs[0];
         if ro.dtype != DType::F32 || ro.shape.len() != 2 || ro.shape[1] == 0 {
             return Err(OpError::shape(
@@ -1086,6 +1254,9 @@ impl Op for TopKSum {
                 ),
             ));
         }
+        if let Some(a) = inputs.get(3) {
+            expect(op, "addend", a, DType::F32, &[n, d])?;
+        }
         Ok(vec![TensorMeta::f32([n, d])])
     }
 
@@ -1096,13 +1267,14 @@ impl Op for TopKSum {
     ) -> Result<(), OpError> {
         check_host(self, inputs, outputs)?;
         let d = inputs[0].meta.inner();
-        self.compute(
-            inputs[0].f32()?,
-            d,
-            inputs[1].i32()?,
-            inputs[2].f32()?,
-            outputs[0].f32_mut()?,
-        )
+        let out = outputs[0].f32_mut()?;
+        self.compute(inputs[0].f32()?, d, inputs[1].i32()?, inputs[2].f32()?, out)?;
+        if let Some(a) = inputs.get(3) {
+            out.par_iter_mut()
+                .zip(a.f32()?.par_iter())
+                .for_each(|(o, &a)| *o += a);
+        }
+        Ok(())
     }
 
     fn describe(&self) -> String {
@@ -1139,6 +1311,7 @@ impl Op for TopKSum {
                 .arg(inputs[0].ptr)
                 .arg(inputs[1].ptr)
                 .arg(inputs[2].ptr)
+                .arg(inputs.get(3).map_or(0, |a| a.ptr))
                 .arg(outputs[0].ptr)
                 .arg(as_i32(op, "routes", r)?)
                 .arg(as_i32(op, "D", d)?)

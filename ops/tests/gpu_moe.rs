@@ -16,8 +16,10 @@ use std::sync::OnceLock;
 
 use cuda::DeviceBuffer;
 use half::f16;
+use ops::elementwise::SwiGlu;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::moe::{ExpertDown, ExpertSwiGlu, Gating, RoutePlan, Router, TopKSum};
+use ops::linear::Linear;
+use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, TopKSum};
 use ops::parity::{HostValue, ParityReport, Tolerance, check, run_cpu, run_gpu, test_gpu};
 use ops::{DType, Op, OpError, TensorMeta};
 use proptest::prelude::*;
@@ -230,13 +232,72 @@ fn topk_sum_reproduces_the_cpu_sum_bit_for_bit() {
         let k = k.min(ne);
         let mut r = Rng::new(seed);
         let (_, plan) = plan_for(&mut r, n, ne, k);
-        let ins = vec![
+        let mut ins = vec![
             HostValue::f32([n * k, d], &r.vec(n * k * d, -50.0, 50.0)),
             plan[2].clone(),
             HostValue::f32([n, k], &r.vec(n * k, 0.0, 2.0)),
         ];
+        // The shared expert's output, added after the slot-order sum, on half the cases.
+        if seed % 2 == 0 {
+            ins.push(HostValue::f32([n, d], &r.vec(n * d, -50.0, 50.0)));
+        }
         check(&gpu, &TopKSum { top_k: k }, &ins, Tolerance::new(0.0, 0.0))
             .map_err(TestCaseError::fail)?;
+    });
+}
+
+// ---- GateUpSwiGlu ---------------------------------------------------------------------
+
+/// A `[rows, cols]` IQ4_NL weight (one matrix of [`iq4_weight`]'s stack).
+fn iq4_matrix(r: &mut Rng, rows: usize, cols: usize) -> HostValue {
+    let stacked = iq4_weight(r, 1, rows, cols);
+    HostValue::from_bytes(
+        TensorMeta::new([rows, cols], DType::IQ4_NL),
+        stacked.data.bytes(),
+    )
+}
+
+#[test]
+fn gate_up_swiglu_for_a_decode_step_matches_the_cpu_chain() {
+    let Some(gpu) = test_gpu() else { return };
+    // Up to 8 tokens over IQ4_NL weights take the one-launch kernel.
+    proptest!(ProptestConfig::with_cases(32), |(
+        n in 1usize..9, d256 in prop_oneof![1usize..4, Just(14usize)], nf in 1usize..300,
+        seed in any::<u64>(),
+    )| {
+        let d = 256 * d256;
+        let mut r = Rng::new(seed);
+        let ins = vec![
+            HostValue::f32([n, d], &r.vec(n * d, -1.0, 1.0)),
+            iq4_matrix(&mut r, nf, d),
+            iq4_matrix(&mut r, nf, d),
+        ];
+        check(&gpu, &GateUpSwiGlu, &ins, swiglu_tol(d, IQ4_WRMS, U_RMS))
+            .map_err(TestCaseError::fail)?;
+    });
+}
+
+#[test]
+fn gate_up_swiglu_over_many_tokens_is_the_linear_chain_bit_for_bit() {
+    let Some(gpu) = test_gpu() else { return };
+    // Past 8 tokens the op runs linear, linear and swiglu's own kernels: the same bits as the
+    // three ops one after another.
+    proptest!(ProptestConfig::with_cases(12), |(
+        n in 9usize..80, d256 in 1usize..4, nf in 1usize..200, seed in any::<u64>(),
+    )| {
+        let d = 256 * d256;
+        let mut r = Rng::new(seed);
+        let x = HostValue::f32([n, d], &r.vec(n * d, -1.0, 1.0));
+        let (wg, wu) = (iq4_matrix(&mut r, nf, d), iq4_matrix(&mut r, nf, d));
+        let gpu1 = |op: &dyn Op, ins: &[HostValue]| {
+            run_gpu(&gpu, op, ins).map_err(|e| TestCaseError::fail(format!("{}: {e}", op.describe())))
+        };
+        let fused = gpu1(&GateUpSwiGlu, &[x.clone(), wg.clone(), wu.clone()])?;
+        let gate = gpu1(&Linear, &[x.clone(), wg])?;
+        let up = gpu1(&Linear, &[x, wu])?;
+        let as_input = |o: &[(TensorMeta, Vec<u8>)]| HostValue::from_bytes(o[0].0.clone(), &o[0].1);
+        let chain = gpu1(&SwiGlu, &[as_input(&gate), as_input(&up)])?;
+        prop_assert!(fused[0].1 == chain[0].1, "n={n} d={d} nf={nf}: the outputs differ");
     });
 }
 
@@ -827,6 +888,33 @@ fn moe_timings_at_the_real_shapes() {
     for n in [1, 512] {
         time_moe(&gpu, n);
     }
+    // The shared expert's gate, up and SwiGLU for one token: three launches or one.
+    let mut r = Rng::new(12);
+    let x = dev(&gpu, &HostValue::f32([1, EMBD], &r.vec(EMBD, -1.0, 1.0)));
+    let (wg, wu) = (
+        dev(&gpu, &iq4_matrix(&mut r, NFF, EMBD)),
+        dev(&gpu, &iq4_matrix(&mut r, NFF, EMBD)),
+    );
+    let (g, u, a) = (
+        out(&gpu, TensorMeta::f32([1, NFF])),
+        out(&gpu, TensorMeta::f32([1, NFF])),
+        out(&gpu, TensorMeta::f32([1, NFF])),
+    );
+    fn v(d: &Dev) -> DeviceTensor<'_> {
+        view(&d.meta, &d.buf)
+    }
+    let chain = time_us(&gpu, 64, &|_| {
+        Linear.cuda(&gpu, &[v(&x), v(&wg)], &[v(&g)], Scratch::default())?;
+        Linear.cuda(&gpu, &[v(&x), v(&wu)], &[v(&u)], Scratch::default())?;
+        SwiGlu.cuda(&gpu, &[v(&g), v(&u)], &[v(&a)], Scratch::default())
+    });
+    let fused = time_us(&gpu, 64, &|_| {
+        GateUpSwiGlu.cuda(&gpu, &[v(&x), v(&wg), v(&wu)], &[v(&a)], Scratch::default())
+    });
+    let bytes = (2 * wg.buf.num_bytes()) as f64;
+    line("shared gate+up+swiglu n=1, 3 launches", chain, bytes, 0.0);
+    line("shared gate_up_swiglu n=1, 1 launch", fused, bytes, 0.0);
+
     // The router alone at prefill chunk sizes (the tiled logits kernel).
     let mut r = Rng::new(11);
     let w = real_router_weights(&mut r);

@@ -8,12 +8,12 @@
 use graph::{GraphBuilder, GraphError, LogitRows, ModelDecl, StepShape, ValueId};
 use loader::hparams::HParams;
 use ops::TensorMeta;
-use ops::elementwise::{Add, SwiGlu};
+use ops::elementwise::Add;
 use ops::embedding::Embedding;
 use ops::head::SliceRows;
 use ops::linear::Linear;
 use ops::mla::{KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut};
-use ops::moe::{ExpertDown, ExpertSwiGlu, Gating, RoutePlan, Router, TopKSum};
+use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, TopKSum};
 use ops::norm::RmsNorm;
 use ops::rope::{RopeParams, Yarn, kq_scale};
 
@@ -173,9 +173,7 @@ impl Trunk {
         let wg = self.w(b, layer, &format!("ffn_gate{suffix}"))?;
         let wu = self.w(b, layer, &format!("ffn_up{suffix}"))?;
         let wd = self.w(b, layer, &format!("ffn_down{suffix}"))?;
-        let gate = b.op1("gate", Linear, &[z, wg])?;
-        let up = b.op1("up", Linear, &[z, wu])?;
-        let act = b.op1("act", SwiGlu, &[gate, up])?;
+        let act = b.op1("gate_up_act", GateUpSwiGlu, &[z, wg, wu])?;
         b.op1("down", Linear, &[act, wd])
     }
 
@@ -228,15 +226,15 @@ impl Trunk {
                 n_embd: h.n_embd,
             };
             let per_route = b.op1("experts_down", down, &[act, w_down, offsets])?;
-            let routed = b.op1(
-                "routed",
+            let shared = b.scope("shared", |b| self.swiglu_ffn(b, layer, "_shexp", z))?;
+            // The routed sum in slot order, then + shared (one op: the add is its last step).
+            b.op1(
+                "routed_plus_shared",
                 TopKSum {
                     top_k: h.n_expert_used,
                 },
-                &[per_route, route_slot, weights],
-            )?;
-            let shared = b.scope("shared", |b| self.swiglu_ffn(b, layer, "_shexp", z))?;
-            b.op1("sum", Add, &[routed, shared])
+                &[per_route, route_slot, weights, shared],
+            )
         })
     }
 
