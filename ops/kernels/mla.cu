@@ -240,6 +240,244 @@ head_gemm_bf16(const unsigned short* __restrict__ W, const float* __restrict__ x
     }
 }
 
+// The same product on the tensor cores, for many tokens. Block (group of col_per_block
+// column tiles of BN outputs, head, BM tokens), 8 warps of (BM/WM) tokens x (BN/WN) outputs.
+// The block's (column tile, k slice) steps, HT_BK of k each, stream through HT_STAGES
+// shared-memory buffers by cp.async (zero-filled past the tokens, the rows and n_in), so the
+// next steps' loads are in flight while one is multiplied, across column tiles too: a short
+// k (MlaQuery's 128) does not leave the pipeline to fill and drain per tile, and one tile's
+// stores drain while the next is multiplied. blockIdx.x == the group count is the rope job
+// for the token tile, as in head_gemm_bf16. Every output's sum runs in the same order for any
+// tile shape or grouping.
+//
+// W is exact BF16 and x f32: x = hi + lo with hi = bf16(x) and lo = bf16(x - hi) (x - hi is
+// exact), and two m16n8k16 bf16 mma (x as A, tokens as m; W as B, read from its rows by
+// ldmatrix) add hi·W and lo·W into one f32 accumulator. |x - hi - lo| <= 2^-16 |x|, so each
+// product is within 2^-16 of itself. The split is made in registers as each A fragment is
+// read from the f32 slice: shared memory holds x as it came.
+//
+// Banks: x rows of HT_XS = HT_BK + 8 floats (= 8 mod 32), so a fragment's float2 reads (8 rows
+// x 4 pairs) hit distinct banks; W rows of HT_BK + 8 bf16 (80 bytes), so ldmatrix's 8 rows of
+// 16 bytes do too.
+#define HT_BK 32
+#define HT_STAGES 3
+#define HT_XS (HT_BK + 8)
+#define HT_WS (HT_BK + 8)
+
+__device__ __forceinline__ unsigned ht_smem(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void ht_cp16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void ht_cp4(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void ht_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void ht_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ht_ldsm_x4(unsigned addr, unsigned (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ht_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                       unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// (v.x, v.y) as bf16x2 hi (v.x in the low half: the lower k) and the remainders as lo.
+__device__ __forceinline__ void ht_split(float2 v, unsigned& hi, unsigned& lo) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(v.y), "f"(v.x));
+    const float r0 = __fsub_rn(v.x, __uint_as_float(hi << 16));
+    const float r1 = __fsub_rn(v.y, __uint_as_float(hi & 0xffff0000u));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(r1), "f"(r0));
+}
+
+// x_vec: x 16-byte aligned with strides in whole float4 (16-byte copies, else 4-byte);
+// y_vec: y 8-byte aligned with even strides (float2 stores).
+template <int BM, int BN, int WM, int WN>
+__device__ __forceinline__ void head_mma(
+    const unsigned short* __restrict__ W, const float* __restrict__ x, long long x_tok,
+    long long x_head, float* __restrict__ y, long long y_tok, long long y_head, int n_tok,
+    int n_out, int n_in, int col_tiles, int col_per_block, int x_vec, int y_vec,
+    const int* __restrict__ positions, int rope_n, int rope_src, int rope_dst,
+    float theta_scale, float freq_scale, float ext_factor, float corr_low, float corr_high,
+    float mscale) {
+    constexpr int WTM = BM / WM, WTN = BN / WN, MT = WTM / 16, NT = WTN / 8;
+    static_assert(WM * WN == 8 && MT * 16 == WTM && NT % 2 == 0 && NT * 8 == WTN, "tile");
+    extern __shared__ float4 ht_smem4[];
+    float* xs = reinterpret_cast<float*>(ht_smem4);  // [HT_STAGES][BM][HT_XS]
+    unsigned short* ws =
+        reinterpret_cast<unsigned short*>(xs + HT_STAGES * BM * HT_XS);  // [..][BN][HT_WS]
+    const int h = blockIdx.y, tid = threadIdx.x;
+    const int t0 = blockIdx.z * BM;
+    if ((int)blockIdx.x == (col_tiles + col_per_block - 1) / col_per_block) {
+        head_rope(x, x_tok, x_head, y, y_tok, y_head, t0, min(n_tok, t0 + BM), positions,
+                  rope_n, rope_src, rope_dst, theta_scale, freq_scale, ext_factor, corr_low,
+                  corr_high, mscale);
+        return;
+    }
+    const int j0 = blockIdx.x * col_per_block;
+    const int nk = (n_in + HT_BK - 1) / HT_BK;
+    const int steps = min(col_per_block, col_tiles - j0) * nk;
+    const unsigned short* Wh = W + (long long)h * n_out * n_in;
+    const float* xh = x + (long long)h * x_head;
+
+    // Loader roles, fixed per thread: x as 16-byte chunks (4 floats) of rows tid/8 + 32i,
+    // or single floats of rows tid/32 + 8i; W as 16-byte chunks (8 bf16) of rows tid/4 + 64i.
+    static_assert(BM % 32 == 0 && BN % 64 == 0 && HT_BK == 32, "loader roles");
+    const int xq = x_vec ? 4 * (tid & 7) : (tid & 31), xr = x_vec ? tid >> 3 : tid >> 5;
+    const float* xsrc = xh + (long long)(t0 + xr) * x_tok + xq;
+    const int wq = 8 * (tid & 3), wr = tid >> 2;
+    const unsigned short* wsrc = Wh + (long long)wr * n_in + wq;
+
+    auto load = [&](int step, int buf) {
+        const int j = step / nk;
+        const int k0 = (step - j * nk) * HT_BK, n0 = (j0 + j) * BN;
+        const unsigned xb = ht_smem(xs + (buf * BM + xr) * HT_XS + xq);
+        if (x_vec) {
+            const bool kv = k0 + xq < n_in;
+#pragma unroll
+            for (int i = 0; i < BM / 32; ++i) {
+                const bool v = kv && t0 + xr + 32 * i < n_tok;
+                ht_cp16(xb + 4 * 32 * i * HT_XS, v ? xsrc + 32 * i * x_tok + k0 : x, v ? 16 : 0);
+            }
+        } else {
+            const bool kv = k0 + xq < n_in;
+#pragma unroll
+            for (int i = 0; i < BM / 8; ++i) {
+                const bool v = kv && t0 + xr + 8 * i < n_tok;
+                ht_cp4(xb + 4 * 8 * i * HT_XS, v ? xsrc + 8 * i * x_tok + k0 : x, v ? 4 : 0);
+            }
+        }
+        const unsigned wb = ht_smem(ws + (buf * BN + wr) * HT_WS + wq);
+        const bool kv = k0 + wq < n_in;
+#pragma unroll
+        for (int i = 0; i < BN / 64; ++i) {
+            const bool v = kv && n0 + wr + 64 * i < n_out;
+            ht_cp16(wb + 2 * 64 * i * HT_WS,
+                    v ? wsrc + (long long)(n0 + 64 * i) * n_in + k0 : W, v ? 16 : 0);
+        }
+    };
+
+    const int warp = tid >> 5, lane = tid & 31;
+    const int wm = warp / WN, wn = warp % WN;
+    const int g = lane >> 2, tq = lane & 3;
+    // ldmatrix.x4 over 16 rows x 16 k: matrices (rows 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7),
+    // (8-15, 8-15) = b0, b1 of n-tile 0, b0, b1 of n-tile 1.
+    const int b_row = (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 8;
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < HT_STAGES - 1; ++s) {
+        if (s < steps) load(s, s);
+        ht_commit();
+    }
+    int kb = 0, n0 = j0 * BN;  // the step being multiplied: k slice, first output
+    for (int step = 0; step < steps; ++step) {
+        ht_wait<HT_STAGES - 2>();
+        __syncthreads();
+        // The buffer refilled here was read in step - 1, which every warp has left.
+        if (step + HT_STAGES - 1 < steps)
+            load(step + HT_STAGES - 1, (step + HT_STAGES - 1) % HT_STAGES);
+        ht_commit();
+        const int buf = step % HT_STAGES;
+        const float* xb = xs + (buf * BM + wm * WTM + g) * HT_XS + 2 * tq;
+        const unsigned wb = ht_smem(ws + (buf * BN + wn * WTN + b_row) * HT_WS + b_k);
+#pragma unroll
+        for (int kk = 0; kk < HT_BK; kk += 16) {
+            unsigned ah[MT][4], al[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const float* p = xb + mt * 16 * HT_XS + kk;
+                ht_split(*reinterpret_cast<const float2*>(p), ah[mt][0], al[mt][0]);
+                ht_split(*reinterpret_cast<const float2*>(p + 8 * HT_XS), ah[mt][1], al[mt][1]);
+                ht_split(*reinterpret_cast<const float2*>(p + 8), ah[mt][2], al[mt][2]);
+                ht_split(*reinterpret_cast<const float2*>(p + 8 * HT_XS + 8), ah[mt][3],
+                         al[mt][3]);
+            }
+            // One n-tile pair at a time (4 registers of W); the hi products of all m-tiles
+            // come between an accumulator's hi and lo mma.
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned b[4];
+                ht_ldsm_x4(wb + 2 * (np * 16 * HT_WS + kk), b);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    ht_mma(acc[mt][2 * np], ah[mt], b[0], b[1]);
+                    ht_mma(acc[mt][2 * np + 1], ah[mt], b[2], b[3]);
+                }
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    ht_mma(acc[mt][2 * np], al[mt], b[0], b[1]);
+                    ht_mma(acc[mt][2 * np + 1], al[mt], b[2], b[3]);
+                }
+            }
+        }
+        if (++kb < nk) continue;
+        // The column tile is complete: store it and start the next one from zero.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int t = t0 + wm * WTM + mt * 16 + g + 8 * half;
+                float* yr = y + (long long)t * y_tok + (long long)h * y_head;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int o = n0 + wn * WTN + nt * 8 + 2 * tq;
+                    float* v = acc[mt][nt] + 2 * half;
+                    if (t < n_tok) {
+                        if (y_vec && o + 1 < n_out) {
+                            *reinterpret_cast<float2*>(yr + o) = make_float2(v[0], v[1]);
+                        } else {
+                            if (o < n_out) yr[o] = v[0];
+                            if (o + 1 < n_out) yr[o + 1] = v[1];
+                        }
+                    }
+                    v[0] = 0.0f;
+                    v[1] = 0.0f;
+                }
+            }
+        kb = 0;
+        n0 += BN;
+    }
+    ht_wait<0>();
+}
+
+// One kernel per tile shape: NAME(BM tokens, BN outputs, WM x WN warps, MINB blocks an SM).
+// 32 x 64 warp tiles split each x fragment for 8 n-tiles (64x128's 32 x 32 for 4): the larger
+// tile for many tokens, the smaller one fills the card below ~512.
+#define HEAD_MMA_KERNEL(NAME, BM, BN, WM, WN, MINB)                                            \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                    \
+        NAME(const unsigned short* __restrict__ W, const float* __restrict__ x,                \
+             long long x_tok, long long x_head, float* __restrict__ y, long long y_tok,        \
+             long long y_head, int n_tok, int n_out, int n_in, int col_tiles,                  \
+             int col_per_block, int x_vec, int y_vec, const int* __restrict__ positions,       \
+             int rope_n, int rope_src, int rope_dst, float theta_scale, float freq_scale,      \
+             float ext_factor, float corr_low, float corr_high, float mscale) {                \
+        PDL_ENTER();                                                                           \
+        head_mma<BM, BN, WM, WN>(W, x, x_tok, x_head, y, y_tok, y_head, n_tok, n_out, n_in,    \
+                                 col_tiles, col_per_block, x_vec, y_vec, positions, rope_n,    \
+                                 rope_src, rope_dst, theta_scale, freq_scale, ext_factor,      \
+                                 corr_low, corr_high, mscale);                                 \
+    }
+HEAD_MMA_KERNEL(head_mma_bf16_128x128, 128, 128, 4, 2, 2)
+HEAD_MMA_KERNEL(head_mma_bf16_64x128, 64, 128, 2, 4, 2)
+
 // ---- MlaKv: rms(latent)*w || rope(k_pe) ------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -288,8 +526,11 @@ kv_cache_write(float* __restrict__ cache, const float* __restrict__ k,
     const int i = blockIdx.x;
     const int p = positions[i];
     if (p < 0 || p >= ctx) return;
-    for (int j = i + 1; j < n; ++j)
-        if (positions[j] == p) return;
+    // The last token with this position writes the row; the block's threads split the scan
+    // (one thread walking every later position made a 1024-token chunk's write take 62 µs).
+    int later = 0;
+    for (int j = i + 1 + threadIdx.x; j < n; j += blockDim.x) later |= positions[j] == p;
+    if (__syncthreads_or(later)) return;
     const float* src = k + (long long)i * w;
     float* dst = cache + (long long)p * w;
     for (int c = threadIdx.x; c < w; c += blockDim.x) dst[c] = src[c];

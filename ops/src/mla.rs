@@ -294,8 +294,10 @@ impl Op for MlaQuery {
         )
     }
 
-    /// One launch: the `Kb` product per head (BF16 weight rows in registers, tokens staged in
-    /// shared memory) plus one extra column of blocks that ropes `q_pe` from the device positions.
+    /// One launch: the `Kb` product per head plus one extra column of blocks that ropes `q_pe`
+    /// from the device positions. Up to 8 tokens a GEMV (BF16 weight rows in registers, tokens
+    /// staged in shared memory); more, bf16 tensor-core tiles with x split into two bf16 parts
+    /// (f32-class products, see `head_gemv`).
     fn cuda(
         &self,
         ctx: &GpuCtx,
@@ -342,9 +344,17 @@ pub(crate) const MLA_CU: &str = include_str!("../kernels/mla.cu");
 /// Weight segments of 8 BF16 values one lane of `head_gemv_bf16` holds (`HG_SEGS` there).
 const HG_SEGS: usize = 4;
 /// Tokens up to which the per-head product is a GEMV (weight rows in registers, one group of
-/// lanes a row); beyond, the tiled `head_gemm_bf16` (its tile: `HM_T` rows × `HM_T` tokens).
+/// lanes a row); beyond, the tensor-core `head_mma_bf16_*` kernels.
 const HEAD_GEMV_MAX_TOKENS: usize = 8;
-const HM_T: usize = 64;
+/// `head_mma`'s k slice and pipeline depth (`HT_BK`, `HT_STAGES` in mla.cu), and its shared
+/// memory rows' padding in elements.
+const HT_BK: usize = 32;
+const HT_STAGES: usize = 3;
+const HT_PAD: usize = 8;
+/// Tokens beyond which `head_mma` takes its 128-token tile.
+const HT_LARGE_TILE_FROM: usize = 512;
+/// `head_mma` blocks resident on an SM (its `__launch_bounds__`; shared memory allows it).
+const HT_BLOCKS_PER_SM: usize = 2;
 
 /// The rope part of a [`head_gemv`] launch.
 struct HeadRope {
@@ -424,25 +434,49 @@ fn head_gemv(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), OpE
     let i = |what, v| as_i32(op, what, v);
     let rope_col = usize::from(rope_n > 0);
     if a.n_tok > HEAD_GEMV_MAX_TOKENS {
-        let row_tiles = a.n_out.div_ceil(HM_T);
-        let tok_tiles = a.n_tok.div_ceil(HM_T);
+        // Tile (tokens, outputs), the larger one where there are enough tokens to fill the
+        // card (on the H200 64x128 is faster up to 256 tokens, 128x128 from 1024; at 512
+        // they are within 10%).
+        let (name, bm, bn) = if a.n_tok > HT_LARGE_TILE_FROM {
+            ("head_mma_bf16_128x128", 128, 128)
+        } else {
+            ("head_mma_bf16_64x128", 64, 128)
+        };
+        let col_tiles = a.n_out.div_ceil(bn);
+        let tok_tiles = a.n_tok.div_ceil(bm);
         if tok_tiles > 65535 {
             return Err(OpError::shape(
                 op,
                 format!("{} tokens exceed the grid", a.n_tok),
             ));
         }
-        let kern = ctx.kernel("mla.cu", MLA_CU, "head_gemm_bf16")?;
-        // SAFETY: argument list matches head_gemm_bf16; as for head_gemv_bf16 below.
+        // Each block runs a group of column tiles in one pipeline: as few groups as still
+        // make two waves of HT_BLOCKS_PER_SM blocks an SM (on the H200, 2 groups of the
+        // query's 4 tiles from 512 tokens on beat 1 and 4 by 5-15%; every grouping gives
+        // the same bits).
+        let rows = a.n_head * tok_tiles;
+        let slots = 2 * HT_BLOCKS_PER_SM * ctx.device.sm_count() as usize;
+        let groups = slots.div_ceil(rows).clamp(1, col_tiles);
+        let col_per_block = col_tiles.div_ceil(groups);
+        let groups = col_tiles.div_ceil(col_per_block);
+        let x_vec =
+            a.x.is_multiple_of(16) && a.x_tok.is_multiple_of(4) && a.x_head.is_multiple_of(4);
+        let y_vec =
+            a.y.is_multiple_of(8) && a.y_tok.is_multiple_of(2) && a.y_head.is_multiple_of(2);
+        let smem = HT_STAGES * (bm * (HT_BK + HT_PAD) * 4 + bn * (HT_BK + HT_PAD) * 2);
+        let kern = ctx.kernel("mla.cu", MLA_CU, name)?;
+        // SAFETY: argument list matches HEAD_MMA_KERNEL's; as for head_gemv_bf16 below (the
+        // 16-byte copies and 8-byte stores only where x_vec / y_vec say they are aligned).
         return unsafe {
             ctx.device
                 .launch(&kern)
                 .grid((
-                    i("row tiles", row_tiles + rope_col)? as u32,
+                    i("column groups", groups + rope_col)? as u32,
                     a.n_head as u32,
                     tok_tiles as u32,
                 ))
                 .block(256)
+                .shared_mem(smem as u32)
                 .arg(a.w.ptr)
                 .arg(a.x)
                 .arg(a.x_tok as i64)
@@ -453,7 +487,10 @@ fn head_gemv(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), OpE
                 .arg(i("tokens", a.n_tok)?)
                 .arg(i("rows", a.n_out)?)
                 .arg(i("input width", a.n_in)?)
-                .arg(row_tiles as i32)
+                .arg(col_tiles as i32)
+                .arg(col_per_block as i32)
+                .arg(i32::from(x_vec))
+                .arg(i32::from(y_vec))
                 .arg(pos)
                 .arg(i("rope width", rope_n)?)
                 .arg(i("rope source", src)?)
