@@ -484,14 +484,26 @@ extern "C" __global__ void __launch_bounds__(256)
 mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
        const int* __restrict__ positions, float* __restrict__ out, int kv_lora, int qk_rope,
        float eps, float theta_scale, float freq_scale, float ext_factor, float corr_low,
-       float corr_high, float mscale) {
+       float corr_high, float mscale, int to_cache, int n, int ctx) {
     PDL_ENTER();
     __shared__ double red[8];
     __shared__ float scale_s;
     const int t = blockIdx.x, tid = threadIdx.x;
     const int w = kv_lora + qk_rope;
     const float* src = kv + (long long)t * w;
-    float* dst = out + (long long)t * w;
+    // to_cache: `out` is the cache and the row goes to the token's position, as
+    // kv_cache_write would put it (skipped outside the cache or when a later token of the
+    // chunk names the same row).
+    long long row = t;
+    if (to_cache) {
+        const int p = positions[t];
+        if (p < 0 || p >= ctx) return;
+        int later = 0;
+        for (int j = t + 1 + tid; j < n; j += blockDim.x) later |= positions[j] == p;
+        if (__syncthreads_or(later)) return;
+        row = p;
+    }
+    float* dst = out + row * w;
     // As ggml's rms_norm: squares in f32, their sum in f64, the scale in f32.
     double ss = 0.0;
     for (int i = tid; i < kv_lora; i += blockDim.x) {

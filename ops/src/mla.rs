@@ -688,9 +688,104 @@ impl Op for MlaKv {
                 .arg(k.corr[0])
                 .arg(k.corr[1])
                 .arg(k.mscale)
+                .arg(0i32)
+                .arg(n as i32)
+                .arg(0i32)
                 .enqueue()
                 .map_err(dev_err)
         }
+    }
+}
+
+/// [`MlaKv`] straight into the cache ([`KvCacheWrite`] of its rows): the cache row of each
+/// token is formed where it is stored, so a step has one launch and no `[n, W]` intermediate
+/// for it. Same rows, same bits, same rules (a later token wins a shared position).
+///
+/// Inputs: cache F32 `[ctx, W]` (aliased by output 0), then kv, norm_w, positions as
+/// [`MlaKv`]. Output: the cache.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaKvCacheWrite {
+    pub kv: MlaKv,
+}
+
+impl Op for MlaKvCacheWrite {
+    fn name(&self) -> &'static str {
+        "mla_kv_cache_write"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        expect_inputs(op, inputs, 4)?;
+        let rows = self.kv.infer(&inputs[1..])?;
+        KvCacheWrite.infer(&[inputs[0], &rows[0], inputs[3]])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let pos = inputs[3].i32()?;
+        let mut rows = vec![0f32; pos.len() * (self.kv.kv_lora + self.kv.qk_rope)];
+        self.kv
+            .compute(inputs[1].f32()?, inputs[2].f32()?, pos, &mut rows)?;
+        let w = outputs[0].meta.inner();
+        KvCacheWrite::compute(outputs[0].f32_mut()?, w, &rows, pos)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} into the cache", self.kv.describe())
+    }
+
+    /// `mla_kv`'s kernel with the cache as its output: one block a token writes its row at
+    /// its position.
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let n = inputs[3].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        let rows = outputs[0].meta.shape[0];
+        let k = self.kv.rope.consts();
+        let kern = ctx.kernel("mla.cu", MLA_CU, "mla_kv")?;
+        // SAFETY: argument list matches mla_kv; the kernel writes only cache rows in
+        // [0, rows), sizes verified by check_device.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(as_i32(op, "tokens", n)? as u32)
+                .block(256)
+                .arg(inputs[1].ptr)
+                .arg(inputs[2].ptr)
+                .arg(inputs[3].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "kv_lora", self.kv.kv_lora)?)
+                .arg(as_i32(op, "qk_rope", self.kv.qk_rope)?)
+                .arg(self.kv.eps)
+                .arg(k.theta_scale)
+                .arg(k.freq_scale)
+                .arg(k.ext_factor)
+                .arg(k.corr[0])
+                .arg(k.corr[1])
+                .arg(k.mscale)
+                .arg(1i32)
+                .arg(n as i32)
+                .arg(as_i32(op, "cache rows", rows)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+
+    fn aliases(&self) -> &'static [(usize, usize)] {
+        &[(0, 0)]
     }
 }
 

@@ -33,8 +33,8 @@ use cuda::DeviceBuffer;
 use half::bf16;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::mla::{
-    AttentionKernel, KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut, attention_chunks,
-    attention_tile,
+    AttentionKernel, KvCacheWrite, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut,
+    attention_chunks, attention_tile,
 };
 use ops::parity::{HostValue, ParityReport, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::rope::{RopeConsts, RopeParams, Yarn};
@@ -224,6 +224,24 @@ fn mla_kv_matches_its_cpu_reference_on_random_shapes() {
         let r = check(&gpu, &op, &ins, Tolerance::F32).expect("parity");
         report(&format!("mla_kv n={n}"), &r);
     }
+}
+
+#[test]
+fn mla_kv_into_the_cache_gives_mla_kv_then_kv_cache_write() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(24), |(
+        // Positions repeat (a later token wins) and, past 256 tokens, the scan for a later
+        // duplicate wraps over the block.
+        n in prop_oneof![1usize..6, 250usize..400], ctx in 1usize..50, lora in 1usize..600,
+        rot2 in 1usize..33, seed in any::<u64>(),
+    )| {
+        let (kv, mut ins) = kv_case(seed, n, lora, 2 * rot2);
+        let mut r = Rng::new(seed ^ 0xcace);
+        let w = lora + 2 * rot2;
+        ins[2] = HostValue::i32([n], &positions(&mut r, n, ctx));
+        ins.insert(0, HostValue::f32([ctx, w], &r.vec(ctx * w, -1.0, 1.0)));
+        check(&gpu, &MlaKvCacheWrite { kv }, &ins, Tolerance::F32).map_err(TestCaseError::fail)?;
+    });
 }
 
 // ---- KvCacheWrite ---------------------------------------------------------------------

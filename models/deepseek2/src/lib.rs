@@ -12,7 +12,7 @@ use ops::elementwise::Add;
 use ops::embedding::Embedding;
 use ops::head::SliceRows;
 use ops::linear::Linear;
-use ops::mla::{KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut};
+use ops::mla::{MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut};
 use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, Router, RouterPlan, TopKSum};
 use ops::norm::RmsNorm;
 use ops::rope::{RopeParams, Yarn, kq_scale};
@@ -138,14 +138,18 @@ impl Trunk {
             };
             let q_abs = b.op1("q_absorbed", query, &[q, w_kb, positions])?;
             let kv = b.op1("kv_a", Linear, &[a, w_kva])?;
+            // The cache row (normalised latent ‖ roped key), formed at its position in the cache.
             let kv_row = MlaKv {
                 kv_lora: h.kv_lora_rank,
                 qk_rope: h.qk_rope,
                 eps: h.rms_eps,
                 rope: self.rope,
             };
-            let k = b.op1("kv_row", kv_row, &[kv, w_kva_norm, positions])?;
-            let cache = b.op1("cache_write", KvCacheWrite, &[cache, k, positions])?;
+            let cache = b.op1(
+                "kv_row_to_cache",
+                MlaKvCacheWrite { kv: kv_row },
+                &[cache, kv, w_kva_norm, positions],
+            )?;
             let attend = MlaAttention {
                 n_head: h.n_head,
                 kv_lora: h.kv_lora_rank,
