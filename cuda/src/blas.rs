@@ -110,12 +110,97 @@ impl Blas {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let (mi, ni, ki) = (dim("m", m)?, dim("n", n)?, dim("k", k)?);
-        let lda_b = ki.max(1);
+        // SAFETY: the lengths were checked above; the rest is the caller's contract.
+        unsafe {
+            self.gemm_ex(
+                (m, n, k),
+                (a.device_ptr(), b.device_ptr(), c.device_ptr()),
+                C::DATA_TYPE,
+                alpha,
+                beta,
+            )
+        }
+    }
+
+    /// Enqueues row-major `C[m×n] = A[m×k] · B[n×k]ᵀ` (bf16 inputs, f32 accumulation and
+    /// output) on operands known only by device address (planned arena slots), with
+    /// `workspace` (`workspace_bytes` long, 256-byte aligned) as cuBLAS's workspace for this
+    /// call: nothing is allocated, so the call can be captured into a graph, and the memory is
+    /// the caller's (an op's scratch), never shared between graphs. The handle's default
+    /// workspace is restored before returning. No host sync.
+    ///
+    /// # Safety
+    /// `a`, `b` and `c` must address at least m·k bf16, n·k bf16 and m·n f32 of live memory
+    /// of this device, and `workspace` `workspace_bytes` bytes, all staying allocated until the
+    /// GEMM has run; `c` and `workspace` must not overlap each other or `a` and `b`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_bf16_f32_at(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: u64,
+        b: u64,
+        c: u64,
+        workspace: u64,
+        workspace_bytes: usize,
+    ) -> Result<(), CudaError> {
+        if !workspace.is_multiple_of(256) {
+            return Err(CudaError::InvalidArgument {
+                what: "gemm_bf16_f32_at",
+                detail: format!("workspace 0x{workspace:x} is not 256-byte aligned"),
+            });
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let handle = *self.blas.handle();
+        // SAFETY: the handle is alive; the workspace's validity is the caller's contract.
+        unsafe {
+            cublas_sys::cublasSetWorkspace_v2(handle, workspace as *mut c_void, workspace_bytes)
+        }
+        .result()
+        .map_err(|source| CudaError::Cublas {
+            call: "cublasSetWorkspace",
+            source,
+        })?;
+        // SAFETY: the caller's contract.
+        let done =
+            unsafe { self.gemm_ex((m, n, k), (a, b, c), cudaDataType_t::CUDA_R_32F, 1.0, 0.0) };
+        // Setting the stream puts the handle back on its default workspace, so no later GEMM
+        // writes into this caller's memory.
+        // SAFETY: the handle and the device's stream are alive.
+        let restored =
+            unsafe { cublas_result::set_stream(handle, self.device.stream().cu_stream() as _) }
+                .map_err(|source| CudaError::Cublas {
+                    call: "cublasSetStream",
+                    source,
+                });
+        done.and(restored)
+    }
+
+    fn bind(&self) -> Result<(), CudaError> {
         self.device
             .context()
             .bind_to_thread()
-            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+            .map_err(CudaError::driver("cuCtxSetCurrent"))
+    }
+
+    /// `cublasGemmEx` for row-major `C = alpha · A·Bᵀ + beta · C` at addresses (a, b, c).
+    ///
+    /// # Safety
+    /// As [`Blas::gemm_bf16`], for the addresses.
+    unsafe fn gemm_ex(
+        &self,
+        (m, n, k): (usize, usize, usize),
+        (a, b, c): (u64, u64, u64),
+        c_type: cudaDataType_t,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        let (mi, ni, ki) = (dim("m", m)?, dim("n", n)?, dim("k", k)?);
+        let lda_b = ki.max(1);
+        self.bind()?;
         // Row-major C = A·Bᵀ is column-major Cᵀ (n×m) = op(B)·op(A) with B read transposed: each
         // row-major matrix is its column-major transpose with the same leading dimension.
         // SAFETY: the handle is alive; pointer validity is the caller's contract.
@@ -128,15 +213,15 @@ impl Blas {
                 mi,
                 ki,
                 (&alpha as *const f32).cast::<c_void>(),
-                b.device_ptr() as *const c_void,
+                b as *const c_void,
                 cudaDataType_t::CUDA_R_16BF,
                 lda_b,
-                a.device_ptr() as *const c_void,
+                a as *const c_void,
                 cudaDataType_t::CUDA_R_16BF,
                 lda_b,
                 (&beta as *const f32).cast::<c_void>(),
-                c.device_ptr() as *mut c_void,
-                C::DATA_TYPE,
+                c as *mut c_void,
+                c_type,
                 ni,
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

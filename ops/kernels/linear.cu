@@ -11,15 +11,12 @@
 //   this one is decoded. Weights are decoded in registers and dotted with all n tokens
 //   in f32; the lanes' partial sums meet in a fixed butterfly, so results are
 //   deterministic.
-// * linear_tc_<type> (n > 8, K % 32 == 0): 64×64 output tiles on the tensor cores. A
-//   32-wide K slice of the weight tile is decoded once into shared memory as bf16 and
-//   reused by 64 tokens; x is narrowed to bf16 (BF16 tolerance; both are O(1)-scaled
-//   sub-layer operands and bf16 keeps f32's range). The next slice's global loads are
-//   issued before this slice's MMAs.
+// * n > 8, K % 32 == 0: linear_x_bf16 narrows x to bf16 once (BF16 tolerance; x is an
+//   O(1)-scaled sub-layer operand and bf16 keeps f32's range), then BF16 weights go to cuBLAS
+//   and the other types to linear_tq_<type>_<fit>, bf16 tensor-core tiles that decode the
+//   stored weight in place (described at its definition).
 // * linear_generic (anything else: odd widths, misaligned views): a warp per row,
 //   element-wise decode. Correct for every shape, not fast.
-#include <mma.h>
-
 #define GEMV_WARPS 4
 #define GEMV_STAGE 4096
 #define GEMV_SBUF (GEMV_STAGE + 32)
@@ -378,230 +375,366 @@ GEMV_BF16_DEC(2, 4)
 GEMV_BF16_DEC(1, 4)
 
 // ---------------------------------------------------------------------------------------------
-// Prefill: tensor-core tiles.
+// Prefill (n > 8, K % 32 == 0). linear_x_bf16 first narrows x to bf16 once, into the op's
+// scratch; BF16 weights then go to cuBLAS (ops/src/linear.rs), every other type to
+// linear_tq_<type>_<fit> below.
+//
+// linear_tq: BM tokens × BN weight rows a block (128 × 128 as instantiated), 8 warps of
+// mma.sync m16n8k16 (bf16 operands, f32 accumulators), K slices of 64. Per slice:
+// * x: the bf16 rows arrive by 16-byte cp.async, three stages deep (two slices in flight
+//   while one is multiplied); rows past n and columns past K are zero-filled.
+// * W: each thread owns one 32-value group of one weight row (one IQ4_NL/Q8_0 block, an
+//   eighth of a Q6_K block). Its raw bytes for slice s+2 are loaded into registers right after
+//   slice s+1's were decoded, so they have a whole slice of MMAs to land; decoding (f32
+//   products exactly as the CPU dequantizes, then one rounding to bf16) writes a double-
+//   buffered shared tile, so one barrier a slice orders everything. (Decoding in halves
+//   between the MMA steps instead, so the tensor cores had queued work while it issued,
+//   measured the same or 1-2% slower on the H200: the decode is not what limits this loop.)
+// * ldmatrix feeds the fragments; shared rows are padded by 16 bytes, so the 8 rows of an
+//   8×8 matrix fall in distinct bank groups.
+// Each output has one thread and a fixed k order: runs repeat bit for bit.
 
-#define TC_M 64
-#define TC_N 64
-#define TC_K 32
-#define TC_LD 40  // bf16 elements a shared row (32 + 8 padding against bank conflicts)
-
-// The global bytes of 16 consecutive weight values (row `row`, columns k..k+15), before decoding.
-template <int WT> struct Raw;
-template <> struct Raw<WT_F32> { float4 v[4]; };
-template <> struct Raw<WT_F16> { uint4 v[2]; };
-template <> struct Raw<WT_BF16> { uint4 v[2]; };
-template <> struct Raw<WT_Q8_0> { unsigned short d; unsigned short q[8]; };
-template <> struct Raw<WT_IQ4_NL> { unsigned short d; unsigned short q[8]; };
-template <> struct Raw<WT_Q6_K> { unsigned short d; signed char sc; unsigned short ql[8]; unsigned short qh[8]; };
-
-__device__ __forceinline__ unsigned short ldg_u16(const unsigned char* p) {
-    return __ldg(reinterpret_cast<const unsigned short*>(p));
+extern "C" __global__ void __launch_bounds__(256)
+    linear_x_bf16(const float* __restrict__ x, unsigned* __restrict__ xb, long long total) {
+    PDL_ENTER();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, k = 8 * i;
+    if (k + 8 <= total) {
+        const float4 a = ldx4(x + k), b = ldx4(x + k + 4);
+        unsigned r[4];
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r[0]) : "f"(a.y), "f"(a.x));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r[1]) : "f"(a.w), "f"(a.z));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r[2]) : "f"(b.y), "f"(b.x));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r[3]) : "f"(b.w), "f"(b.z));
+        reinterpret_cast<uint4*>(xb)[i] = make_uint4(r[0], r[1], r[2], r[3]);
+    } else {
+        __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(xb);
+        for (long long j = k; j < total; ++j) o[j] = __float2bfloat16_rn(x[j]);
+    }
 }
 
+// Two f32 as a bf16 pair (lo in the low half), each rounded to nearest.
+__device__ __forceinline__ unsigned tq_pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// bytes = 0 zero-fills the 16 destination bytes without reading src.
+__device__ __forceinline__ void tq_cp16(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tq_ldsm4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void tq_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The aligned words covering bytes from a 2-byte-aligned address on (blocks of 18, 34 and 210
+// bytes are only 2-byte aligned); every word holds at least one byte of the field, so no
+// read leaves the weight. The field starts `sh` = 0 or 16 bits into w[0].
+template <int NW>
+__device__ __forceinline__ unsigned tq_words(const unsigned char* p, unsigned (&w)[NW]) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+    const unsigned* q = reinterpret_cast<const unsigned*>(a & ~3ull);
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = __ldg(q + i);
+    return (unsigned)(a & 2) * 8;
+}
+
+// One thread's 32 weight values of a slice, as loaded (before decoding).
+template <int WT> struct TqRaw;
+template <> struct TqRaw<WT_F32> { float4 v[8]; };
+template <> struct TqRaw<WT_F16> { uint4 v[4]; };
+template <> struct TqRaw<WT_Q8_0> { unsigned w[9]; unsigned sh; };
+template <> struct TqRaw<WT_IQ4_NL> { unsigned w[5]; unsigned sh; };
+template <> struct TqRaw<WT_Q6_K> { unsigned ql[9], qh[9]; unsigned sh, sc, d; };
+
+// Values k..k+31 of a row (k a multiple of 32).
 template <int WT>
-__device__ __forceinline__ void raw_load(Raw<WT>& r, const unsigned char* __restrict__ row, int k) {
+__device__ __forceinline__ void tq_load(TqRaw<WT>& r, const unsigned char* __restrict__ row, int k) {
     if constexpr (WT == WT_F32) {
         const float4* p = reinterpret_cast<const float4*>(row + 4ll * k);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) r.v[i] = __ldg(p + i);
-    } else if constexpr (WT == WT_F16 || WT == WT_BF16) {
+        for (int i = 0; i < 8; ++i) r.v[i] = __ldg(p + i);
+    } else if constexpr (WT == WT_F16) {
         const uint4* p = reinterpret_cast<const uint4*>(row + 2ll * k);
-        r.v[0] = __ldg(p);
-        r.v[1] = __ldg(p + 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.v[i] = __ldg(p + i);
     } else if constexpr (WT == WT_Q8_0) {
-        const unsigned char* b = row + (long long)(k >> 5) * 34;
-        r.d = ldg_u16(b);
-        const unsigned char* q = b + 2 + (k & 31);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) r.q[i] = ldg_u16(q + 2 * i);
+        r.sh = tq_words(row + (long long)(k >> 5) * 34, r.w);
     } else if constexpr (WT == WT_IQ4_NL) {
-        const unsigned char* b = row + (long long)(k >> 5) * 18;
-        r.d = ldg_u16(b);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) r.q[i] = ldg_u16(b + 2 + 2 * i);
+        r.sh = tq_words(row + (long long)(k >> 5) * 18, r.w);
     } else {
+        // Values 32q..32q+31 of half hf: low (q < 2) or high nibbles of ql[64hf + 32(q&1) ..],
+        // bits 2q of qh[32hf ..], scales 8hf + 2q (first 16 values) and the next one.
         const unsigned char* b = row + (long long)(k >> 8) * 210;
-        const int o = k & 255, hf = o >> 7, q = (o >> 5) & 3, l = o & 31;
-        r.d = ldg_u16(b + 208);
-        r.sc = (signed char)__ldg(b + 192 + 8 * hf + (l >> 4) + 2 * q);
-        const unsigned char* ql = b + 64 * hf + 32 * (q & 1) + l;
-        const unsigned char* qh = b + 128 + 32 * hf + l;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            r.ql[i] = ldg_u16(ql + 2 * i);
-            r.qh[i] = ldg_u16(qh + 2 * i);
-        }
+        const int o = k & 255, hf = o >> 7, q = (o >> 5) & 3;
+        r.sh = tq_words(b + 64 * hf + 32 * (q & 1), r.ql);
+        tq_words(b + 128 + 32 * hf, r.qh);
+        r.sc = __ldg(reinterpret_cast<const unsigned short*>(b + 192 + 8 * hf + 2 * q));
+        r.d = __ldg(reinterpret_cast<const unsigned short*>(b + 208));
     }
 }
 
 template <int WT>
-__device__ __forceinline__ void raw_zero(Raw<WT>& r) {
+__device__ __forceinline__ void tq_zero(TqRaw<WT>& r) {
     if constexpr (WT == WT_F32) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) r.v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    } else if constexpr (WT == WT_F16 || WT == WT_BF16) {
-        r.v[0] = make_uint4(0, 0, 0, 0);
-        r.v[1] = make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < 8; ++i) r.v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else if constexpr (WT == WT_F16) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.v[i] = make_uint4(0u, 0u, 0u, 0u);
     } else if constexpr (WT == WT_Q6_K) {
-        r.d = 0;
-        r.sc = 0;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) r.ql[i] = r.qh[i] = 0;
+        for (int i = 0; i < 9; ++i) r.ql[i] = r.qh[i] = 0u;
+        r.sh = r.sc = r.d = 0u;
     } else {
-        r.d = 0;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) r.q[i] = 0;
+        for (int i = 0; i < (int)(sizeof(r.w) / 4); ++i) r.w[i] = 0u;
+        r.sh = 0u;
     }
 }
 
-// The 16 values as f32, in the CPU reference's rounding (then narrowed to bf16 by the caller).
+// Half h (0 or 1) of the 32 values as 8 bf16 pairs, each value first formed in f32 as the CPU
+// reference forms it (d·code is exact in f32 for every block type), then rounded once. A half
+// is values 16h..16h+15, except for IQ4_NL, whose qs words 2h and 2h+1 hold values 8h..8h+7
+// (low nibbles) and 16+8h..16+8h+7 (high nibbles). p[0..3] and p[4..7] go to the thread's
+// 64-byte row segment at byte tq_half_at<WT>(h, 0) and (h, 1).
 template <int WT>
-__device__ __forceinline__ void raw_decode(const Raw<WT>& r, int k, float (&w)[16]) {
+__device__ __forceinline__ int tq_half_at(int h, int j) {
+    return WT == WT_IQ4_NL ? 16 * h + 32 * j : 32 * h + 16 * j;
+}
+
+template <int WT>
+__device__ __forceinline__ void tq_decode_half(const TqRaw<WT>& r, int k, const Iq4gTable& T, int h,
+                                               unsigned (&p)[8]) {
     if constexpr (WT == WT_F32) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            w[4 * i] = r.v[i].x; w[4 * i + 1] = r.v[i].y; w[4 * i + 2] = r.v[i].z; w[4 * i + 3] = r.v[i].w;
+            const float4 v = r.v[4 * h + i];
+            p[2 * i] = tq_pack(v.x, v.y);
+            p[2 * i + 1] = tq_pack(v.z, v.w);
         }
-    } else if constexpr (WT == WT_F16 || WT == WT_BF16) {
-        const unsigned q[8] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w, r.v[1].x, r.v[1].y, r.v[1].z, r.v[1].w};
+    } else if constexpr (WT == WT_F16) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if constexpr (WT == WT_BF16) {
-                w[2 * i] = __uint_as_float(q[i] << 16);
-                w[2 * i + 1] = __uint_as_float(q[i] & 0xffff0000u);
-            } else {
-                w[2 * i] = h2f((unsigned short)(q[i] & 0xffffu));
-                w[2 * i + 1] = h2f((unsigned short)(q[i] >> 16));
-            }
+        for (int i = 0; i < 2; ++i) {
+            const uint4 v = r.v[2 * h + i];
+            const unsigned q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                p[4 * i + j] = tq_pack(h2f((unsigned short)(q[j] & 0xffffu)), h2f((unsigned short)(q[j] >> 16)));
         }
     } else if constexpr (WT == WT_Q8_0) {
-        const float d = h2f(r.d);
+        const float d = h2f((unsigned short)(__funnelshift_rc(r.w[0], r.w[1], r.sh) & 0xffffu));
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            w[2 * i] = d * (float)(signed char)(r.q[i] & 0xff);
-            w[2 * i + 1] = d * (float)(signed char)(r.q[i] >> 8);
+        for (int i = 0; i < 4; ++i) {
+            const unsigned q = __funnelshift_rc(r.w[4 * h + i], r.w[4 * h + i + 1], r.sh + 16);
+            p[2 * i] = tq_pack(d * (float)(signed char)(q & 0xffu), d * (float)(signed char)((q >> 8) & 0xffu));
+            p[2 * i + 1] = tq_pack(d * (float)(signed char)((q >> 16) & 0xffu), d * (float)(signed char)(q >> 24));
         }
     } else if constexpr (WT == WT_IQ4_NL) {
-        // Values 0..15 are the low nibbles of the 16 bytes, 16..31 the high ones.
-        const float d = h2f(r.d);
-        const int sh = (k & 16) ? 4 : 0;
+        const float d = h2f((unsigned short)(__funnelshift_rc(r.w[0], r.w[1], r.sh) & 0xffffu));
+        // Codes of words 2h, 2h+1 land in c[0..7] (low nibbles) and c[16..23] (high); the
+        // zero words' codes are never used, so the compiler drops them.
+        const unsigned q[4] = {__funnelshift_rc(r.w[2 * h], r.w[2 * h + 1], r.sh + 16),
+                               __funnelshift_rc(r.w[2 * h + 1], r.w[2 * h + 2], r.sh + 16), 0u, 0u};
+        float c[32];
+        iq4g_codes(T, q, c);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            w[2 * i] = d * (float)iq4_code((r.q[i] & 0xff) >> sh);
-            w[2 * i + 1] = d * (float)iq4_code((r.q[i] >> 8) >> sh);
+        for (int i = 0; i < 4; ++i) {
+            p[i] = tq_pack(d * c[2 * i], d * c[2 * i + 1]);
+            p[4 + i] = tq_pack(d * c[16 + 2 * i], d * c[16 + 2 * i + 1]);
         }
     } else {
-        const int q = (k >> 5) & 3;
-        const float dsc = h2f(r.d) * (float)r.sc;
-        const int nsh = (q >> 1) * 4, hsh = 2 * q;
+        const int q = (k >> 5) & 3, nsh = (q >> 1) * 4, hsh = 2 * q;
+        const unsigned s8 = h ? r.sc >> 8 : r.sc & 0xffu;  // scale 8hf + 2q + h
+        const float ds = h2f((unsigned short)r.d) * (float)(signed char)s8;
+        float w[16];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int a = (r.ql[i >> 1] >> (8 * (i & 1))) & 0xff;
-            const int h = (r.qh[i >> 1] >> (8 * (i & 1))) & 0xff;
-            const int v = ((a >> nsh) & 15) | (((h >> hsh) & 3) << 4);
-            w[i] = dsc * (float)(v - 32);
+        for (int i = 0; i < 4; ++i) {
+            const unsigned a = __funnelshift_rc(r.ql[4 * h + i], r.ql[4 * h + i + 1], r.sh);
+            const unsigned hb = __funnelshift_rc(r.qh[4 * h + i], r.qh[4 * h + i + 1], r.sh);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int v = (int)(((a >> (8 * j + nsh)) & 15u) | (((hb >> (8 * j + hsh)) & 3u) << 4));
+                w[4 * i + j] = ds * (float)(v - 32);
+            }
         }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) p[i] = tq_pack(w[2 * i], w[2 * i + 1]);
     }
 }
 
-__device__ __forceinline__ void store_bf16x16(__nv_bfloat16* dst, const float (&v)[16]) {
-    __nv_bfloat162 p[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) p[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    d[0] = *reinterpret_cast<const uint4*>(&p[0]);
-    d[1] = *reinterpret_cast<const uint4*>(&p[4]);
-}
-
-// grid (ceil(O/64), ceil(n/64)), block 128 (4 warps, each a 32×32 corner of the tile).
-template <int WT>
-__device__ __forceinline__ void tc_body(const unsigned char* __restrict__ W, const float* __restrict__ x,
-                                        float* __restrict__ y, int n, int K, int O, long long RB) {
-    using namespace nvcuda;
-    __shared__ __align__(32) __nv_bfloat16 As[TC_M * TC_LD];
-    __shared__ __align__(32) __nv_bfloat16 Bs[TC_N * TC_LD];
-    __shared__ __align__(32) float Cs[4][256];
+// grid (ceil(O/BN), ceil(n/BM)), block 32·WM·WN (one 32-value weight group a thread a slice),
+// dynamic shared memory (3·BM + 2·BN)·(BK + 8)·2 bytes. xb: x as bf16 [n, K], 16-byte aligned;
+// pair: y's rows are 8-byte aligned (O even), so two outputs go in one store.
+template <int WT, int BM, int BN, int BK, int WM, int WN>
+__device__ __forceinline__ void tq_body(const unsigned char* __restrict__ W, const __nv_bfloat16* __restrict__ xb,
+                                        float* __restrict__ y, int n, int K, int O, long long RB, int pair) {
+    constexpr int THREADS = 32 * WM * WN, GPR = BK / 32;
+    static_assert(THREADS == BN * GPR, "one weight group a thread");
+    constexpr int LDS = BK + 8, STAGES = 3;
+    constexpr int A_STAGE = BM * LDS, B_BUF = BN * LDS;  // bf16 elements
+    constexpr int TM = BM / WM, TN = BN / WN, MT = TM / 16, NT = TN / 8;
+    static_assert(MT >= 1 && NT % 2 == 0, "warp tile of whole m16 tiles and n8 pairs");
+    constexpr int CPR = BK / 8, ACH = BM * CPR / THREADS;
+    static_assert(ACH * THREADS == BM * CPR, "whole 16-byte copies a thread");
+    extern __shared__ __align__(16) unsigned char tq_smem[];
+    const unsigned as_base = (unsigned)__cvta_generic_to_shared(tq_smem);
+    const unsigned bs_base = as_base + 2u * STAGES * A_STAGE;
+    unsigned char* bs_ptr = tq_smem + 2 * STAGES * A_STAGE;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n0 = blockIdx.x * TC_N, m0 = blockIdx.y * TC_M;
-    // Each thread moves 16 values of one token row and 16 of one weight row per K slice.
-    const int lr = tid >> 1, lh = (tid & 1) * 16;
-    const bool xok = m0 + lr < n, wok = n0 + lr < O;
-    const float* xrow = x + (long long)(m0 + lr) * K + lh;
-    const unsigned char* wrow = W + (long long)(n0 + lr) * RB;
+    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
+    const int KT = (K + BK - 1) / BK;
 
-    float4 xr[4];
-    Raw<WT> wr;
-    auto load = [&](int k0) {
+    auto issue_a = [&](int kt, int stage) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) xr[i] = xok ? ldx4(xrow + k0 + 4 * i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (wok) raw_load<WT>(wr, wrow, k0 + lh); else raw_zero<WT>(wr);
+        for (int i = 0; i < ACH; ++i) {
+            const int c = tid + i * THREADS, r = c / CPR, cc = c % CPR;
+            const int m = m0 + r, k = kt * BK + cc * 8;
+            const bool ok = m < n && k < K;
+            tq_cp16(as_base + 2u * (stage * A_STAGE + r * LDS + cc * 8), ok ? xb + (long long)m * K + k : xb,
+                    ok ? 16 : 0);
+        }
     };
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int wr = tid / GPR, wg = tid % GPR;
+    const bool wok = n0 + wr < O;
+    const unsigned char* wrow = W + (long long)(wok ? n0 + wr : 0) * RB;
+    const Iq4gTable T = iq4g_table();
+    TqRaw<WT> raw;
+    auto load_w = [&](int kt) {
+        const int k = kt * BK + 32 * wg;
+        if (wok && k < K)
+            tq_load<WT>(raw, wrow, k);
+        else
+            tq_zero<WT>(raw);
+    };
+    auto store_half = [&](int kt, int buf, int h) {
+        unsigned p[8];
+        tq_decode_half<WT>(raw, kt * BK + 32 * wg, T, h, p);
+        unsigned char* seg = bs_ptr + 2 * (buf * B_BUF + wr * LDS + 32 * wg);
+        *reinterpret_cast<uint4*>(seg + tq_half_at<WT>(h, 0)) = make_uint4(p[0], p[1], p[2], p[3]);
+        *reinterpret_cast<uint4*>(seg + tq_half_at<WT>(h, 1)) = make_uint4(p[4], p[5], p[6], p[7]);
+    };
 
-    load(0);
-    for (int k0 = 0; k0 < K; k0 += TC_K) {
-        {
-            float v[16];
+    float acc[MT][NT][4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                v[4 * i] = xr[i].x; v[4 * i + 1] = xr[i].y; v[4 * i + 2] = xr[i].z; v[4 * i + 3] = xr[i].w;
-            }
-            store_bf16x16(As + lr * TC_LD + lh, v);
-            float w[16];
-            raw_decode<WT>(wr, k0 + lh, w);
-            store_bf16x16(Bs + lr * TC_LD + lh, w);
-        }
-        __syncthreads();
-        if (k0 + TC_K < K) load(k0 + TC_K);
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int kk = 0; kk < TC_K; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a[2];
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[2];
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a[i], As + (wm + 16 * i) * TC_LD + kk, TC_LD);
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    // ldmatrix lanes: A rows 0-15 at k 0 then k 8; B n rows 0-7 at k 0, k 8, then rows 8-15.
+    const int wm0 = (warp / WN) * TM, wn0 = (warp % WN) * TN;
+    const unsigned a_lane = 2u * ((wm0 + (lane & 15)) * LDS + (lane >> 4) * 8);
+    const unsigned b_lane = 2u * ((wn0 + (lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8);
+
 #pragma unroll
-            for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(b[j], Bs + (wn + 16 * j) * TC_LD + kk, TC_LD);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
-        }
-        __syncthreads();
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) issue_a(s, s);
+        asm volatile("cp.async.commit_group;" ::: "memory");
     }
+    load_w(0);
+    store_half(0, 0, 0);
+    store_half(0, 0, 1);
+    if (KT > 1) load_w(1);
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+    __syncthreads();
+
+    int stage = 0;
+    for (int kt = 0; kt < KT; ++kt) {
+        // The stage slice kt+2 goes to was last read by slice kt-1 (barrier since).
+        const int next = stage == 0 ? STAGES - 1 : stage - 1;
+        if (kt + STAGES - 1 < KT) issue_a(kt + STAGES - 1, next);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+
+        const unsigned a_st = as_base + 2u * stage * A_STAGE + a_lane;
+        const unsigned b_st = bs_base + 2u * (kt & 1) * B_BUF + b_lane;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned a[MT][4], b[NT][2];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            wmma::store_matrix_sync(Cs[warp], acc[i][j], 16, wmma::mem_row_major);
-            __syncwarp();
-            for (int e = lane; e < 256; e += 32) {
-                const int t = m0 + wm + 16 * i + (e >> 4), o = n0 + wn + 16 * j + (e & 15);
-                if (t < n && o < O) y[(long long)t * O + o] = Cs[warp][e];
+            for (int mt = 0; mt < MT; ++mt) tq_ldsm4(a[mt], a_st + 2u * (mt * 16 * LDS + kk));
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned t[4];
+                tq_ldsm4(t, b_st + 2u * (np * 16 * LDS + kk));
+                b[2 * np][0] = t[0];
+                b[2 * np][1] = t[1];
+                b[2 * np + 1][0] = t[2];
+                b[2 * np + 1][1] = t[3];
             }
-            __syncwarp();
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) tq_mma(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+        }
+
+        // Buffer (kt+1)&1 was last read by slice kt-1.
+        if (kt + 1 < KT) {
+            store_half(kt + 1, (kt + 1) & 1, 0);
+            store_half(kt + 1, (kt + 1) & 1, 1);
+            if (kt + 2 < KT) load_w(kt + 2);
+        }
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+        __syncthreads();
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+    }
+
+    // Accumulator (mt, nt): c0, c1 = token g, rows 2t and 2t+1 of the n8 tile; c2, c3 = token g+8.
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int m = m0 + wm0 + 16 * mt + g + 8 * hr;
+            if (m >= n) continue;
+            float* yr = y + (long long)m * O;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int col = n0 + wn0 + 8 * nt + 2 * t4;
+                const float v0 = acc[mt][nt][2 * hr], v1 = acc[mt][nt][2 * hr + 1];
+                if (pair) {
+                    if (col < O) *reinterpret_cast<float2*>(yr + col) = make_float2(v0, v1);
+                } else {
+                    if (col < O) yr[col] = v0;
+                    if (col + 1 < O) yr[col + 1] = v1;
+                }
+            }
         }
     }
 }
 
-#define TC(NAME, WT)                                                                              \
-    extern "C" __global__ void __launch_bounds__(128)                                             \
-        linear_tc_##NAME(const unsigned char* W, const float* x, float* y, int n, int K, int O,  \
-                         long long RB) {                                                          \
+// 128 tokens × 128 rows a block (warps 2×4 of 64×32). x2: two blocks a multiprocessor (128
+// registers a thread), for grids of more blocks than multiprocessors; x1: one block a
+// multiprocessor without the register cap, faster where each would be alone anyway (chosen in
+// ops/src/linear.rs `TqFit`).
+#define TQ(NAME, WT, FIT, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, MINB) linear_tq_##NAME##_##FIT(             \
+        const unsigned char* W, const float* x, float* y, int n, int K, int O, long long RB,     \
+        const __nv_bfloat16* xb, int pair) {                                                      \
         PDL_ENTER();                                                                              \
-        tc_body<WT>(W, x, y, n, K, O, RB);                                                        \
+        (void)x;                                                                                  \
+        tq_body<WT, 128, 128, 64, 2, 4>(W, xb, y, n, K, O, RB, pair);                             \
     }
-TC(f32, WT_F32)
-TC(f16, WT_F16)
-TC(bf16, WT_BF16)
-TC(q8_0, WT_Q8_0)
-TC(q6_k, WT_Q6_K)
-TC(iq4_nl, WT_IQ4_NL)
+#define TQ_BOTH(NAME, WT) TQ(NAME, WT, x2, 2) TQ(NAME, WT, x1, 1)
+TQ_BOTH(f16, WT_F16)
+TQ_BOTH(q8_0, WT_Q8_0)
+TQ_BOTH(q6_k, WT_Q6_K)
+TQ_BOTH(iq4_nl, WT_IQ4_NL)
+// F32's 32 raw registers a thread do not fit x2's 128 (it spilled): x1 only.
+TQ(f32, WT_F32, x1, 1)
 
 // ---------------------------------------------------------------------------------------------
 // Fallback: grid (ceil(O/4), ceil(n/8)), block 128; a warp per row, 8 tokens per grid row.

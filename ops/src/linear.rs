@@ -137,21 +137,73 @@ fn bf16_dec_plan(k: usize, o: usize, sms: usize) -> Option<(usize, usize, usize)
     Some((u.div_ceil(32 * s).next_power_of_two().max(4), 1, s))
 }
 
+/// cuBLAS's workspace for the BF16 prefill GEMM, inside the op's scratch (NVIDIA's
+/// recommendation for Hopper). Handing it over keeps a captured graph free of allocations.
+const CUBLAS_WORKSPACE: usize = 32 << 20;
+
+/// Scratch of the prefill paths (n > 8, K % 32 == 0): x narrowed to bf16, then for BF16
+/// weights cuBLAS's workspace, each at a 256-byte boundary (256 spare bytes align the start).
+fn prefill_scratch(dtype: DType, n: usize, k: usize) -> usize {
+    let ws = if dtype == DType::BF16 {
+        CUBLAS_WORKSPACE
+    } else {
+        0
+    };
+    256 + (n * k * 2).next_multiple_of(256) + ws
+}
+
+/// How `linear_tq_<type>_<fit>` (kernels/linear.cu, 128 tokens × 128 rows a block) sits on
+/// the multiprocessors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TqFit {
+    /// Two blocks a multiprocessor (128 registers a thread).
+    Two,
+    /// One block a multiprocessor, no register cap.
+    One,
+}
+
+impl TqFit {
+    fn name(self) -> &'static str {
+        match self {
+            TqFit::Two => "x2",
+            TqFit::One => "x1",
+        }
+    }
+
+    /// Three x stages and two decoded weight tiles of 128 rows, 72 bf16 a row.
+    const SMEM_BYTES: u32 = (5 * 128 * 72 * 2) as u32;
+
+    /// One block a multiprocessor when the grid gives each at most one anyway (measured on
+    /// the H200: the shared expert's 3584->1024 at 1024 tokens 71 µs against 111 µs for
+    /// two-a-multiprocessor blocks), and for F32 weights, whose raw registers do not fit
+    /// 128; two otherwise (IQ4_NL 3584->9216, 1024 tokens: 287 µs against 353 µs).
+    fn choose(dtype: DType, n: usize, o: usize, sms: usize) -> TqFit {
+        if dtype == DType::F32 || o.div_ceil(128) * n.div_ceil(128) <= sms {
+            TqFit::One
+        } else {
+            TqFit::Two
+        }
+    }
+}
+
 enum LinearPath {
     /// IQ4_NL, n ≤ 8, K a multiple of 256: `gemv_iq4_nl_rows_<nr>` split as planned.
     Iq4Rows(usize, RowsPlan),
     /// BF16, n = 1: `gemv_bf16_dec_<JU>_<R>` with S warps a block.
     Bf16Dec(usize, usize, usize),
     Gemv(usize),
-    Tensor,
+    /// BF16, n > 8: x narrowed to bf16, then one cuBLAS GEMM.
+    Cublas,
+    /// Other types, n > 8: x narrowed to bf16, then `linear_tq_<type>_<fit>`.
+    Tiles(TqFit),
     Generic,
 }
 
 /// Which kernel a call takes: the IQ4_NL row GEMV for n ≤ 8 when K is whole 256-value
 /// chunks, the BF16 decode GEMV for one token; otherwise the GEMV when n ≤ 8 and K is whole
 /// units of the weight's 16-byte decode group (4 F32, 8 F16/BF16, 32 Q8_0/IQ4_NL, 256 Q6_K);
-/// tensor-core tiles when n > 8 and K % 32 == 0; otherwise (and for views not 16-byte
-/// aligned) the element-wise fallback.
+/// when n > 8 and K % 32 == 0, cuBLAS for BF16 and the bf16 tensor-core tiles for the other
+/// types; otherwise (and for views not 16-byte aligned) the element-wise fallback.
 fn linear_path(
     dtype: DType,
     (n, k, o): (usize, usize, usize),
@@ -186,7 +238,11 @@ fn linear_path(
     if n <= GEMV_MAX_TOKENS && k.is_multiple_of(unit) {
         LinearPath::Gemv(n.next_power_of_two())
     } else if n > GEMV_MAX_TOKENS && k.is_multiple_of(32) {
-        LinearPath::Tensor
+        if dtype == DType::BF16 {
+            LinearPath::Cublas
+        } else {
+            LinearPath::Tiles(TqFit::choose(dtype, n, o, sms))
+        }
     } else {
         LinearPath::Generic
     }
@@ -261,14 +317,15 @@ impl Op for Linear {
     }
 
     /// n ≤ 8: f32 GEMV streaming the weight once (F32 tolerance, reordered sums);
-    /// n > 8: bf16 tensor-core tiles (x and the decoded weight narrowed to bf16, f32
-    /// accumulation: BF16 tolerance). Deterministic either way.
+    /// n > 8: x narrowed to bf16 into the scratch, then a cuBLAS GEMM (BF16 weights, cuBLAS's
+    /// workspace in the scratch too) or bf16 tensor-core tiles decoding the weight in place
+    /// (f32 accumulation either way: BF16 tolerance). Deterministic on every path.
     fn cuda(
         &self,
         ctx: &GpuCtx,
         inputs: &[DeviceTensor<'_>],
         outputs: &[DeviceTensor<'_>],
-        _scratch: Scratch,
+        scratch: Scratch,
     ) -> Result<(), OpError> {
         let op = self.name();
         check_device(self, inputs, outputs)?;
@@ -310,7 +367,8 @@ impl Op for Linear {
             unsafe { l.enqueue() }.map_err(dev_err)
         };
         let sms = ctx.device.sm_count() as usize;
-        match linear_path(dtype, (n, k, o), x.ptr, w.ptr, sms) {
+        let path = linear_path(dtype, (n, k, o), x.ptr, w.ptr, sms);
+        match path {
             LinearPath::Iq4Rows(nr, plan) => {
                 let blocks = as_i32(op, "row tiles", o.div_ceil(plan.rt))?;
                 launch(
@@ -336,16 +394,76 @@ impl Op for Linear {
                 let name = format!("gemv_{}_{nt}", kernel_suffix(dtype));
                 launch(&name, (blocks as u32, 1), 128, GEMV_SMEM, &[])
             }
-            LinearPath::Tensor => {
-                let grid = (o.div_ceil(64), n.div_ceil(64));
-                if grid.1 > 65535 {
-                    return Err(OpError::shape(
-                        op,
-                        format!("n = {n} is more than 65535 tiles of 64"),
-                    ));
+            LinearPath::Cublas | LinearPath::Tiles(_) => {
+                let need = prefill_scratch(dtype, n, k);
+                let base = scratch.ptr.next_multiple_of(256);
+                if scratch.ptr == 0
+                    || (scratch.bytes as u64) < (base - scratch.ptr) + need as u64 - 256
+                {
+                    return Err(OpError::Type(format!(
+                        "{op}: scratch of {} bytes at 0x{:x}, {need} needed (cuda_scratch_bytes)",
+                        scratch.bytes, scratch.ptr
+                    )));
                 }
-                let name = format!("linear_tc_{}", kernel_suffix(dtype));
-                launch(&name, (grid.0 as u32, grid.1 as u32), 128, 0, &[])
+                let total = n * k;
+                let narrow = ctx.kernel("linear.cu", LINEAR_CU, "linear_x_bf16")?;
+                // SAFETY: linear_x_bf16(x, xb, total) reads n·k f32 of x and writes n·k bf16
+                // at `base`, inside the scratch checked above.
+                unsafe {
+                    ctx.device
+                        .launch(&narrow)
+                        .grid(as_i32(op, "narrowing blocks", total.div_ceil(2048))? as u32)
+                        .block(256)
+                        .arg(x.ptr)
+                        .arg(base)
+                        .arg(total as i64)
+                        .enqueue()
+                        .map_err(dev_err)?;
+                }
+                match path {
+                    LinearPath::Tiles(fit) => {
+                        let grid = (o.div_ceil(128), n.div_ceil(128));
+                        if grid.1 > 65535 {
+                            return Err(OpError::shape(
+                                op,
+                                format!("n = {n} is more than 65535 tiles of 128"),
+                            ));
+                        }
+                        let pair = i32::from(o.is_multiple_of(2) && y.ptr.is_multiple_of(8));
+                        let name = format!("linear_tq_{}_{}", kernel_suffix(dtype), fit.name());
+                        let kern = ctx.kernel("linear.cu", LINEAR_CU, &name)?;
+                        // SAFETY: the arguments follow linear_tq's C signature; W, y as for
+                        // the other paths, xb the n·k bf16 written just above.
+                        unsafe {
+                            ctx.device
+                                .launch(&kern)
+                                .grid((grid.0 as u32, grid.1 as u32))
+                                .block(256)
+                                .shared_mem(TqFit::SMEM_BYTES)
+                                .arg(w.ptr)
+                                .arg(x.ptr)
+                                .arg(y.ptr)
+                                .arg(ni)
+                                .arg(ki)
+                                .arg(oi)
+                                .arg(rb as i64)
+                                .arg(base)
+                                .arg(pair)
+                                .enqueue()
+                                .map_err(dev_err)
+                        }
+                    }
+                    _ => {
+                        let ws = base + (total * 2).next_multiple_of(256) as u64;
+                        // SAFETY: xb holds n×k bf16, W o×k bf16 (check_device), y n×o f32; the
+                        // workspace is the rest of the scratch, clear of xb and 256-aligned.
+                        unsafe {
+                            ctx.blas
+                                .gemm_bf16_f32_at(n, o, k, base, w.ptr, y.ptr, ws, CUBLAS_WORKSPACE)
+                                .map_err(dev_err)
+                        }
+                    }
+                }
             }
             LinearPath::Generic => {
                 let grid = (o.div_ceil(4), n.div_ceil(8));
@@ -364,6 +482,18 @@ impl Op for Linear {
                     &[code],
                 )
             }
+        }
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match (inputs.first(), inputs.get(1)) {
+            (Some(x), Some(w)) => match x.shape.as_slice() {
+                &[n, k] if n > GEMV_MAX_TOKENS && k.is_multiple_of(32) => {
+                    prefill_scratch(w.dtype, n, k)
+                }
+                _ => 0,
+            },
+            _ => 0,
         }
     }
 }
@@ -555,6 +685,50 @@ mod tests {
             }
         }
         assert_eq!(bf16_dec_plan(8 * 4097, 10, 132), None);
+    }
+
+    #[test]
+    fn prefill_tiles_run_alone_on_a_multiprocessor_only_when_the_grid_leaves_them_alone() {
+        // (n, out) at 132 multiprocessors: the shared expert's 1024 rows make 64 and 128
+        // blocks at 1024 and 2048 tokens; its down projection and the dense FFN make 224+.
+        let fit = |n, o| TqFit::choose(DType::IQ4_NL, n, o, 132);
+        assert_eq!(fit(1024, 1024), TqFit::One);
+        assert_eq!(fit(2048, 1024), TqFit::One);
+        for (n, o) in [(1024, 3584), (2048, 3584), (1024, 9216), (2048, 9216)] {
+            assert_eq!(fit(n, o), TqFit::Two, "n={n} out={o}");
+        }
+        // gpu_linear.rs's test of two-a-multiprocessor blocks relies on this grid taking them.
+        assert_eq!(fit(150, 8500), TqFit::Two);
+        assert_eq!(fit(256, 66 * 128), TqFit::One);
+        assert_eq!(TqFit::choose(DType::F32, 2048, 9216, 132), TqFit::One);
+    }
+
+    #[test]
+    fn prefill_scratch_holds_x_as_bf16_and_for_bf16_weights_the_cublas_workspace() {
+        let metas = |dtype| {
+            [
+                TensorMeta::f32([100, 512]),
+                TensorMeta::new([7, 512], dtype),
+            ]
+        };
+        let [x, w] = metas(DType::IQ4_NL);
+        assert_eq!(Linear.cuda_scratch_bytes(&[&x, &w]), 256 + 100 * 512 * 2);
+        let [x, w] = metas(DType::BF16);
+        assert_eq!(
+            Linear.cuda_scratch_bytes(&[&x, &w]),
+            256 + 100 * 512 * 2 + CUBLAS_WORKSPACE
+        );
+        // Decode sizes and widths that take the fallback need none.
+        let w = TensorMeta::new([7, 512], DType::BF16);
+        assert_eq!(
+            Linear.cuda_scratch_bytes(&[&TensorMeta::f32([8, 512]), &w]),
+            0
+        );
+        let w = TensorMeta::new([7, 48], DType::F32);
+        assert_eq!(
+            Linear.cuda_scratch_bytes(&[&TensorMeta::f32([100, 48]), &w]),
+            0
+        );
     }
 
     #[test]

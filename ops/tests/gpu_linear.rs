@@ -5,7 +5,7 @@ use half::{bf16, f16};
 use ops::Op;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::linear::Linear;
-use ops::parity::{HostValue, Tolerance, check, run_gpu, test_gpu};
+use ops::parity::{HostValue, Tolerance, check, run_gpu, test_gpu, time_calls_us};
 use ops::{DType, TensorMeta};
 use proptest::prelude::*;
 
@@ -185,14 +185,39 @@ fn the_one_token_bf16_gemv_matches_the_cpu_reference_over_row_lengths() {
 }
 
 #[test]
-fn the_tensor_core_path_matches_the_cpu_reference_within_bf16_rounding() {
+fn the_prefill_paths_match_the_cpu_reference_within_bf16_rounding() {
     let Some(gpu) = test_gpu() else { return };
-    proptest!(ProptestConfig::with_cases(24), |(
-        ti in 0usize..6, n in 9usize..150, blocks in 1usize..5, o in 1usize..200, seed in any::<u64>()
+    proptest!(ProptestConfig::with_cases(32), |(
+        ti in 0usize..6, n in 9usize..150, groups in 1usize..40, o in 1usize..200, seed in any::<u64>()
     )| {
-        let c = Case::random(seed, TYPES[ti], n, 256 * blocks, o);
-        check(&gpu, &Linear, &c.inputs(), c.bf16_tol()).map_err(TestCaseError::fail)?;
+        // BF16 takes cuBLAS, the other types the tiles (one block a multiprocessor at these
+        // grids).
+        // K = 32·groups leaves a half-empty last K slice of 64 when groups is odd; Q6_K needs
+        // whole 256-value blocks. Odd n and O leave partial token and row tiles and single
+        // (unpaired) stores.
+        let dtype = TYPES[ti];
+        let k = if dtype == DType::Q6_K { 256 * groups.div_ceil(8) } else { 32 * groups };
+        let c = Case::random(seed, dtype, n, k, o);
+        let r = check(&gpu, &Linear, &c.inputs(), c.bf16_tol()).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(r.elements, n * o);
     });
+}
+
+#[test]
+fn prefill_tiles_two_to_a_multiprocessor_match_the_cpu_reference_with_partial_tiles() {
+    let Some(gpu) = test_gpu() else { return };
+    // 67 row tiles × 2 token tiles of 128 is more blocks than the H200's 132 multiprocessors,
+    // so they go two to a multiprocessor (linear.rs's fit test pins this grid); 150 tokens and
+    // 8500 rows leave both last tiles partial, K = 480 a half-empty last slice.
+    for (i, (dtype, k)) in [(DType::IQ4_NL, 480), (DType::Q8_0, 480), (DType::Q6_K, 512)]
+        .into_iter()
+        .enumerate()
+    {
+        let c = Case::random(0x3c + i as u64, dtype, 150, k, 8500);
+        let r = check(&gpu, &Linear, &c.inputs(), c.bf16_tol())
+            .unwrap_or_else(|e| panic!("{dtype} n=150: {e}"));
+        println!("linear two-a-multiprocessor tiles {dtype} n=150 K={k} O=8500: {r}");
+    }
 }
 
 #[test]
@@ -262,6 +287,8 @@ fn linear_gives_the_same_bits_on_every_run() {
         (5, DType::IQ4_NL),
         (1, DType::Q6_K),
         (70, DType::IQ4_NL),
+        (300, DType::IQ4_NL),
+        (300, DType::BF16),
     ] {
         let c = Case::random(77 + n as u64, dtype, n, 3584, 1000);
         let a = run_gpu(&gpu, &Linear, &c.inputs()).expect("first run");
@@ -270,68 +297,111 @@ fn linear_gives_the_same_bits_on_every_run() {
     }
 }
 
-/// Median-free but graph-replayed timing: `reps` launches captured into one CUDA graph
-/// (as the engine runs a step), rotating over enough weight copies that a small weight
-/// is not served from the 60 MB L2.
-fn time_linear(gpu: &GpuCtx, k: usize, o: usize, dtype: DType, n: usize) -> (f64, f64) {
-    let dev = &gpu.device;
-    let mut r = Rng(0x1234_5678 + k as u64);
-    let wb = random_weight(&mut r, dtype, o, k);
-    let copies = if n <= 8 { (400 << 20) / wb.len() } else { 1 }.clamp(1, 64);
-    let ws: Vec<_> = (0..copies)
-        .map(|_| dev.upload(&wb).expect("upload"))
-        .collect();
-    let x = dev.upload(&r.vec(n * k, -1.0, 1.0)).expect("upload");
-    let y = dev.upload(&vec![0f32; n * o]).expect("upload");
-    let (xm, wm, ym) = (
-        TensorMeta::f32([n, k]),
-        TensorMeta::new([o, k], dtype),
-        TensorMeta::f32([n, o]),
-    );
-    let call = |i: usize| {
+/// `Linear` on device buffers: `copies` copies of one random weight (so that a small weight
+/// can be rotated out of the 60 MB L2), x, y and the scratch the op asks for.
+struct OnDevice {
+    metas: [TensorMeta; 3],
+    ws: Vec<cuda::DeviceBuffer<u8>>,
+    w_bytes: usize,
+    x: cuda::DeviceBuffer<f32>,
+    y: cuda::DeviceBuffer<f32>,
+    scratch: cuda::DeviceBuffer<u8>,
+}
+
+impl OnDevice {
+    fn new(
+        gpu: &GpuCtx,
+        (n, k, o): (usize, usize, usize),
+        dtype: DType,
+        copies: usize,
+    ) -> OnDevice {
+        let dev = &gpu.device;
+        let mut r = Rng(0x1234_5678 + k as u64);
+        let wb = random_weight(&mut r, dtype, o, k);
+        let metas = [
+            TensorMeta::f32([n, k]),
+            TensorMeta::new([o, k], dtype),
+            TensorMeta::f32([n, o]),
+        ];
+        let scratch = Linear.cuda_scratch_bytes(&[&metas[0], &metas[1]]);
+        OnDevice {
+            ws: (0..copies.max(1))
+                .map(|_| dev.upload(&wb).expect("upload"))
+                .collect(),
+            w_bytes: wb.len(),
+            x: dev.upload(&r.vec(n * k, -1.0, 1.0)).expect("upload"),
+            y: dev.upload(&vec![f32::NAN; n * o]).expect("upload"),
+            scratch: dev.upload(&vec![0xffu8; scratch.max(1)]).expect("upload"),
+            metas,
+        }
+    }
+
+    /// Enqueues the op on weight copy `i % copies`.
+    fn call(&self, gpu: &GpuCtx, i: usize) -> Result<(), ops::OpError> {
+        let [xm, wm, ym] = &self.metas;
         let ins = [
             DeviceTensor {
-                meta: &xm,
-                ptr: x.device_ptr(),
-                bytes: n * k * 4,
+                meta: xm,
+                ptr: self.x.device_ptr(),
+                bytes: self.x.num_bytes(),
             },
             DeviceTensor {
-                meta: &wm,
-                ptr: ws[i % copies].device_ptr(),
-                bytes: wb.len(),
+                meta: wm,
+                ptr: self.ws[i % self.ws.len()].device_ptr(),
+                bytes: self.w_bytes,
             },
         ];
         let outs = [DeviceTensor {
-            meta: &ym,
-            ptr: y.device_ptr(),
-            bytes: n * o * 4,
+            meta: ym,
+            ptr: self.y.device_ptr(),
+            bytes: self.y.num_bytes(),
         }];
-        Linear.cuda(gpu, &ins, &outs, Scratch::default())
-    };
-    call(0).expect("warm-up");
+        let scratch = Scratch {
+            ptr: self.scratch.device_ptr(),
+            bytes: Linear.cuda_scratch_bytes(&[xm, wm]),
+        };
+        Linear.cuda(gpu, &ins, &outs, scratch)
+    }
+}
+
+#[test]
+fn the_prefill_paths_replay_from_a_captured_graph_with_the_eager_bits() {
+    let Some(gpu) = test_gpu() else { return };
+    // A capture fails on any allocation or host sync inside it, cuBLAS's included; the
+    // replay must then write exactly what the eager call wrote.
+    for dtype in [DType::BF16, DType::IQ4_NL] {
+        let mut d = OnDevice::new(&gpu, (300, 3584, 1000), dtype, 1);
+        d.call(&gpu, 0).expect("eager call");
+        let eager = d.y.to_vec().expect("download");
+        assert!(eager.iter().all(|v| v.is_finite()), "{dtype}: eager output");
+        d.y.copy_from_host(&vec![f32::NAN; eager.len()])
+            .expect("poison");
+        let graph = gpu
+            .device
+            .capture(|_| {
+                d.call(&gpu, 0)
+                    .map_err(|e| panic!("{dtype}: call during capture: {e}"))
+            })
+            .unwrap_or_else(|e| panic!("{dtype}: capture: {e}"));
+        graph.launch().expect("replay");
+        gpu.device.synchronize().expect("sync");
+        let replayed = d.y.to_vec().expect("download");
+        let same = eager
+            .iter()
+            .zip(&replayed)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{dtype}: the replay differs from the eager call");
+    }
+}
+
+/// Microseconds a call (graph-replayed, median of 7) and the bytes it must move over that time.
+fn time_linear(gpu: &GpuCtx, k: usize, o: usize, dtype: DType, n: usize) -> (f64, f64) {
+    let w_bytes = dtype.row_bytes(k).expect("whole blocks") * o;
+    let copies = if n <= 8 { (400 << 20) / w_bytes } else { 1 }.clamp(1, 64);
+    let d = OnDevice::new(gpu, (n, k, o), dtype, copies);
     let reps = if n <= 8 { 4 * copies.max(25) } else { 10 };
-    let mut failed = None;
-    let graph = dev
-        .capture(|_| {
-            for i in 0..reps {
-                if let Err(e) = call(i) {
-                    failed = Some(e);
-                    break;
-                }
-            }
-            Ok(())
-        })
-        .expect("capture");
-    assert!(failed.is_none(), "{failed:?}");
-    graph.upload().expect("graph upload");
-    graph.launch().expect("replay");
-    dev.synchronize().expect("sync");
-    let timer = cuda::Timer::new(dev).expect("timer");
-    timer.start().expect("timer");
-    graph.launch().expect("replay");
-    let ms = timer.stop().expect("timer") as f64;
-    let us = ms * 1e3 / reps as f64;
-    let bytes = (wb.len() + n * k * 4 + n * o * 4) as f64;
+    let us = time_calls_us(gpu, reps, &|i| d.call(gpu, i)).expect("timing");
+    let bytes = (w_bytes + n * k * 4 + n * o * 4) as f64;
     (us, bytes / us / 1e3)
 }
 
@@ -340,17 +410,117 @@ fn time_linear(gpu: &GpuCtx, k: usize, o: usize, dtype: DType, n: usize) -> (f64
 fn linear_timings_at_the_real_shapes() {
     let Some(gpu) = test_gpu() else { return };
     println!(
-        "{:<20} {:>6} {:>5} {:>10} {:>9} {:>9}",
+        "{:<22} {:>6} {:>5} {:>10} {:>9} {:>9}",
         "linear", "type", "n", "µs", "GB/s", "TFLOP/s"
     );
-    for &(name, k, o, dtype) in &SHAPES {
-        for n in [1, 512] {
+    // The shared expert's up shape stored as Q8_0 too, to time that decode.
+    let extra = [("shared up as Q8_0", 3584, 1024, DType::Q8_0)];
+    for &(name, k, o, dtype) in SHAPES.iter().chain(&extra) {
+        for n in [1, 1024, 2048] {
             let (us, gbs) = time_linear(&gpu, k, o, dtype, n);
             let tf = 2.0 * (n * k * o) as f64 / us / 1e6;
             println!(
-                "{name:<20} {:>6} {n:>5} {us:>10.2} {gbs:>9.0} {tf:>9.1}",
+                "{name:<22} {:>6} {n:>5} {us:>10.2} {gbs:>9.0} {tf:>9.1}",
                 dtype.name()
             );
+        }
+    }
+}
+
+/// Microseconds of the prefill path's kernels launched directly (graph-replayed): the
+/// narrowing of x alone (`fit` None) or narrowing plus `linear_tq_<type>_<fit>`, whichever
+/// fit the op itself would choose.
+fn time_tq_variant(gpu: &GpuCtx, d: &OnDevice, fit: Option<&str>) -> f64 {
+    let source = ops::kernel_sources()
+        .into_iter()
+        .find(|(name, _)| *name == "linear.cu")
+        .expect("linear.cu")
+        .1;
+    let [xm, wm, _] = &d.metas;
+    let (n, k, o) = (xm.shape[0], xm.shape[1], wm.shape[0]);
+    let xb = d.scratch.device_ptr().next_multiple_of(256);
+    let narrow = gpu
+        .kernel("linear.cu", source, "linear_x_bf16")
+        .expect("kernel");
+    let tq = fit.map(|f| {
+        let name = format!("linear_tq_{}_{f}", wm.dtype.name().to_lowercase());
+        gpu.kernel("linear.cu", source, &name).expect("kernel")
+    });
+    let rb = wm.dtype.row_bytes(k).expect("whole blocks") as i64;
+    let call = |_: usize| -> Result<(), ops::OpError> {
+        // SAFETY: as Linear::cuda's prefill path (same arguments, same scratch layout).
+        unsafe {
+            gpu.device
+                .launch(&narrow)
+                .grid((n * k).div_ceil(2048) as u32)
+                .block(256)
+                .arg(d.x.device_ptr())
+                .arg(xb)
+                .arg((n * k) as i64)
+                .enqueue()
+                .map_err(ops::gpu::dev_err)?;
+            if let Some(kern) = &tq {
+                gpu.device
+                    .launch(kern)
+                    .grid((o.div_ceil(128) as u32, n.div_ceil(128) as u32))
+                    .block(256)
+                    .shared_mem(5 * 128 * 144)
+                    .arg(d.ws[0].device_ptr())
+                    .arg(d.x.device_ptr())
+                    .arg(d.y.device_ptr())
+                    .arg(n as i32)
+                    .arg(k as i32)
+                    .arg(o as i32)
+                    .arg(rb)
+                    .arg(xb)
+                    .arg(i32::from(o % 2 == 0))
+                    .enqueue()
+                    .map_err(ops::gpu::dev_err)?;
+            }
+        }
+        Ok(())
+    };
+    time_calls_us(gpu, 10, &call).expect("timing")
+}
+
+#[test]
+#[ignore = "timing of the prefill tile variants: run on the GPU host with --ignored"]
+fn linear_prefill_tile_variants() {
+    let Some(gpu) = test_gpu() else { return };
+    // The op picks x1 (one block a multiprocessor) or x2 by grid size; both must write the
+    // same bits.
+    let fits = ["x2", "x1"];
+    println!(
+        "{:<22} {:>5} {:>8} {:>8} {:>8}  same bits",
+        "variant µs", "n", "x→bf16", fits[0], fits[1]
+    );
+    for &(name, k, o, dtype) in &SHAPES {
+        if dtype != DType::IQ4_NL && name != "attn o" {
+            continue;
+        }
+        for n in [1024, 2048] {
+            let d = OnDevice::new(&gpu, (n, k, o), dtype, 1);
+            let x = time_tq_variant(&gpu, &d, None);
+            let mut us = [f64::NAN; 2];
+            let mut first: Option<Vec<f32>> = None;
+            let mut same = true;
+            if dtype == DType::IQ4_NL {
+                for (t, fit) in us.iter_mut().zip(fits) {
+                    *t = time_tq_variant(&gpu, &d, Some(fit));
+                    let y = d.y.to_vec().expect("download");
+                    match &first {
+                        None => first = Some(y),
+                        Some(f) => {
+                            same &= f.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits())
+                        }
+                    }
+                }
+            }
+            println!(
+                "{name:<22} {n:>5} {x:>8.2} {:>8.2} {:>8.2}  {same}",
+                us[0], us[1]
+            );
+            assert!(same, "{name} n={n}: the variants write different bits");
         }
     }
 }
