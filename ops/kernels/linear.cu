@@ -308,11 +308,11 @@ GEMV_IQ4_ROWS(8)
 template <int JU, int R>
 __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restrict__ W,
                                                    const float* __restrict__ x, float* __restrict__ y,
-                                                   int K, int O, long long RB) {
+                                                   int K, int O, long long RB, int block) {
     __shared__ float red[8 * R];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, S = blockDim.x >> 5;
     const int u = K >> 3;
-    const long long r0 = (long long)blockIdx.x * R;
+    const long long r0 = (long long)block * R;
     uint4 w[R][JU];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -365,7 +365,21 @@ __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restri
         int n, int K, int O, long long RB) {                                                      \
         PDL_ENTER();                                                                              \
         (void)n;                                                                                  \
-        gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB);                                             \
+        gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB, blockIdx.x);                                 \
+    }                                                                                             \
+    /* Two weights over the same x (q_a and kv_a): the first ceil(O/R) blocks take W, the */      \
+    /* rest W2; one launch for both products. */                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_dec2_##JU##_##R(               \
+        const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,  \
+        int n, int K, int O, long long RB, const unsigned char* __restrict__ W2,                  \
+        float* __restrict__ y2, int O2) {                                                         \
+        PDL_ENTER();                                                                              \
+        (void)n;                                                                                  \
+        const int first = (O + R - 1) / R;                                                        \
+        if ((int)blockIdx.x < first)                                                              \
+            gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB, blockIdx.x);                             \
+        else                                                                                      \
+            gemv_bf16_dec_body<JU, R>(W2, x, y2, K, O2, RB, blockIdx.x - first);                  \
     }
 GEMV_BF16_DEC(16, 1)
 GEMV_BF16_DEC(8, 1)

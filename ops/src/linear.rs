@@ -498,6 +498,119 @@ impl Op for Linear {
     }
 }
 
+/// Two [`Linear`] products of the same `x` (the attention's q_a and kv_a): `y1 = x·W1ᵀ`,
+/// `y2 = x·W2ᵀ`. One decode token over BF16 weights takes one launch (the blocks split between
+/// the two weights); anything else runs the two products as [`Linear`] would. Same bits.
+///
+/// Inputs: x F32 `[n, in]`, W1 `[out1, in]`, W2 `[out2, in]`. Outputs: F32 `[n, out1]`,
+/// `[n, out2]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearPair;
+
+impl LinearPair {
+    /// The decode plan both products share, when one launch can run them.
+    fn fused_plan(
+        x: &DeviceTensor<'_>,
+        w1: &DeviceTensor<'_>,
+        w2: &DeviceTensor<'_>,
+        sms: usize,
+    ) -> Option<(usize, usize, usize)> {
+        let (n, k) = (x.meta.shape[0], x.meta.shape[1]);
+        let (o1, o2) = (w1.meta.shape[0], w2.meta.shape[0]);
+        let one = |w: &DeviceTensor<'_>, o| {
+            matches!(
+                linear_path(w.meta.dtype, (n, k, o), x.ptr, w.ptr, sms),
+                LinearPath::Bf16Dec(..)
+            )
+        };
+        if !(one(w1, o1) && one(w2, o2)) {
+            return None;
+        }
+        bf16_dec_plan(k, o1 + o2, sms)
+    }
+}
+
+impl Op for LinearPair {
+    fn name(&self) -> &'static str {
+        "linear_pair"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        arity(self.name(), inputs, 3)?;
+        let mut outs = Linear.infer(&inputs[..2])?;
+        outs.extend(Linear.infer(&[inputs[0], inputs[2]])?);
+        Ok(outs)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let (first, second) = outputs.split_at_mut(1);
+        Linear.cpu(&inputs[..2], first)?;
+        Linear.cpu(&[inputs[0], inputs[2]], second)
+    }
+
+    fn describe(&self) -> String {
+        "linear_pair".to_string()
+    }
+
+    /// The two products run one after the other, so they share one scratch.
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        if inputs.len() != 3 {
+            return 0;
+        }
+        Linear
+            .cuda_scratch_bytes(&inputs[..2])
+            .max(Linear.cuda_scratch_bytes(&[inputs[0], inputs[2]]))
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (x, w1, w2) = (&inputs[0], &inputs[1], &inputs[2]);
+        let sms = ctx.device.sm_count() as usize;
+        let Some((ju, r, s)) = Self::fused_plan(x, w1, w2, sms) else {
+            Linear.cuda(ctx, &[*x, *w1], &outputs[..1], scratch)?;
+            return Linear.cuda(ctx, &[*x, *w2], &outputs[1..], scratch);
+        };
+        let (k, o1, o2) = (x.meta.shape[1], w1.meta.shape[0], w2.meta.shape[0]);
+        let blocks = as_i32(op, "row groups", o1.div_ceil(r) + o2.div_ceil(r))?;
+        let rb = DType::BF16
+            .row_bytes(k)
+            .ok_or_else(|| OpError::shape(op, format!("{k} BF16 inputs")))?;
+        let kern = ctx.kernel("linear.cu", LINEAR_CU, &format!("gemv_bf16_dec2_{ju}_{r}"))?;
+        // SAFETY: the arguments follow gemv_bf16_dec2's C signature; check_device checked x
+        // (1×in f32), both BF16 weights (out rows of `rb` bytes) and both outputs.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(blocks as u32)
+                .block((32 * s) as u32)
+                .arg(w1.ptr)
+                .arg(x.ptr)
+                .arg(outputs[0].ptr)
+                .arg(1i32)
+                .arg(as_i32(op, "in", k)?)
+                .arg(as_i32(op, "out", o1)?)
+                .arg(rb as i64)
+                .arg(w2.ptr)
+                .arg(outputs[1].ptr)
+                .arg(as_i32(op, "out", o2)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use half::{bf16, f16};

@@ -4,8 +4,10 @@
 use half::{bf16, f16};
 use ops::Op;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::linear::Linear;
-use ops::parity::{HostValue, Tolerance, check, run_gpu, test_gpu, time_calls_us};
+use ops::linear::{Linear, LinearPair};
+use ops::parity::{
+    HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu, time_calls_us,
+};
 use ops::{DType, TensorMeta};
 use proptest::prelude::*;
 
@@ -181,6 +183,38 @@ fn the_one_token_bf16_gemv_matches_the_cpu_reference_over_row_lengths() {
         let c = Case::random(seed, DType::BF16, 1, 8 * units, o);
         let r = check(&gpu, &Linear, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
         prop_assert_eq!(r.elements, o);
+    });
+}
+
+/// Two weights over one x: the first weight's case and a second weight of its own width.
+fn pair_case(seed: u64, dtype: DType, n: usize, k: usize, o1: usize, o2: usize) -> (Case, Case) {
+    let a = Case::random(seed, dtype, n, k, o1);
+    let mut b = Case::random(seed ^ 0x9a12, dtype, n, k, o2);
+    b.x = a.x.clone();
+    (a, b)
+}
+
+#[test]
+fn a_linear_pair_gives_each_product_of_its_weights() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(32), |(
+        bf in any::<bool>(), n in prop_oneof![Just(1usize), 2usize..20],
+        units in 1usize..600, o1 in 1usize..300, o2 in 1usize..300, seed in any::<u64>(),
+    )| {
+        // One BF16 token takes the one-launch kernel (blocks split between the weights);
+        // otherwise the op is two `linear`s.
+        let dtype = if bf { DType::BF16 } else { DType::Q8_0 };
+        let k = if bf { 8 * units } else { 32 * units.div_ceil(4) };
+        let (a, b) = pair_case(seed, dtype, n, k, o1, o2);
+        let mut ins = a.inputs();
+        ins.push(b.inputs().swap_remove(1));
+        let cpu = run_cpu(&LinearPair, &ins).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
+        let dev = run_gpu(&gpu, &LinearPair, &ins).map_err(|e| TestCaseError::fail(format!("cuda: {e}")))?;
+        let tol = |c: &Case| if n > 8 { c.bf16_tol() } else { c.f32_tol() };
+        for (i, (c, ((m, want), (_, got)))) in [&a, &b].into_iter().zip(cpu.iter().zip(&dev)).enumerate() {
+            compare(m, want.bytes(), got, tol(c))
+                .map_err(|e| TestCaseError::fail(format!("{dtype} n={n} K={k}: output {i}: {e}")))?;
+        }
     });
 }
 

@@ -11,7 +11,7 @@ use ops::TensorMeta;
 use ops::elementwise::Add;
 use ops::embedding::Embedding;
 use ops::head::SliceRows;
-use ops::linear::Linear;
+use ops::linear::{Linear, LinearPair};
 use ops::mla::{MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut};
 use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, Router, RouterPlan, TopKSum};
 use ops::norm::RmsNorm;
@@ -126,7 +126,8 @@ impl Trunk {
         let w_vb = self.w(b, layer, "attn_v_b")?;
         let w_o = self.w(b, layer, "attn_output")?;
         b.scope("attn", |b| {
-            let qa = b.op1("q_a", Linear, &[a, w_qa])?;
+            // The query's and the key/value's down-projections read the same input.
+            let [qa, kv] = b.opn("q_a_kv_a", LinearPair, &[a, w_qa, w_kva])?;
             let qa = self.rms(b, "q_a_norm", qa, w_qa_norm)?;
             let q = b.op1("q_b", Linear, &[qa, w_qb])?;
             let query = MlaQuery {
@@ -137,7 +138,6 @@ impl Trunk {
                 rope: self.rope,
             };
             let q_abs = b.op1("q_absorbed", query, &[q, w_kb, positions])?;
-            let kv = b.op1("kv_a", Linear, &[a, w_kva])?;
             // The cache row (normalised latent ‖ roped key), formed at its position in the cache.
             let kv_row = MlaKv {
                 kv_lora: h.kv_lora_rank,
