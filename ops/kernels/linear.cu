@@ -305,10 +305,15 @@ GEMV_IQ4_ROWS(8)
 // before its first FMA (a whole row in flight at once: the small projections are latency-
 // bound), and each x unit is loaded once (L1) for the R rows. Lane sums meet in a fixed
 // butterfly and the warps' sums in shared memory in warp order, so results are deterministic.
-template <int JU, int R>
+// NORM (q_b after q_a's RMSNorm): x is normalised on the fly, x·scale·norm_w with each
+// product rounded as the RMSNorm kernel does; every block sums the squares itself (K is
+// small) in a fixed order, then the weight loads already in flight meet the scaled x.
+template <int JU, int R, bool NORM = false>
 __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restrict__ W,
                                                    const float* __restrict__ x, float* __restrict__ y,
-                                                   int K, int O, long long RB, int block) {
+                                                   int K, int O, long long RB, int block,
+                                                   const float* __restrict__ norm_w = nullptr,
+                                                   float eps = 0.f) {
     __shared__ float red[8 * R];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, S = blockDim.x >> 5;
     const int u = K >> 3;
@@ -323,6 +328,24 @@ __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restri
                           ? __ldg(reinterpret_cast<const uint4*>(W + (r0 + r) * RB) + i)
                           : make_uint4(0u, 0u, 0u, 0u);
         }
+    float scale = 1.f;
+    if constexpr (NORM) {
+        __shared__ float nred[8];
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < (K >> 2); i += blockDim.x) {
+            const float4 v = ldx4(x + 4 * i);
+            ss += __fmul_rn(v.x, v.x);
+            ss += __fmul_rn(v.y, v.y);
+            ss += __fmul_rn(v.z, v.z);
+            ss += __fmul_rn(v.w, v.w);
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) nred[warp] = ss;
+        __syncthreads();
+        float tot = 0.f;
+        for (int w = 0; w < S; ++w) tot += nred[w];
+        scale = 1.0f / sqrtf(tot / (float)K + eps);
+    }
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
@@ -333,7 +356,14 @@ __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restri
         const int i = lane + 32 * (warp + S * j);
         const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
         const float4 a = i < u ? ldx4(x + 8 * i) : z4, b = i < u ? ldx4(x + 8 * i + 4) : z4;
-        const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        if constexpr (NORM) {
+            const float4 ga = i < u ? ldx4(norm_w + 8 * i) : z4;
+            const float4 gb = i < u ? ldx4(norm_w + 8 * i + 4) : z4;
+            const float g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xv[e] = __fmul_rn(__fmul_rn(xv[e], scale), g[e]);
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const unsigned q[4] = {w[r][j].x, w[r][j].y, w[r][j].z, w[r][j].w};
@@ -380,6 +410,14 @@ __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restri
             gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB, blockIdx.x);                             \
         else                                                                                      \
             gemv_bf16_dec_body<JU, R>(W2, x, y2, K, O2, RB, blockIdx.x - first);                  \
+    }                                                                                             \
+    /* The product of RMSNorm(x)·norm_w (q_a's norm before q_b). */                               \
+    extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_dec_norm_##JU##_##R(           \
+        const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,  \
+        int n, int K, int O, long long RB, const float* __restrict__ norm_w, float eps) {         \
+        PDL_ENTER();                                                                              \
+        (void)n;                                                                                  \
+        gemv_bf16_dec_body<JU, R, true>(W, x, y, K, O, RB, blockIdx.x, norm_w, eps);              \
     }
 GEMV_BF16_DEC(16, 1)
 GEMV_BF16_DEC(8, 1)

@@ -611,6 +611,150 @@ impl Op for LinearPair {
     }
 }
 
+/// `linear(rms_norm(x)·norm_w, W)` (q_b over q_a's RMSNorm): the normalised x has no other
+/// reader, so one decode token over a BF16 weight normalises x inside the GEMV (every block
+/// sums x's squares itself; x is short) and the norm has no launch. Otherwise the norm and
+/// the product run as [`RmsNorm`](crate::norm::RmsNorm) and [`Linear`] would.
+///
+/// Inputs: x F32 `[n, in]`, norm_w F32 `[in]`, W `[out, in]`. Output: F32 `[n, out]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NormLinear {
+    pub eps: f32,
+}
+
+impl NormLinear {
+    /// Scratch of the unfused path: the normalised x, then what [`Linear`] needs.
+    fn split_scratch(inputs: &[&TensorMeta]) -> (usize, usize) {
+        let normed = (inputs[0].numel() * 4).next_multiple_of(256);
+        (
+            normed,
+            normed + Linear.cuda_scratch_bytes(&[inputs[0], inputs[2]]),
+        )
+    }
+}
+
+impl Op for NormLinear {
+    fn name(&self) -> &'static str {
+        "norm_linear"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        arity(op, inputs, 3)?;
+        let outs = Linear.infer(&[inputs[0], inputs[2]])?;
+        let k = inputs[0].shape[1];
+        want_dtype(op, "norm weight", inputs[1], DType::F32)?;
+        if inputs[1].shape != [k] {
+            return Err(OpError::shape(
+                op,
+                format!("norm weight must be F32[{k}], found {}", inputs[1]),
+            ));
+        }
+        Ok(outs)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let meta = inputs[0].meta.clone();
+        let mut normed = crate::AlignedBuf::zeroed(meta.numel() * 4);
+        crate::norm::rms_norm_rows(
+            inputs[0].f32()?,
+            Some(inputs[1].f32()?),
+            meta.shape[1],
+            self.eps,
+            normed.f32s_mut(),
+        );
+        Linear.cpu(
+            &[HostTensor::new(&meta, normed.bytes()), inputs[2]],
+            outputs,
+        )
+    }
+
+    fn describe(&self) -> String {
+        format!("rms_norm(eps={:e}) then linear", self.eps)
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        if self.infer(inputs).is_err() {
+            return 0;
+        }
+        Self::split_scratch(inputs).1
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (x, g, w, y) = (&inputs[0], &inputs[1], &inputs[2], &outputs[0]);
+        let (n, k, o) = (x.meta.shape[0], x.meta.shape[1], w.meta.shape[0]);
+        if n == 0 || o == 0 {
+            return Ok(());
+        }
+        let sms = ctx.device.sm_count() as usize;
+        let path = linear_path(w.meta.dtype, (n, k, o), x.ptr, w.ptr, sms);
+        if let (LinearPath::Bf16Dec(ju, r, s), true) = (path, g.ptr.is_multiple_of(16)) {
+            let rb = DType::BF16
+                .row_bytes(k)
+                .ok_or_else(|| OpError::shape(op, format!("{k} BF16 inputs")))?;
+            let kern = ctx.kernel(
+                "linear.cu",
+                LINEAR_CU,
+                &format!("gemv_bf16_dec_norm_{ju}_{r}"),
+            )?;
+            // SAFETY: the arguments follow gemv_bf16_dec_norm's C signature; check_device
+            // checked x (1×in f32), the norm weight (in f32), W (out rows of `rb` bytes), y.
+            return unsafe {
+                ctx.device
+                    .launch(&kern)
+                    .grid(as_i32(op, "row groups", o.div_ceil(r))? as u32)
+                    .block((32 * s) as u32)
+                    .arg(w.ptr)
+                    .arg(x.ptr)
+                    .arg(y.ptr)
+                    .arg(1i32)
+                    .arg(as_i32(op, "in", k)?)
+                    .arg(as_i32(op, "out", o)?)
+                    .arg(rb as i64)
+                    .arg(g.ptr)
+                    .arg(self.eps)
+                    .enqueue()
+                    .map_err(dev_err)
+            };
+        }
+        let metas = [x.meta, g.meta, w.meta];
+        let (normed_bytes, need) = Self::split_scratch(&metas);
+        if scratch.bytes < need {
+            return Err(OpError::Type(format!(
+                "{op}: scratch of {} bytes, {need} needed",
+                scratch.bytes
+            )));
+        }
+        // SAFETY: the normalised x (n×in f32) goes to the start of the scratch checked above.
+        unsafe {
+            crate::norm::launch_rms_norm(ctx, x.ptr, Some(g.ptr), scratch.ptr, n, k, self.eps)?
+        };
+        let normed = DeviceTensor {
+            meta: x.meta,
+            ptr: scratch.ptr,
+            bytes: n * k * 4,
+        };
+        let rest = Scratch {
+            ptr: scratch.ptr + normed_bytes as u64,
+            bytes: need - normed_bytes,
+        };
+        Linear.cuda(ctx, &[normed, *w], outputs, rest)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use half::{bf16, f16};

@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 use ops::Op;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::linear::{Linear, LinearPair};
+use ops::linear::{Linear, LinearPair, NormLinear};
 use ops::parity::{
     HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu, time_calls_us,
 };
@@ -215,6 +215,33 @@ fn a_linear_pair_gives_each_product_of_its_weights() {
             compare(m, want.bytes(), got, tol(c))
                 .map_err(|e| TestCaseError::fail(format!("{dtype} n={n} K={k}: output {i}: {e}")))?;
         }
+    });
+}
+
+#[test]
+fn a_norm_linear_is_the_product_of_the_normalised_input() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(32), |(
+        bf in any::<bool>(), n in prop_oneof![Just(1usize), 2usize..20],
+        units in 1usize..400, o in 1usize..300, seed in any::<u64>(),
+    )| {
+        // One BF16 token normalises inside the GEMV; everything else runs rms_norm, then linear.
+        let dtype = if bf { DType::BF16 } else { DType::Q8_0 };
+        let k = if bf { 8 * units } else { 32 * units.div_ceil(4) };
+        let c = Case::random(seed, dtype, n, k, o);
+        let mut r = Rng(seed ^ 0x4e0e | 1);
+        let g = r.vec(k, 0.5, 1.5);
+        let eps = 1e-6;
+        // The tolerances are the product's, over the normalised input (what W multiplies); the
+        // norm's own roundings (a few ulps of x) sit far below them.
+        let mut xn = vec![0f32; n * k];
+        ops::norm::rms_norm_rows(&c.x, Some(&g), k, eps, &mut xn);
+        let normed = Case { x: xn, w: c.w.clone(), dtype, n, k, o };
+        let tol = if n > 8 { normed.bf16_tol() } else { normed.f32_tol() };
+        let mut ins = c.inputs();
+        ins.insert(1, HostValue::f32([k], &g));
+        let r = check(&gpu, &NormLinear { eps }, &ins, tol).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(r.elements, n * o);
     });
 }
 

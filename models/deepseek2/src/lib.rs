@@ -11,7 +11,7 @@ use ops::TensorMeta;
 use ops::elementwise::Add;
 use ops::embedding::Embedding;
 use ops::head::SliceRows;
-use ops::linear::{Linear, LinearPair};
+use ops::linear::{Linear, LinearPair, NormLinear};
 use ops::mla::{MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut};
 use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, Router, RouterPlan, TopKSum};
 use ops::norm::RmsNorm;
@@ -128,8 +128,12 @@ impl Trunk {
         b.scope("attn", |b| {
             // The query's and the key/value's down-projections read the same input.
             let [qa, kv] = b.opn("q_a_kv_a", LinearPair, &[a, w_qa, w_kva])?;
-            let qa = self.rms(b, "q_a_norm", qa, w_qa_norm)?;
-            let q = b.op1("q_b", Linear, &[qa, w_qb])?;
+            // q_b over the normalised q_a (the norm is q_b's prologue on the GPU).
+            let q = b.op1(
+                "q_a_norm_q_b",
+                NormLinear { eps: h.rms_eps },
+                &[qa, w_qa_norm, w_qb],
+            )?;
             let query = MlaQuery {
                 n_head: h.n_head,
                 qk_nope: h.qk_nope,
