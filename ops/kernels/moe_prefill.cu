@@ -3,6 +3,9 @@
 // moe.cu's expert_gemm: SwiGLU mode (Wb != 0) writes y[route][c] = silu(gate_c·x) * (up_c·x)
 // with x = the route's token row; down mode (Wb == 0) writes y[route][c] = W_c·x[route].
 // Every output element has one writer and a fixed summation order, so runs repeat bit for bit.
+// This header describes expert_gemm_tc_iq4; on sm_90a the launcher runs expert_gemm_wg_iq4
+// (warpgroup MMAs, tiles of up to 128 routes: see its section at the end), which shares the
+// weight staging, the decode and the numerics below.
 //
 // Tiling. blockIdx.y = an (expert, tile of up to TC_BM = 64 routes) pair, found from the
 // offsets on the device (the grid is sized for the worst case, ceil(R/64) + min(E, R); the
@@ -70,24 +73,39 @@ __device__ __forceinline__ unsigned tc_scale_codes(unsigned biased, unsigned d2)
     return w;
 }
 
-// The 8 weights of one block a lane holds: qs bytes 4t..4t+3 (q) and the f16 scale (dh).
-// w[i] = (16·d·v[4t+i], 16·d·v[4t+i+16]) as an f16 pair. The codebook lives in four
-// registers as code+128 bytes: entries 0-7 and 8-15 are looked up by a nibble's low 3 bits,
-// then its bit 3 picks between them (as moe.cu's iq4_codes). Placing a byte under the
-// exponent of 2^14 gives the f16 16384 + 16·byte exactly.
-__device__ __forceinline__ void tc_decode(unsigned q, unsigned dh, unsigned w[4]) {
+// Half hf of one block's 8 weights a lane holds, from qs bytes 4t..4t+3 (q) and the scale pair
+// d2: w0 = (16·d·v[4t+2hf], 16·d·v[4t+2hf+16]) and w1 the same for 4t+2hf+1, each an f16 pair.
+// The codebook lives in four registers as code+128 bytes: entries 0-7 and 8-15 are looked up by
+// a nibble's low 3 bits, then its bit 3 picks between them (as moe.cu's iq4_codes). Placing a
+// byte under the exponent of 2^14 gives the f16 16384 + 16·byte exactly.
+__device__ __forceinline__ void tc_decode_half(unsigned q, unsigned d2, int hf, unsigned& w0,
+                                               unsigned& w1) {
     const unsigned t0 = 0x3f2d1801u, t1 = 0x766a5d4fu, t2 = 0xa6998d81u, t3 = 0xf1d9c5b5u;
-    const unsigned d2 = __byte_perm(dh, 0u, 0x1010u);
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const unsigned h = hf ? q >> 16 : q;
-        const unsigned lo = __byte_perm(t0, t1, h & 0x7777u);
-        const unsigned hi = __byte_perm(t2, t3, h & 0x7777u);
-        // Bytes: low and high nibble of qs byte 2hf, then of qs byte 2hf+1.
-        const unsigned r = __byte_perm(lo, hi, 0x3210u | ((h >> 1) & 0x4444u));
-        w[2 * hf] = tc_scale_codes(__byte_perm(r, 0x74747474u, 0x4140u), d2);
-        w[2 * hf + 1] = tc_scale_codes(__byte_perm(r, 0x74747474u, 0x4342u), d2);
-    }
+    const unsigned h = hf ? q >> 16 : q;
+    const unsigned lo = __byte_perm(t0, t1, h & 0x7777u);
+    const unsigned hi = __byte_perm(t2, t3, h & 0x7777u);
+    // Bytes: low and high nibble of qs byte 2hf, then of qs byte 2hf+1.
+    const unsigned r = __byte_perm(lo, hi, 0x3210u | ((h >> 1) & 0x4444u));
+    w0 = tc_scale_codes(__byte_perm(r, 0x74747474u, 0x4140u), d2);
+    w1 = tc_scale_codes(__byte_perm(r, 0x74747474u, 0x4342u), d2);
+}
+
+// The scale of a block (its f16 bits in dh) as an f16 pair.
+__device__ __forceinline__ unsigned tc_scale_pair(unsigned dh) { return __byte_perm(dh, 0u, 0x1010u); }
+
+// All 8 weights of one block a lane holds: w[i] = (16·d·v[4t+i], 16·d·v[4t+i+16]).
+__device__ __forceinline__ void tc_decode(unsigned q, unsigned dh, unsigned w[4]) {
+    const unsigned d2 = tc_scale_pair(dh);
+    tc_decode_half(q, d2, 0, w[0], w[1]);
+    tc_decode_half(q, d2, 1, w[2], w[3]);
+}
+
+// qs bytes 4t..4t+3 of block b of a weight row staged at rp (18 bytes a block, rows 8-byte
+// aligned): odd blocks' qs start 4-byte aligned, even blocks' 2 bytes off.
+__device__ __forceinline__ unsigned tc_load_qs(const unsigned char* rp, int b, int t) {
+    if (b & 1) return *reinterpret_cast<const unsigned*>(rp + 2 + 4 * t);
+    const unsigned* p = reinterpret_cast<const unsigned*>(rp + 4 * t);
+    return __byte_perm(p[0], p[1], 0x5432u);
 }
 
 __device__ __forceinline__ void tc_ldmatrix_x4(unsigned a[4], unsigned addr) {
@@ -118,6 +136,40 @@ __device__ __forceinline__ void tc_store2(float* yr, int col, int n_out, int pai
     }
 }
 
+// Warp 0 finds this block's expert and route tile (tiles of up to tm routes, blockIdx.y counts
+// them expert by expert): per-expert tile counts scanned 32 experts a step. Lane 0 writes the
+// expert (-1 past the last tile) and the tile's index within it.
+__device__ __forceinline__ void tc_find_tile(const int* __restrict__ offsets, int n_expert, int tm,
+                                             int lane, int* s_expert, int* s_tile) {
+    int q = blockIdx.y, found = -1, tile = 0;
+    for (int e0 = 0; e0 < n_expert; e0 += 32) {
+        const int e = e0 + lane;
+        int tiles = 0;
+        if (e < n_expert) {
+            const int c = offsets[e + 1] - offsets[e];
+            tiles = c > 0 ? (c + tm - 1) / tm : 0;
+        }
+        int incl = tiles;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int total = __shfl_sync(0xffffffffu, incl, 31);
+        if (q < total) {
+            const int src = __ffs(__ballot_sync(0xffffffffu, q < incl)) - 1;
+            found = e0 + src;
+            tile = q - (__shfl_sync(0xffffffffu, incl, src) - __shfl_sync(0xffffffffu, tiles, src));
+            break;
+        }
+        q -= total;
+    }
+    if (lane == 0) {
+        *s_expert = found;
+        *s_tile = tile;
+    }
+}
+
 // grid (ceil(n_out / (Wb ? 128 : 256)), ceil(R/64) + min(E, R)), block 256, TC_SMEM bytes of
 // dynamic shared memory. n_in % 128 == 0; Wa, Wb and x 16-byte aligned; pair (float2 stores)
 // only when n_out is even and y 8-byte aligned.
@@ -133,37 +185,7 @@ expert_gemm_tc_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
     __shared__ int s_src[TC_BM];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-    // This block's expert and route tile: per-expert tile counts scanned 32 experts a step.
-    if (warp == 0) {
-        int q = blockIdx.y, found = -1, tile = 0;
-        for (int e0 = 0; e0 < n_expert; e0 += 32) {
-            const int e = e0 + lane;
-            int tiles = 0;
-            if (e < n_expert) {
-                const int c = offsets[e + 1] - offsets[e];
-                tiles = c > 0 ? (c + TC_BM - 1) / TC_BM : 0;
-            }
-            int incl = tiles;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += v;
-            }
-            const int total = __shfl_sync(0xffffffffu, incl, 31);
-            if (q < total) {
-                const int src = __ffs(__ballot_sync(0xffffffffu, q < incl)) - 1;
-                found = e0 + src;
-                tile = q - (__shfl_sync(0xffffffffu, incl, src) -
-                            __shfl_sync(0xffffffffu, tiles, src));
-                break;
-            }
-            q -= total;
-        }
-        if (lane == 0) {
-            s_expert = found;
-            s_tile = tile;
-        }
-    }
+    if (warp == 0) tc_find_tile(offsets, n_expert, TC_BM, lane, &s_expert, &s_tile);
     __syncthreads();
     const int e = s_expert;
     if (e < 0) return;  // block-uniform, as below
@@ -288,14 +310,7 @@ expert_gemm_tc_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
             for (int j = 0; j < 4; ++j) {
                 const unsigned char* rp = wst + 8 * j * TC_WROW + 18 * b;
                 const unsigned dh = *reinterpret_cast<const unsigned short*>(rp);
-                unsigned q;
-                if (b & 1) {
-                    q = *reinterpret_cast<const unsigned*>(rp + 2 + 4 * t);
-                } else {
-                    const unsigned* p = reinterpret_cast<const unsigned*>(rp + 4 * t);
-                    q = __byte_perm(p[0], p[1], 0x5432u);
-                }
-                tc_decode(q, dh, bf[j]);
+                tc_decode(tc_load_qs(rp, b, t), dh, bf[j]);
             }
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
@@ -342,4 +357,429 @@ expert_gemm_tc_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
             }
         }
     }
+}
+
+// ---- sm_90a: the same product on warpgroup MMAs ---------------------------------------------
+//
+// wgmma.m64nNk16 takes A from registers, so the decoded weights stay A fragments (64 weight rows
+// a warpgroup instruction, 16 a warp, laid out as mma.m16n8k16's A) and the routes' inputs are
+// B, read by the tensor cores from shared memory once a warpgroup rather than once a warp.
+// blockIdx.y = an (expert, tile of up to WG_TM = 128 routes) pair; N = the tile's routes rounded
+// up to 16 picks the instruction (wg_run<N>), so a 70-route expert costs one tile of N = 80,
+// decoded once. blockIdx.x = 256 weight rows as before (SwiGLU: 128 gate + 128 up rows). Warp
+// w = 4·wg + wq owns rows 16wq.. of two m64 tiles of its warpgroup wg: SwiGLU, tile 0 = gate
+// and tile 1 = up rows of outputs c0 + 64wg + 16wq + (0..15), so one lane holds both halves of
+// an output; down, tile i = rows c0 + 128wg + 64i + 16wq + (0..15). Weights arrive as in the
+// mma.sync kernel (cp.async, TC_STAGES deep, each warp its own 32 rows).
+//
+// The input tile of k-tile kt is buffer kt % 3 of WG_XBUFS: k-group G = 4b + i (8 inputs, 16
+// bytes) of route n at G·WG_XG + 16n, in the permuted order of the header (word t of group G
+// holds inputs 32b + 4t + i and +16), which is wgmma's K-major core-matrix layout with no
+// swizzle (8 routes × 16 bytes contiguous; LBO = WG_XG between k-groups, SBO = 128 between
+// route octets). Three buffers: the one written during k-tile kt was last read by k-tile kt-2,
+// whose wgmma groups every warpgroup waited for before the barrier that opened k-tile kt.
+// Each k16 step is one commit group (both tiles); waiting for all but the newest before
+// decoding the next step keeps a step's A registers alive exactly while its wgmma reads them.
+
+#define WG_TM 128
+#define WG_ROWS 256
+#define WG_WSTAGE (WG_ROWS * TC_WROW)       // 20480
+#define WG_XG (WG_TM * 16)                  // 2048
+#define WG_XBUF (16 * WG_XG)                // 32768
+#define WG_XBUFS 3
+#define WG_SMEM (TC_STAGES * WG_WSTAGE + WG_XBUFS * WG_XBUF)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+template <int N>
+__device__ void wg_mma(float* d, const unsigned* a, unsigned long long desc);
+
+template <>
+__device__ __forceinline__ void wg_mma<16>(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7"
+                 "}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma<32>(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+                 "}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma<48>(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+                 "%18, %19, %20, %21, %22, %23"
+                 "}, {%24, %25, %26, %27}, %28, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma<64>(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+                 "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma<80>(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+                 "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33,"
+                 "%34, %35, %36, %37, %38, %39"
+                 "}, {%40, %41, %42, %43}, %44, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma<96>(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+                 "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33,"
+                 "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+                 "}, {%48, %49, %50, %51}, %52, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma<112>(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+                 "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33,"
+                 "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49,"
+                 "%50, %51, %52, %53, %54, %55"
+                 "}, {%56, %57, %58, %59}, %60, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma<128>(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+                 "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33,"
+                 "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49,"
+                 "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+template <int K>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(K) : "memory");
+}
+
+// Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
+template <int R>
+__device__ __forceinline__ void wg_pin(float* d) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory descriptor of one k16 step of an input buffer: start (16-byte units), LBO =
+// WG_XG (next k-group of 8), SBO = 128 (next 8 routes), no swizzle.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+    return (unsigned long long)((addr >> 4) & 0x3fffu) |
+           ((unsigned long long)(WG_XG >> 4) << 16) | ((unsigned long long)(128 >> 4) << 32);
+}
+
+template <int N>
+__device__ __forceinline__ void wg_run(const unsigned char* __restrict__ Wa,
+                                       const unsigned char* __restrict__ Wb,
+                                       const float* __restrict__ x, float* __restrict__ y,
+                                       const int* s_src, unsigned char* smem, int e, int rb,
+                                       int rn, int n_in, int n_out, float x_scale, float y_scale) {
+    const bool swiglu = Wb != nullptr;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = warp >> 2, wq = warp & 3, g = lane >> 2, t = lane & 3;
+    const long long row_bytes = (long long)(n_in >> 5) * 18;
+    const int nk = n_in / TC_KT;
+    const int c0 = blockIdx.x * (swiglu ? WG_ROWS / 2 : WG_ROWS);
+
+    // Copy role, as in expert_gemm_tc_iq4: pieces 0-7 of local rows 4v + lane/8 (v = 0..7),
+    // then piece 8 of local row `lane`. Local row 16i + r of warp w is row r of its tile i.
+    // Offsets within an expert's slice are 32-bit (the launcher checks the slice size), so
+    // few registers hold the copy's addresses through the loop.
+    const int rbi = (int)row_bytes;
+    const unsigned char* expert_a = Wa + (long long)e * n_out * row_bytes;
+    const unsigned char* expert_b = swiglu ? Wb + (long long)e * n_out * row_bytes : expert_a;
+    const int r0 = lane >> 3;
+    const int out0 = c0 + (swiglu ? 64 : 128) * wg + 16 * wq + r0;
+    const int hi_rows = swiglu ? 0 : 64;
+    const int out8 = c0 + (swiglu ? 64 * wg : 128 * wg + 64 * (lane >> 4)) + 16 * wq + (lane & 15);
+    const unsigned char* base8 = (swiglu && lane >= 16) ? expert_b : expert_a;
+    const unsigned ws_addr = (unsigned)__cvta_generic_to_shared(smem);
+    const unsigned xs_addr = ws_addr + TC_STAGES * WG_WSTAGE;
+    const unsigned wdst = ws_addr + (32 * warp) * TC_WROW;
+
+    auto issue_w = [&](int kt) {
+        const unsigned dst = wdst + (kt % TC_STAGES) * WG_WSTAGE;
+        const int koff = kt * 72 + 8 * (lane & 7);
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+            const int row = out0 + 4 * (v & 3) + (v >= 4 ? hi_rows : 0);
+            const bool ok = row < n_out;
+            const unsigned char* src = (v >= 4 ? expert_b : expert_a) + (row * rbi + koff);
+            tc_cp8(dst + (4 * v + r0) * TC_WROW + 8 * (lane & 7), ok ? src : expert_a, ok ? 8 : 0);
+        }
+        const bool ok8 = out8 < n_out;
+        tc_cp8(dst + lane * TC_WROW + 64, ok8 ? base8 + (out8 * rbi + kt * 72 + 64) : expert_a,
+               ok8 ? 8 : 0);
+    };
+
+    // Input role: item u of a thread is (route n, block b, lane-quad t) with (tid/4 + 64u) =
+    // N·b + n, so a warp's items are 8 consecutive routes of one block: 8 × 64 contiguous bytes
+    // read, 128 contiguous bytes written per word. The next k-tile's items are read in two
+    // halves, [0, XA) over blocks 0-1 and [XA, XI) over blocks 2-3, to halve the registers
+    // they hold. xo: the item's first input (x has fewer than 2^31 values), or -1 for zeros.
+    constexpr int XI = N / 16, XA = (XI + 1) / 2;
+    float4 xv[XI][2];
+    int xo[XI];
+#pragma unroll
+    for (int u = 0; u < XI; ++u) {
+        const int q4 = (tid >> 2) + 64 * u, n = q4 % N, b = q4 / N;
+        const int src = s_src[n];
+        xo[u] = src >= 0 ? src * n_in + 32 * b + 4 * t : -1;
+    }
+    auto load_x = [&](int kt, int u0, int u1) {
+#pragma unroll
+        for (int u = 0; u < XI; ++u) {
+            if (u < u0 || u >= u1) continue;
+            if (xo[u] >= 0) {
+                const float4* p = reinterpret_cast<const float4*>(x + xo[u] + kt * TC_KT);
+                xv[u][0] = __ldg(p);
+                xv[u][1] = __ldg(p + 4);
+            } else {
+                xv[u][0] = make_float4(0.f, 0.f, 0.f, 0.f);
+                xv[u][1] = xv[u][0];
+            }
+        }
+    };
+    auto store_x = [&](int buf, int u0, int u1) {
+#pragma unroll
+        for (int u = 0; u < XI; ++u) {
+            if (u < u0 || u >= u1) continue;
+            const int q4 = (tid >> 2) + 64 * u, n = q4 % N, b = q4 / N;
+            unsigned char* base = smem + TC_STAGES * WG_WSTAGE + buf * WG_XBUF + 16 * n + 4 * t;
+            const float4 a = xv[u][0], c = xv[u][1];
+            *reinterpret_cast<unsigned*>(base + (4 * b + 0) * WG_XG) =
+                tc_pack_f16(__fmul_rn(a.x, x_scale), __fmul_rn(c.x, x_scale));
+            *reinterpret_cast<unsigned*>(base + (4 * b + 1) * WG_XG) =
+                tc_pack_f16(__fmul_rn(a.y, x_scale), __fmul_rn(c.y, x_scale));
+            *reinterpret_cast<unsigned*>(base + (4 * b + 2) * WG_XG) =
+                tc_pack_f16(__fmul_rn(a.z, x_scale), __fmul_rn(c.z, x_scale));
+            *reinterpret_cast<unsigned*>(base + (4 * b + 3) * WG_XG) =
+                tc_pack_f16(__fmul_rn(a.w, x_scale), __fmul_rn(c.w, x_scale));
+        }
+    };
+    // The tensor cores read the tile through the async proxy.
+    auto fence_x = [] { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); };
+
+    float acc0[N / 2], acc1[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+        acc0[i] = 0.0f;
+        acc1[i] = 0.0f;
+    }
+    wg_pin<N / 2>(acc0);
+    wg_pin<N / 2>(acc1);
+
+#pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) {
+        if (s < nk) issue_w(s);
+        tc_commit();
+    }
+    load_x(0, 0, XI);
+    store_x(0, 0, XI);
+    fence_x();
+
+    for (int kt = 0; kt < nk; ++kt) {
+        tc_wait_stages();
+        __syncthreads();  // stage kt and input buffer kt % 3 are complete; stage kt-1 is free
+        if (kt + TC_STAGES - 1 < nk) issue_w(kt + TC_STAGES - 1);
+        tc_commit();
+        const bool next = kt + 1 < nk;
+        const int xnext = (kt + 1) % WG_XBUFS;
+        if (next) load_x(kt + 1, 0, XA);
+
+        const unsigned char* wst =
+            smem + (kt % TC_STAGES) * WG_WSTAGE + (32 * warp + g) * TC_WROW;
+        const unsigned xbuf = xs_addr + (kt % WG_XBUFS) * WG_XBUF;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            // Rows g and g+8 (h) of tiles 0 and 1 (i).
+            unsigned q[2][2], d2[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned char* rp = wst + (16 * i + 8 * h) * TC_WROW + 18 * b;
+                    d2[i][h] = tc_scale_pair(*reinterpret_cast<const unsigned short*>(rp));
+                    q[i][h] = tc_load_qs(rp, b, t);
+                }
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                // A fragment: rows g, g+8 at k pair 2t (words 2s) and 2t+8 (words 2s+1).
+                unsigned a[2][4];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    tc_decode_half(q[i][0], d2[i][0], s, a[i][0], a[i][2]);
+                    tc_decode_half(q[i][1], d2[i][1], s, a[i][1], a[i][3]);
+                }
+                const unsigned long long desc = wg_desc(xbuf + (4 * b + 2 * s) * WG_XG);
+                wg_fence();
+                wg_mma<N>(acc0, a[0], desc);
+                wg_mma<N>(acc1, a[1], desc);
+                wg_commit();
+                wg_wait<1>();
+            }
+            if (b == 1 && next) {
+                store_x(xnext, 0, XA);
+                load_x(kt + 1, XA, XI);
+            }
+        }
+        if (next) {
+            store_x(xnext, XA, XI);
+            fence_x();
+        }
+    }
+    wg_wait<0>();
+    wg_pin<N / 2>(acc0);
+    wg_pin<N / 2>(acc1);
+
+    // Accumulator element 4j + 2h + c: weight row 16wq + g + 8h of the tile, route 8j + 2t + c.
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int r = 8 * j + 2 * t + c;
+            if (r >= rn) continue;
+            float* yr = y + (long long)(rb + r) * n_out;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = 16 * wq + g + 8 * h, k = 4 * j + 2 * h + c;
+                if (swiglu) {
+                    const int col = c0 + 64 * wg + row;
+                    if (col < n_out)
+                        yr[col] = tc_silu_times(__fmul_rn(acc0[k], y_scale),
+                                                __fmul_rn(acc1[k], y_scale));
+                } else {
+                    const int col = c0 + 128 * wg + row;
+                    if (col < n_out) yr[col] = __fmul_rn(acc0[k], y_scale);
+                    if (col + 64 < n_out) yr[col + 64] = __fmul_rn(acc1[k], y_scale);
+                }
+            }
+        }
+    }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// As expert_gemm_tc_iq4 (same arguments but `pair`, same grid x), on warpgroup MMAs: grid y
+// = ceil(R/128) + min(E, R), WG_SMEM bytes of dynamic shared memory. Built for sm_90a only;
+// elsewhere the kernel does nothing and the launcher picks expert_gemm_tc_iq4.
+extern "C" __global__ void __launch_bounds__(256, 1)
+expert_gemm_wg_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+                   const float* __restrict__ x, const int* __restrict__ offsets,
+                   const int* __restrict__ route_token, float* __restrict__ y, int n_in,
+                   int n_out, int n_expert, int n_x_rows, int n_routes, float x_scale,
+                   float y_scale) {
+    PDL_ENTER();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(128) unsigned char wg_smem[];
+    __shared__ int s_expert, s_tile;
+    __shared__ int s_src[WG_TM];
+    const int tid = threadIdx.x;
+    if (tid < 32) tc_find_tile(offsets, n_expert, WG_TM, tid, &s_expert, &s_tile);
+    __syncthreads();
+    const int e = s_expert;
+    if (e < 0) return;  // block-uniform, as below
+    const int rb = min(max(offsets[e] + s_tile * WG_TM, 0), n_routes);
+    const int rn = max(0, min(min(WG_TM, offsets[e + 1] - rb), n_routes - rb));
+    if (rn <= 0) return;
+    if (tid < WG_TM) {
+        int src = -1;
+        if (tid < rn) src = Wb != nullptr ? route_token[rb + tid] : rb + tid;
+        s_src[tid] = (src >= 0 && src < n_x_rows) ? src : -1;
+    }
+    __syncthreads();
+    switch ((rn + 15) >> 4) {
+#define WG_CASE(m)                                                                            \
+    case m:                                                                                   \
+        wg_run<16 * m>(Wa, Wb, x, y, s_src, wg_smem, e, rb, rn, n_in, n_out, x_scale, y_scale); \
+        break;
+        WG_CASE(1)
+        WG_CASE(2)
+        WG_CASE(3)
+        WG_CASE(4)
+        WG_CASE(5)
+        WG_CASE(6)
+        WG_CASE(7)
+        WG_CASE(8)
+#undef WG_CASE
+    }
+#endif
 }

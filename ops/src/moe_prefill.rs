@@ -2,10 +2,13 @@
 //!
 //! The same contract as the grouped expert products of [`crate::moe`] (`ExpertSwiGlu`,
 //! `ExpertDown`): one output row per route, one writer per element, a fixed summation order
-//! (the same bits on every run), a grid sized from static shapes only. The kernel
-//! (`kernels/moe_prefill.cu`) narrows weights and inputs to f16 for `mma.sync` with f32
-//! accumulation; its header says how f16's range is kept (exact power-of-two scalings) and why
-//! f16 rather than bf16. Parity against the f32 CPU reference is therefore at f16 tolerance.
+//! (the same bits on every run), a grid sized from static shapes only. The kernels
+//! (`kernels/moe_prefill.cu`) narrow weights and inputs to f16 for the tensor cores with f32
+//! accumulation; the file's header says how f16's range is kept (exact power-of-two scalings)
+//! and why f16 rather than bf16. Parity against the f32 CPU reference is therefore at f16
+//! tolerance. Two kernels compute the same function: `mma.sync` (any sm_80+ card, 64-route
+//! tiles) and, on Hopper, warpgroup MMAs with tiles of up to 128 routes, so an expert's
+//! weights are decoded once for up to 128 of its routes ([`TcKernel`]).
 
 use crate::OpError;
 use crate::gpu::{GpuCtx, dev_err};
@@ -13,20 +16,49 @@ use crate::gpu::{GpuCtx, dev_err};
 pub(crate) const MOE_PREFILL_CU: &str = include_str!("../kernels/moe_prefill.cu");
 
 const OP: &str = "expert_gemm_tc";
-/// Routes a block covers (`TC_BM`).
+/// Routes a block of the `mma.sync` kernel covers (`TC_BM`).
 const BM: usize = 64;
-/// Weight rows a block covers (`TC_BN`): in SwiGLU mode half are gate rows, half up rows.
+/// Routes a block of the warpgroup kernel covers at most (`WG_TM`).
+const WG_TM: usize = 128;
+/// Weight rows a block covers (`TC_BN`, `WG_ROWS`): in SwiGLU mode half are gate rows, half up
+/// rows.
 const BN: usize = 256;
 /// Inputs a k-tile covers (`TC_KT`): `n_in` must be a multiple.
 pub const K_TILE: usize = 128;
-/// Dynamic shared memory of a block (`TC_SMEM`): four weight stages of 256 rows × 80 bytes
-/// and two A tiles of 64 routes × 272 bytes.
+/// Dynamic shared memory of an `mma.sync` block (`TC_SMEM`): four weight stages of 256 rows ×
+/// 80 bytes and two A tiles of 64 routes × 272 bytes.
 const SMEM: usize = 4 * BN * 80 + 2 * BM * 272;
+/// Dynamic shared memory of a warpgroup block (`WG_SMEM`): four weight stages and three input
+/// tiles of 128 routes × 128 f16.
+const WG_SMEM: usize = 4 * BN * 80 + 3 * WG_TM * K_TILE * 2;
 /// Inputs are narrowed to f16 after these exact scalings (weights are decoded times 16): the
 /// SwiGLU inputs are normalised activations, the down projection's are `silu(g)·u`, which
 /// crosses 65504 on loud experts (seed §2).
 const SWIGLU_X_SCALE: f32 = 1.0 / 16.0;
 const DOWN_X_SCALE: f32 = 1.0 / 256.0;
+
+/// Which kernel computes the grouped product; both give the contract's results, each
+/// bit-reproducible on its own (their bits need not match each other).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcKernel {
+    /// `mma.sync` m16n8k16, tiles of 64 routes × 256 weight rows: any sm_80+ device.
+    MmaSync,
+    /// `wgmma` (sm_90a), tiles of up to 128 routes × 256 weight rows, the instruction's width
+    /// fitted to the tile's routes in steps of 16.
+    Wgmma,
+}
+
+impl TcKernel {
+    /// The kernel for `ctx`'s device: warpgroup MMAs on Hopper (compute capability 9.0, where
+    /// the kernel cache builds for sm_90a), `mma.sync` elsewhere.
+    pub fn for_device(ctx: &GpuCtx) -> TcKernel {
+        if ctx.device.compute_capability() == (9, 0) {
+            TcKernel::Wgmma
+        } else {
+            TcKernel::MmaSync
+        }
+    }
+}
 
 fn i32_of(what: &str, v: usize) -> Result<i32, OpError> {
     i32::try_from(v).map_err(|_| OpError::shape(OP, format!("{what} {v} does not fit an i32")))
@@ -41,7 +73,8 @@ fn aligned(what: &str, ptr: u64, to: u64) -> Result<(), OpError> {
     Ok(())
 }
 
-/// Enqueues the grouped expert product for every route of every expert.
+/// Enqueues the grouped expert product for every route of every expert, on the kernel
+/// [`TcKernel::for_device`] picks.
 ///
 /// SwiGLU mode (`wb` is the up stack, `wa` the gate stack): `y[r][c] = silu(gate_c·x[t]) ·
 /// (up_c·x[t])` for `c < n_out` (= n_ff), `t = route_token[r]`. Down mode (`wb` None):
@@ -51,7 +84,9 @@ fn aligned(what: &str, ptr: u64, to: u64) -> Result<(), OpError> {
 ///
 /// Requirements, checked here as typed errors: `n_in` a positive multiple of [`K_TILE`];
 /// `wa`, `wb` and `x` non-null and 16-byte aligned; sizes that fit the kernel's i32 indices
-/// and the grid (`⌈routes/64⌉ + min(n_expert, routes) ≤ 65535`).
+/// (on the warpgroup kernel, an expert's weight slice and `x` each under 2^31 bytes and
+/// values) and the grid (`⌈routes/64⌉ + min(n_expert, routes) ≤ 65535`, 128 for the
+/// warpgroup kernel).
 ///
 /// # Safety
 /// Every address is a live device allocation on `ctx`'s device that stays valid until the
@@ -62,6 +97,47 @@ fn aligned(what: &str, ptr: u64, to: u64) -> Result<(), OpError> {
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn launch_expert_gemm_tc(
     ctx: &GpuCtx,
+    wa: u64,
+    wb: Option<u64>,
+    x: u64,
+    offsets: u64,
+    route_token: u64,
+    y: u64,
+    n_in: usize,
+    n_out: usize,
+    n_expert: usize,
+    x_rows: usize,
+    routes: usize,
+) -> Result<(), OpError> {
+    // SAFETY: the caller's guarantees are passed on unchanged.
+    unsafe {
+        launch_expert_gemm_tc_with(
+            ctx,
+            TcKernel::for_device(ctx),
+            wa,
+            wb,
+            x,
+            offsets,
+            route_token,
+            y,
+            n_in,
+            n_out,
+            n_expert,
+            x_rows,
+            routes,
+        )
+    }
+}
+
+/// [`launch_expert_gemm_tc`] on a chosen kernel; [`TcKernel::Wgmma`] on a device other than
+/// compute capability 9.0 is an error.
+///
+/// # Safety
+/// As [`launch_expert_gemm_tc`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_expert_gemm_tc_with(
+    ctx: &GpuCtx,
+    kernel: TcKernel,
     wa: u64,
     wb: Option<u64>,
     x: u64,
@@ -98,7 +174,31 @@ pub unsafe fn launch_expert_gemm_tc(
     aligned("offsets", offsets, 4)?;
     aligned("output", y, 4)?;
     let swiglu = wb.is_some();
-    let tiles = routes.div_ceil(BM) + n_expert.min(routes);
+    let wg = kernel == TcKernel::Wgmma;
+    if wg {
+        let cc = ctx.device.compute_capability();
+        if cc != (9, 0) {
+            return Err(OpError::Type(format!(
+                "{OP}: the warpgroup kernel needs compute capability 9.0 (sm_90a), the device \
+                 has {}.{}",
+                cc.0, cc.1
+            )));
+        }
+        // The kernel's 32-bit offsets: rows of one expert's slice (with a tile's overhang)
+        // and input values.
+        let slice = (n_out + BN) * (n_in / 32 * 18);
+        if slice > i32::MAX as usize || x_rows.saturating_mul(n_in) > i32::MAX as usize {
+            return Err(OpError::shape(
+                OP,
+                format!(
+                    "an expert slice of {n_out} rows × {n_in} inputs or {x_rows} input rows \
+                     exceed the warpgroup kernel's 32-bit offsets"
+                ),
+            ));
+        }
+    }
+    let tm = if wg { WG_TM } else { BM };
+    let tiles = routes.div_ceil(tm) + n_expert.min(routes);
     if tiles > 65535 {
         return Err(OpError::shape(
             OP,
@@ -115,30 +215,40 @@ pub unsafe fn launch_expert_gemm_tc(
     } else {
         (DOWN_X_SCALE, 16.0f32)
     };
-    let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_gemm_tc_iq4")?;
-    // SAFETY: the argument list matches expert_gemm_tc_iq4; the caller guarantees the buffers
-    // (see above), the kernel bounds every route and row index by the sizes passed.
+    let (name, smem) = if wg {
+        ("expert_gemm_wg_iq4", WG_SMEM)
+    } else {
+        ("expert_gemm_tc_iq4", SMEM)
+    };
+    let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, name)?;
+    let launch = ctx
+        .device
+        .launch(&kern)
+        .grid((col_tiles as u32, tiles as u32))
+        .block(256)
+        .shared_mem(smem as u32)
+        .arg(wa)
+        .arg(wb.unwrap_or(0))
+        .arg(x)
+        .arg(offsets)
+        .arg(route_token)
+        .arg(y)
+        .arg(i32_of("input width", n_in)?)
+        .arg(i32_of("rows", n_out)?)
+        .arg(i32_of("n_expert", n_expert)?)
+        .arg(i32_of("input rows", x_rows)?)
+        .arg(i32_of("routes", routes)?)
+        .arg(x_scale)
+        .arg(y_scale);
+    // SAFETY: the argument lists match expert_gemm_tc_iq4 (with `pair`) and
+    // expert_gemm_wg_iq4; the caller guarantees the buffers (see launch_expert_gemm_tc), the
+    // kernels bound every route and row index by the sizes passed.
     unsafe {
-        ctx.device
-            .launch(&kern)
-            .grid((col_tiles as u32, tiles as u32))
-            .block(256)
-            .shared_mem(SMEM as u32)
-            .arg(wa)
-            .arg(wb.unwrap_or(0))
-            .arg(x)
-            .arg(offsets)
-            .arg(route_token)
-            .arg(y)
-            .arg(i32_of("input width", n_in)?)
-            .arg(i32_of("rows", n_out)?)
-            .arg(i32_of("n_expert", n_expert)?)
-            .arg(i32_of("input rows", x_rows)?)
-            .arg(i32_of("routes", routes)?)
-            .arg(x_scale)
-            .arg(y_scale)
-            .arg(i32::from(pair))
-            .enqueue()
-            .map_err(dev_err)
+        if wg {
+            launch.enqueue()
+        } else {
+            launch.arg(i32::from(pair)).enqueue()
+        }
+        .map_err(dev_err)
     }
 }

@@ -1,9 +1,9 @@
-//! CUDA parity of the tensor-core grouped expert GEMM (`launch_expert_gemm_tc`) against the
-//! CPU references of `ExpertSwiGlu` and `ExpertDown`, on uneven route plans (experts with no
-//! routes, one expert with most of them, tiles of 1..64 routes) and at the real Xing4.0 shapes,
-//! plus its bit-reproducibility; skips without a GPU, saying why. The timing table is ignored
-//! (run on the GPU host with `--include-ignored`); the f32 grouped GEMM this kernel replaced
-//! measured 4.4× slower at 2048 routes.
+//! CUDA parity of the tensor-core grouped expert GEMM (`launch_expert_gemm_tc_with`, both
+//! kernels: `mma.sync` and, on Hopper, warpgroup MMAs) against the CPU references of
+//! `ExpertSwiGlu` and `ExpertDown`, on uneven route plans (experts with no routes, one expert
+//! with most of them, route counts on both sides of the 16-, 64- and 128-route tile sizes) and
+//! at the real Xing4.0 shapes, plus their bit-reproducibility; skips without a GPU, saying
+//! why. The timing table is ignored (run on the GPU host with `--include-ignored`).
 //!
 //! Tolerances. The kernel multiplies f16-rounded weights and inputs (unit roundoff u = 2⁻¹¹
 //! each) and accumulates in f32. A product then carries a relative error of at most 2u, about
@@ -20,8 +20,8 @@ use half::f16;
 use loader::GgmlType;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::moe::{ExpertDown, ExpertSwiGlu, RoutePlan};
-use ops::moe_prefill::{K_TILE, launch_expert_gemm_tc};
-use ops::parity::{HostValue, Tolerance, check, run_cpu, run_gpu, test_gpu};
+use ops::moe_prefill::{K_TILE, TcKernel, launch_expert_gemm_tc, launch_expert_gemm_tc_with};
+use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::{DType, HostTensor, HostTensorMut, Op, OpError, TensorMeta};
 use proptest::prelude::*;
 
@@ -163,9 +163,18 @@ fn iq4(op: &'static str, t: &DeviceTensor<'_>) -> Result<(), OpError> {
     Ok(())
 }
 
-/// `ExpertSwiGlu` with its CUDA side on the tensor-core kernel.
+/// The kernels `gpu` runs: both on Hopper, `mma.sync` elsewhere.
+fn kernels(gpu: &GpuCtx) -> Vec<TcKernel> {
+    match TcKernel::for_device(gpu) {
+        TcKernel::Wgmma => vec![TcKernel::MmaSync, TcKernel::Wgmma],
+        TcKernel::MmaSync => vec![TcKernel::MmaSync],
+    }
+}
+
+/// `ExpertSwiGlu` with its CUDA side on one tensor-core kernel (`None`: the one
+/// `launch_expert_gemm_tc` picks).
 #[derive(Debug)]
-struct TcSwiGlu(ExpertSwiGlu);
+struct TcSwiGlu(ExpertSwiGlu, Option<TcKernel>);
 
 impl Op for TcSwiGlu {
     fn name(&self) -> &'static str {
@@ -178,7 +187,10 @@ impl Op for TcSwiGlu {
         self.0.cpu(i, o)
     }
     fn describe(&self) -> String {
-        format!("tc {}", self.0.describe())
+        match self.1 {
+            Some(k) => format!("{k:?} {}", self.0.describe()),
+            None => format!("default {}", self.0.describe()),
+        }
     }
     fn cuda(
         &self,
@@ -190,29 +202,30 @@ impl Op for TcSwiGlu {
         iq4(self.name(), &inputs[1])?;
         iq4(self.name(), &inputs[2])?;
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        let (wa, wb, x, off, tok, y) = (
+            inputs[1].ptr,
+            Some(inputs[2].ptr),
+            inputs[0].ptr,
+            inputs[3].ptr,
+            inputs[4].ptr,
+            outputs[0].ptr,
+        );
+        let (nf, ne, rt) = (self.0.n_ff, self.0.n_expert, inputs[4].meta.shape[0]);
         // SAFETY: the harness's buffers hold the shapes infer checked.
         unsafe {
-            launch_expert_gemm_tc(
-                ctx,
-                inputs[1].ptr,
-                Some(inputs[2].ptr),
-                inputs[0].ptr,
-                inputs[3].ptr,
-                inputs[4].ptr,
-                outputs[0].ptr,
-                d,
-                self.0.n_ff,
-                self.0.n_expert,
-                n,
-                inputs[4].meta.shape[0],
-            )
+            match self.1 {
+                Some(k) => {
+                    launch_expert_gemm_tc_with(ctx, k, wa, wb, x, off, tok, y, d, nf, ne, n, rt)
+                }
+                None => launch_expert_gemm_tc(ctx, wa, wb, x, off, tok, y, d, nf, ne, n, rt),
+            }
         }
     }
 }
 
-/// `ExpertDown` with its CUDA side on the tensor-core kernel.
+/// `ExpertDown` with its CUDA side on one tensor-core kernel (`None` as for `TcSwiGlu`).
 #[derive(Debug)]
-struct TcDown(ExpertDown);
+struct TcDown(ExpertDown, Option<TcKernel>);
 
 impl Op for TcDown {
     fn name(&self) -> &'static str {
@@ -225,7 +238,10 @@ impl Op for TcDown {
         self.0.cpu(i, o)
     }
     fn describe(&self) -> String {
-        format!("tc {}", self.0.describe())
+        match self.1 {
+            Some(k) => format!("{k:?} {}", self.0.describe()),
+            None => format!("default {}", self.0.describe()),
+        }
     }
     fn cuda(
         &self,
@@ -236,22 +252,16 @@ impl Op for TcDown {
     ) -> Result<(), OpError> {
         iq4(self.name(), &inputs[1])?;
         let (r, nf) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        let (w, x, off, y) = (inputs[1].ptr, inputs[0].ptr, inputs[2].ptr, outputs[0].ptr);
+        let (ne, embd) = (self.0.n_expert, self.0.n_embd);
         // SAFETY: as for TcSwiGlu.
         unsafe {
-            launch_expert_gemm_tc(
-                ctx,
-                inputs[1].ptr,
-                None,
-                inputs[0].ptr,
-                inputs[2].ptr,
-                0,
-                outputs[0].ptr,
-                nf,
-                self.0.n_embd,
-                self.0.n_expert,
-                r,
-                r,
-            )
+            match self.1 {
+                Some(k) => {
+                    launch_expert_gemm_tc_with(ctx, k, w, None, x, off, 0, y, nf, embd, ne, r, r)
+                }
+                None => launch_expert_gemm_tc(ctx, w, None, x, off, 0, y, nf, embd, ne, r, r),
+            }
         }
     }
 }
@@ -261,6 +271,7 @@ impl Op for TcDown {
 #[test]
 fn swiglu_on_tensor_cores_matches_the_cpu_reference_on_uneven_plans() {
     let Some(gpu) = test_gpu() else { return };
+    let kernels = kernels(&gpu);
     proptest!(ProptestConfig::with_cases(16), |(
         n in 1usize..200, ne in 1usize..12, k in 1usize..5, d128 in 1usize..6,
         nf in 1usize..300, skew in any::<bool>(), seed in any::<u64>(),
@@ -273,14 +284,17 @@ fn swiglu_on_tensor_cores_matches_the_cpu_reference_on_uneven_plans() {
         let x = r.vec(n * d, -1.0, 1.0);
         let xrms = rms(&x);
         let ins = vec![HostValue::f32([n, d], &x), gate, up, p[0].clone(), p[1].clone()];
-        let op = TcSwiGlu(ExpertSwiGlu { n_expert: ne, n_ff: nf });
-        check(&gpu, &op, &ins, swiglu_tol(d, wg.max(wu), xrms)).map_err(TestCaseError::fail)?;
+        for &kernel in &kernels {
+            let op = TcSwiGlu(ExpertSwiGlu { n_expert: ne, n_ff: nf }, Some(kernel));
+            check(&gpu, &op, &ins, swiglu_tol(d, wg.max(wu), xrms)).map_err(TestCaseError::fail)?;
+        }
     });
 }
 
 #[test]
 fn down_on_tensor_cores_matches_the_cpu_reference_on_uneven_plans() {
     let Some(gpu) = test_gpu() else { return };
+    let kernels = kernels(&gpu);
     proptest!(ProptestConfig::with_cases(16), |(
         n in 1usize..200, ne in 1usize..12, k in 1usize..5, f128 in 1usize..9,
         embd in 1usize..600, skew in any::<bool>(), seed in any::<u64>(),
@@ -292,9 +306,112 @@ fn down_on_tensor_cores_matches_the_cpu_reference_on_uneven_plans() {
         let act = r.vec(n * k * nf, -1.0, 1.0);
         let xrms = rms(&act);
         let ins = vec![HostValue::f32([n * k, nf], &act), down, p[0].clone()];
-        let op = TcDown(ExpertDown { n_expert: ne, n_embd: embd });
-        check(&gpu, &op, &ins, down_tol(nf, w, xrms)).map_err(TestCaseError::fail)?;
+        for &kernel in &kernels {
+            let op = TcDown(ExpertDown { n_expert: ne, n_embd: embd }, Some(kernel));
+            check(&gpu, &op, &ins, down_tol(nf, w, xrms)).map_err(TestCaseError::fail)?;
+        }
     });
+}
+
+/// Token ids (top-1) giving expert `e` exactly `counts[e]` routes, tokens shuffled so each
+/// expert's routes gather scattered rows.
+fn ids_with_counts(r: &mut Rng, counts: &[usize]) -> Vec<i32> {
+    let mut ids: Vec<i32> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(e, &c)| std::iter::repeat_n(e as i32, c))
+        .collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, r.below(i + 1));
+    }
+    ids
+}
+
+/// Experts of 0 routes and of route counts on both sides of the 16-route MMA steps and the
+/// 64- and 128-route tiles (so tiles of 1..=128 routes, several tiles of one expert, and
+/// narrow warpgroup instructions), with output widths that leave partial column tiles.
+#[test]
+fn route_counts_around_the_tile_sizes_match_the_cpu_reference() {
+    let Some(gpu) = test_gpu() else { return };
+    let want = [
+        0, 1, 15, 16, 17, 0, 63, 64, 65, 127, 128, 129, 0, 257, 31, 112,
+    ];
+    let ne = want.len();
+    let mut r = Rng::new(129);
+    let ids = ids_with_counts(&mut r, &want);
+    let n = ids.len();
+    let p = plan(&ids, n, ne, 1);
+    assert_eq!(
+        counts(&p[0]),
+        want.iter().map(|&c| c as i32).collect::<Vec<_>>()
+    );
+    let (d, nf, embd) = (256, 136, 300);
+    let (gate, wg) = quantized_stack(&mut r, ne, nf, d);
+    let (up, wu) = quantized_stack(&mut r, ne, nf, d);
+    let (down, wd) = quantized_stack(&mut r, ne, embd, nf.next_multiple_of(K_TILE));
+    let x = r.vec(n * d, -1.0, 1.0);
+    let nfk = nf.next_multiple_of(K_TILE);
+    let act = r.vec(n * nfk, -1.0, 1.0);
+    let s_ins = vec![
+        HostValue::f32([n, d], &x),
+        gate,
+        up,
+        p[0].clone(),
+        p[1].clone(),
+    ];
+    let d_ins = vec![HostValue::f32([n, nfk], &act), down, p[0].clone()];
+    for kernel in kernels(&gpu) {
+        let sw = TcSwiGlu(
+            ExpertSwiGlu {
+                n_expert: ne,
+                n_ff: nf,
+            },
+            Some(kernel),
+        );
+        let rep = check(&gpu, &sw, &s_ins, swiglu_tol(d, wg.max(wu), rms(&x))).expect("swiglu");
+        eprintln!("parity {kernel:?} swiglu, routes per expert {want:?}: {rep}");
+        let dn = TcDown(
+            ExpertDown {
+                n_expert: ne,
+                n_embd: embd,
+            },
+            Some(kernel),
+        );
+        let rep = check(&gpu, &dn, &d_ins, down_tol(nfk, wd, rms(&act))).expect("down");
+        eprintln!("parity {kernel:?} down: {rep}");
+    }
+    // The default launcher runs the device's kernel: the same bits.
+    let chosen = Some(TcKernel::for_device(&gpu));
+    let sw = |k| {
+        TcSwiGlu(
+            ExpertSwiGlu {
+                n_expert: ne,
+                n_ff: nf,
+            },
+            k,
+        )
+    };
+    let a = run_gpu(&gpu, &sw(None), &s_ins).expect("default swiglu");
+    let b = run_gpu(&gpu, &sw(chosen), &s_ins).expect("chosen swiglu");
+    assert!(
+        a[0].1 == b[0].1,
+        "the default launcher's swiglu differs from {chosen:?}"
+    );
+    let dn = |k| {
+        TcDown(
+            ExpertDown {
+                n_expert: ne,
+                n_embd: embd,
+            },
+            k,
+        )
+    };
+    let a = run_gpu(&gpu, &dn(None), &d_ins).expect("default down");
+    let b = run_gpu(&gpu, &dn(chosen), &d_ins).expect("chosen down");
+    assert!(
+        a[0].1 == b[0].1,
+        "the default launcher's down differs from {chosen:?}"
+    );
 }
 
 /// `silu(g)·u` crosses f16's 65504 on loud experts (seed §2); plain f16 inputs would turn
@@ -310,12 +427,17 @@ fn down_on_tensor_cores_keeps_activations_beyond_the_f16_range() {
     assert!(act.iter().any(|v| v.abs() > 65504.0));
     let xrms = rms(&act);
     let ins = vec![HostValue::f32([n * k, nf], &act), down, p[0].clone()];
-    let op = TcDown(ExpertDown {
-        n_expert: ne,
-        n_embd: embd,
-    });
-    let rep = check(&gpu, &op, &ins, down_tol(nf, w, xrms)).expect("parity");
-    eprintln!("parity down, |act| up to 3e5: {rep}");
+    for kernel in kernels(&gpu) {
+        let op = TcDown(
+            ExpertDown {
+                n_expert: ne,
+                n_embd: embd,
+            },
+            Some(kernel),
+        );
+        let rep = check(&gpu, &op, &ins, down_tol(nf, w, xrms)).expect("parity");
+        eprintln!("parity {kernel:?} down, |act| up to 3e5: {rep}");
+    }
 }
 
 #[test]
@@ -331,16 +453,21 @@ fn the_tensor_core_launcher_refuses_widths_that_are_not_whole_k_tiles() {
         down,
         p[0].clone(),
     ];
-    let op = TcDown(ExpertDown {
-        n_expert: ne,
-        n_embd: 8,
-    });
-    let e = run_gpu(&gpu, &op, &ins).unwrap_err();
-    assert!(
-        matches!(e, OpError::Shape { .. }) && e.to_string().contains("128"),
-        "{e}"
-    );
-    assert!(run_cpu(&op, &ins).is_ok());
+    for kernel in kernels(&gpu) {
+        let op = TcDown(
+            ExpertDown {
+                n_expert: ne,
+                n_embd: 8,
+            },
+            Some(kernel),
+        );
+        let e = run_gpu(&gpu, &op, &ins).unwrap_err();
+        assert!(
+            matches!(e, OpError::Shape { .. }) && e.to_string().contains("128"),
+            "{e}"
+        );
+        assert!(run_cpu(&op, &ins).is_ok());
+    }
 }
 
 // ---- the real shapes ------------------------------------------------------------------
@@ -349,8 +476,6 @@ const NE: usize = 64;
 const TOPK: usize = 4;
 const EMBD: usize = 3584;
 const NFF: usize = 1024;
-/// A 512-token prefill chunk.
-const CHUNK: usize = 512;
 
 struct RealWeights {
     gate: HostValue,
@@ -371,14 +496,15 @@ fn real_weights() -> &'static RealWeights {
     })
 }
 
-/// SwiGLU and down inputs of one chunk on a random (synthetic checkpoint) or skewed plan.
-fn real_case(skew: bool) -> (Vec<HostValue>, Vec<HostValue>, Vec<i32>) {
+/// SwiGLU and down inputs of one `chunk`-token prefill chunk on a random (synthetic
+/// checkpoint) or skewed plan, and the routes per expert.
+fn real_case(chunk: usize, skew: bool) -> (Vec<HostValue>, Vec<HostValue>, Vec<i32>) {
     let w = real_weights();
     let mut r = Rng::new(11 + skew as u64);
-    let p = plan(&route_ids(&mut r, CHUNK, NE, TOPK, skew), CHUNK, NE, TOPK);
-    let rt = CHUNK * TOPK;
+    let p = plan(&route_ids(&mut r, chunk, NE, TOPK, skew), chunk, NE, TOPK);
+    let rt = chunk * TOPK;
     let s_ins = vec![
-        HostValue::f32([CHUNK, EMBD], &r.vec(CHUNK * EMBD, -1.0, 1.0)),
+        HostValue::f32([chunk, EMBD], &r.vec(chunk * EMBD, -1.0, 1.0)),
         w.gate.clone(),
         w.up.clone(),
         p[0].clone(),
@@ -392,35 +518,60 @@ fn real_case(skew: bool) -> (Vec<HostValue>, Vec<HostValue>, Vec<i32>) {
     (s_ins, d_ins, counts(&p[0]))
 }
 
+/// The real-shape grouped product on `kernel` (`None`: the default launcher's).
+fn real_op(swiglu: bool, kernel: Option<TcKernel>) -> Box<dyn Op> {
+    if swiglu {
+        Box::new(TcSwiGlu(
+            ExpertSwiGlu {
+                n_expert: NE,
+                n_ff: NFF,
+            },
+            kernel,
+        ))
+    } else {
+        Box::new(TcDown(
+            ExpertDown {
+                n_expert: NE,
+                n_embd: EMBD,
+            },
+            kernel,
+        ))
+    }
+}
+
 #[test]
 fn the_tensor_core_path_matches_and_repeats_bit_for_bit_at_the_real_shapes() {
     let Some(gpu) = test_gpu() else { return };
-    let sw = TcSwiGlu(ExpertSwiGlu {
-        n_expert: NE,
-        n_ff: NFF,
-    });
-    let dn = TcDown(ExpertDown {
-        n_expert: NE,
-        n_embd: EMBD,
-    });
     let xrms = 1.0 / 3f32.sqrt();
     for skew in [false, true] {
-        let (s_ins, d_ins, c) = real_case(skew);
+        // A 512-token chunk, 2048 routes: ~32 an expert on the random plan, one expert of
+        // several 128-route tiles on the skewed one.
+        let (s_ins, d_ins, c) = real_case(512, skew);
         let (lo, hi) = (c.iter().min().unwrap(), c.iter().max().unwrap());
         let plan = if skew { "skewed" } else { "random" };
-        let cases: [(&dyn Op, &Vec<HostValue>, Tolerance); 2] = [
-            (&sw, &s_ins, swiglu_tol(EMBD, IQ4_WRMS, xrms)),
-            (&dn, &d_ins, down_tol(NFF, IQ4_WRMS, xrms)),
+        let cases = [
+            (true, &s_ins, swiglu_tol(EMBD, IQ4_WRMS, xrms)),
+            (false, &d_ins, down_tol(NFF, IQ4_WRMS, xrms)),
         ];
-        for (op, ins, tol) in cases {
-            let rep = check(&gpu, op, ins, tol).expect("parity");
-            eprintln!(
-                "parity {} {plan} plan (routes per expert {lo}..{hi}): {rep}",
-                op.name()
-            );
-            let a = run_gpu(&gpu, op, ins).expect("first run");
-            let b = run_gpu(&gpu, op, ins).expect("second run");
-            assert!(a[0].1 == b[0].1, "{} {plan}: two runs differ", op.name());
+        for (swiglu, ins, tol) in cases {
+            // The CPU reference once for both kernels.
+            let cpu = run_cpu(real_op(swiglu, None).as_ref(), ins).expect("cpu");
+            let (meta, want) = (&cpu[0].0, cpu[0].1.bytes());
+            for kernel in kernels(&gpu) {
+                let op = real_op(swiglu, Some(kernel));
+                let a = run_gpu(&gpu, op.as_ref(), ins).expect("first run");
+                let rep = compare(meta, want, &a[0].1, tol).expect("parity");
+                eprintln!(
+                    "parity {} {plan} plan (routes per expert {lo}..{hi}): {rep}",
+                    op.describe()
+                );
+                let b = run_gpu(&gpu, op.as_ref(), ins).expect("second run");
+                assert!(
+                    a[0].1 == b[0].1,
+                    "{} {plan}: two runs differ",
+                    op.describe()
+                );
+            }
         }
     }
 }
@@ -450,85 +601,93 @@ impl Dev {
 
 fn line(what: &str, us: f64, bytes: f64, flops: f64) {
     println!(
-        "{what:<44} {us:>9.2} µs {:>7.0} GB/s {:>6.1} TFLOP/s",
+        "{what:<52} {us:>9.2} µs {:>7.0} GB/s {:>6.1} TFLOP/s",
         bytes / us / 1e3,
         flops / us / 1e6
     );
 }
 
+/// Prefill chunks of 1024 tokens (4096 routes, ~64 an expert) and 2048 tokens (the default
+/// chunk: 8192 routes, ~128 an expert), each kernel. GB/s counts the weights of experts with
+/// routes once plus the inputs and outputs; TFLOP/s the useful products.
 #[test]
 #[ignore = "timing table at the real shapes: run on the GPU host with --include-ignored"]
 fn expert_gemm_timings_at_the_real_shapes() {
     let Some(gpu) = test_gpu() else { return };
-    let rt = CHUNK * TOPK;
     let slice = (NFF * EMBD / 32 * 18) as f64;
-    let sw_flops = 4.0 * (rt * NFF * EMBD) as f64;
-    let dn_flops = 2.0 * (rt * NFF * EMBD) as f64;
     let reps = 4;
-    for skew in [false, true] {
-        let (s_ins, d_ins, c) = real_case(skew);
-        let plan = if skew { "skewed" } else { "random" };
-        let experts = c.iter().filter(|&&n| n > 0).count() as f64;
-        let z = Dev::of(&gpu, &s_ins[0]);
-        let (gate, up) = (Dev::of(&gpu, &s_ins[1]), Dev::of(&gpu, &s_ins[2]));
-        let (off, tok) = (Dev::of(&gpu, &s_ins[3]), Dev::of(&gpu, &s_ins[4]));
-        let act = Dev::of(&gpu, &d_ins[0]);
-        let down = Dev::of(&gpu, &d_ins[1]);
-        let act_o = Dev::zeros(&gpu, TensorMeta::f32([rt, NFF]));
-        let ro = Dev::zeros(&gpu, TensorMeta::f32([rt, EMBD]));
-        let sw_bytes = 2.0 * experts * slice + ((CHUNK * EMBD + rt * NFF) * 4) as f64;
-        let dn_bytes = experts * slice + ((rt * NFF + rt * EMBD) * 4) as f64;
-
-        // SAFETY (both closures): the buffers above hold the real shapes.
-        let tc_sw = time_us(&gpu, reps, &|_| unsafe {
-            launch_expert_gemm_tc(
-                &gpu,
-                gate.ptr(),
-                Some(up.ptr()),
-                z.ptr(),
-                off.ptr(),
-                tok.ptr(),
-                act_o.ptr(),
-                EMBD,
-                NFF,
-                NE,
-                CHUNK,
-                rt,
-            )
-        });
-        let tc_dn = time_us(&gpu, reps, &|_| unsafe {
-            launch_expert_gemm_tc(
-                &gpu,
-                down.ptr(),
-                None,
-                act.ptr(),
-                off.ptr(),
-                0,
-                ro.ptr(),
-                NFF,
-                EMBD,
-                NE,
-                rt,
-                rt,
-            )
-        });
-        println!(
-            "{rt} routes, {plan} plan, routes per expert {}..{}",
-            c.iter().min().unwrap(),
-            c.iter().max().unwrap()
-        );
-        line(
-            "swiglu 3584->2x1024 tensor cores (f16)",
-            tc_sw,
-            sw_bytes,
-            sw_flops,
-        );
-        line(
-            "down 1024->3584 tensor cores (f16)",
-            tc_dn,
-            dn_bytes,
-            dn_flops,
-        );
+    for chunk in [1024, 2048] {
+        let rt = chunk * TOPK;
+        let sw_flops = 4.0 * (rt * NFF * EMBD) as f64;
+        let dn_flops = 2.0 * (rt * NFF * EMBD) as f64;
+        for skew in [false, true] {
+            let (s_ins, d_ins, c) = real_case(chunk, skew);
+            let plan = if skew { "skewed" } else { "random" };
+            let experts = c.iter().filter(|&&n| n > 0).count() as f64;
+            let z = Dev::of(&gpu, &s_ins[0]);
+            let (gate, up) = (Dev::of(&gpu, &s_ins[1]), Dev::of(&gpu, &s_ins[2]));
+            let (off, tok) = (Dev::of(&gpu, &s_ins[3]), Dev::of(&gpu, &s_ins[4]));
+            let act = Dev::of(&gpu, &d_ins[0]);
+            let down = Dev::of(&gpu, &d_ins[1]);
+            let act_o = Dev::zeros(&gpu, TensorMeta::f32([rt, NFF]));
+            let ro = Dev::zeros(&gpu, TensorMeta::f32([rt, EMBD]));
+            let sw_bytes = 2.0 * experts * slice + ((chunk * EMBD + rt * NFF) * 4) as f64;
+            let dn_bytes = experts * slice + ((rt * NFF + rt * EMBD) * 4) as f64;
+            println!(
+                "{rt} routes, {plan} plan, routes per expert {}..{}",
+                c.iter().min().unwrap(),
+                c.iter().max().unwrap()
+            );
+            for kernel in kernels(&gpu) {
+                // SAFETY (both closures): the buffers above hold the real shapes.
+                let sw = time_us(&gpu, reps, &|_| unsafe {
+                    launch_expert_gemm_tc_with(
+                        &gpu,
+                        kernel,
+                        gate.ptr(),
+                        Some(up.ptr()),
+                        z.ptr(),
+                        off.ptr(),
+                        tok.ptr(),
+                        act_o.ptr(),
+                        EMBD,
+                        NFF,
+                        NE,
+                        chunk,
+                        rt,
+                    )
+                });
+                let dn = time_us(&gpu, reps, &|_| unsafe {
+                    launch_expert_gemm_tc_with(
+                        &gpu,
+                        kernel,
+                        down.ptr(),
+                        None,
+                        act.ptr(),
+                        off.ptr(),
+                        0,
+                        ro.ptr(),
+                        NFF,
+                        EMBD,
+                        NE,
+                        rt,
+                        rt,
+                    )
+                });
+                line(
+                    &format!("  swiglu 3584->2x1024 {kernel:?}"),
+                    sw,
+                    sw_bytes,
+                    sw_flops,
+                );
+                line(
+                    &format!("  down 1024->3584 {kernel:?}"),
+                    dn,
+                    dn_bytes,
+                    dn_flops,
+                );
+            }
+        }
     }
 }
 
