@@ -187,73 +187,38 @@ __device__ __forceinline__ void route_select_warp(float* p, int* key, int* taken
 }
 
 // One warp a token: logits = the slices' partials summed in order, then the selection.
-// With `offsets` (a single block: n <= 8) the block then builds the route plan of its tokens
-// itself, as route_plan does: a decode step's router needs no second launch.
 extern "C" __global__ void __launch_bounds__(256)
 router_select(const float* __restrict__ part, const float* __restrict__ bias,
               int* __restrict__ ids, float* __restrict__ weights, int n, int n_expert,
-              int n_slices, int top_k, int softmax, int norm_topk, float scale, float guard,
-              int* __restrict__ offsets, int* __restrict__ route_token, int* __restrict__ route_slot) {
+              int n_slices, int top_k, int softmax, int norm_topk, float scale, float guard) {
     PDL_ENTER();
     extern __shared__ int rs_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = blockIdx.x * 8 + warp;
-    if (t < n) {
-        float* p = reinterpret_cast<float*>(rs_smem) + warp * 3 * n_expert;
-        int* key = reinterpret_cast<int*>(p + n_expert);
-        int* taken = key + n_expert;
-        const float* pt = part + (long long)t * n_slices * n_expert;
-        for (int e = lane; e < n_expert; e += 32) {
-            // The same left-to-right sum, but 16 slices' loads in flight at once: the partials
-            // come from L2 and a serial chain of loads dominated the decode step's router.
-            float v = pt[e];
-            for (int s = 1; s < n_slices; s += 16) {
-                float t[16];
+    if (t >= n) return;
+    float* p = reinterpret_cast<float*>(rs_smem) + warp * 3 * n_expert;
+    int* key = reinterpret_cast<int*>(p + n_expert);
+    int* taken = key + n_expert;
+    const float* pt = part + (long long)t * n_slices * n_expert;
+    for (int e = lane; e < n_expert; e += 32) {
+        // The same left-to-right sum, but 16 slices' loads in flight at once: the partials
+        // come from L2 and a serial chain of loads dominated the decode step's router.
+        float v = pt[e];
+        for (int s = 1; s < n_slices; s += 16) {
+            float t[16];
 #pragma unroll
-                for (int i = 0; i < 16; ++i)
-                    t[i] = s + i < n_slices ? pt[(long long)(s + i) * n_expert + e] : 0.0f;
+            for (int i = 0; i < 16; ++i)
+                t[i] = s + i < n_slices ? pt[(long long)(s + i) * n_expert + e] : 0.0f;
 #pragma unroll
-                for (int i = 0; i < 16; ++i)
-                    if (s + i < n_slices) v += t[i];
-            }
-            p[e] = v;
+            for (int i = 0; i < 16; ++i)
+                if (s + i < n_slices) v += t[i];
         }
-        __syncwarp();
-        route_select_warp(p, key, taken, bias, ids + (long long)t * top_k,
-                          weights + (long long)t * top_k, n_expert, top_k, softmax, norm_topk, scale,
-                          guard);
+        p[e] = v;
     }
-    if (offsets == nullptr) return;
-    // The plan: a stable counting sort of the block's slots by expert (ids written above by
-    // this block's warps, visible after the barrier). Slots with an id outside [0, E) are
-    // skipped and the rows they leave at the end are marked -1, as route_plan does.
-    __syncthreads();
-    const int R = n * top_k;
-    for (int e = threadIdx.x; e <= n_expert; e += blockDim.x) {
-        int below = 0;
-        for (int s = 0; s < R; ++s) {
-            const int x = ids[s];
-            below += x >= 0 && x < e;
-        }
-        offsets[e] = below;
-    }
-    int valid = 0;
-    for (int s = 0; s < R; ++s) valid += ids[s] >= 0 && ids[s] < n_expert;
-    for (int s = threadIdx.x; s < R; s += blockDim.x) {
-        const int e = ids[s];
-        if (e < 0 || e >= n_expert) continue;
-        int dst = 0;
-        for (int q = 0; q < R; ++q) {
-            const int x = ids[q];
-            dst += (x >= 0 && x < e) || (x == e && q < s);
-        }
-        route_token[dst] = s / top_k;
-        route_slot[dst] = s;
-    }
-    for (int d = valid + threadIdx.x; d < R; d += blockDim.x) {
-        route_token[d] = -1;
-        route_slot[d] = -1;
-    }
+    __syncwarp();
+    route_select_warp(p, key, taken, bias, ids + (long long)t * top_k,
+                      weights + (long long)t * top_k, n_expert, top_k, softmax, norm_topk, scale,
+                      guard);
 }
 
 // ---- route plan ------------------------------------------------------------------------

@@ -242,45 +242,11 @@ impl Op for Router {
         scratch: Scratch,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
-        // SAFETY: check_device checked the inputs and both outputs.
-        unsafe { self.enqueue(ctx, inputs, [outputs[0].ptr, outputs[1].ptr], scratch, None) }
-    }
-
-    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
-        match inputs.first().map(|z| z.shape.as_slice()) {
-            Some(&[n, d]) => router_scratch(n, d, self.n_expert),
-            _ => 0,
-        }
-    }
-}
-
-impl Router {
-    /// The router's launches writing ids and weights at `outs`; with `plan` (offsets,
-    /// route_token, route_slot of [`RoutePlan`]'s shapes, only for n ≤ 8 tokens: one select
-    /// block) the select kernel also writes the route plan.
-    ///
-    /// # Safety
-    /// `inputs` checked against [`Op::infer`]; `outs` and `plan` address buffers of the
-    /// inferred shapes.
-    unsafe fn enqueue(
-        &self,
-        ctx: &GpuCtx,
-        inputs: &[DeviceTensor<'_>],
-        outs: [u64; 2],
-        scratch: Scratch,
-        plan: Option<[u64; 3]>,
-    ) -> Result<(), OpError> {
         let op = self.name();
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
         let ne = self.n_expert;
         if n == 0 {
             return Ok(());
-        }
-        if plan.is_some() && n > 8 {
-            return Err(OpError::shape(
-                op,
-                format!("a fused route plan covers 8 tokens, not {n}"),
-            ));
         }
         if !d.is_multiple_of(4) {
             return Err(OpError::shape(
@@ -371,8 +337,8 @@ impl Router {
                 .shared_mem(select_smem as u32)
                 .arg(scratch.ptr)
                 .arg(bias)
-                .arg(outs[0])
-                .arg(outs[1])
+                .arg(outputs[0].ptr)
+                .arg(outputs[1].ptr)
                 .arg(n as i32)
                 .arg(ne as i32)
                 .arg(slices as i32)
@@ -381,87 +347,16 @@ impl Router {
                 .arg(i32::from(self.norm_topk))
                 .arg(self.scale)
                 .arg(NORM_GUARD)
-                .arg(plan.map_or(0, |p| p[0]))
-                .arg(plan.map_or(0, |p| p[1]))
-                .arg(plan.map_or(0, |p| p[2]))
                 .enqueue()
                 .map_err(dev_err)
         }
     }
-}
-
-/// [`Router`] then [`RoutePlan`] of its ids, as one op: for a decode step's few tokens the
-/// router's select kernel builds the plan itself (one launch fewer a MoE layer); for more
-/// tokens the two run as they would apart. Same outputs, same bits.
-///
-/// Inputs: z, W, bias (as [`Router`]). Outputs: ids, weights, offsets, route_token, route_slot.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RouterPlan {
-    pub router: Router,
-}
-
-impl RouterPlan {
-    fn plan(&self) -> RoutePlan {
-        RoutePlan {
-            n_expert: self.router.n_expert,
-            top_k: self.router.top_k,
-        }
-    }
-}
-
-impl Op for RouterPlan {
-    fn name(&self) -> &'static str {
-        "router_plan"
-    }
-
-    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
-        let mut outs = self.router.infer(inputs)?;
-        let plan = self.plan().infer(&[&outs[0]])?;
-        outs.extend(plan);
-        Ok(outs)
-    }
-
-    fn cpu(
-        &self,
-        inputs: &[HostTensor<'_>],
-        outputs: &mut [HostTensorMut<'_>],
-    ) -> Result<(), OpError> {
-        check_host(self, inputs, outputs)?;
-        let (routed, plan) = outputs.split_at_mut(2);
-        self.router.cpu(inputs, routed)?;
-        self.plan().cpu(&[routed[0].as_ref()], plan)
-    }
-
-    fn describe(&self) -> String {
-        format!("{} then route_plan", self.router.describe())
-    }
 
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
-        self.router.cuda_scratch_bytes(inputs)
-    }
-
-    fn cuda(
-        &self,
-        ctx: &GpuCtx,
-        inputs: &[DeviceTensor<'_>],
-        outputs: &[DeviceTensor<'_>],
-        scratch: Scratch,
-    ) -> Result<(), OpError> {
-        check_device(self, inputs, outputs)?;
-        let n = inputs[0].meta.shape[0];
-        let routed = [outputs[0].ptr, outputs[1].ptr];
-        if n <= 8 {
-            let plan = [outputs[2].ptr, outputs[3].ptr, outputs[4].ptr];
-            // SAFETY: check_device checked the inputs and all five outputs.
-            return unsafe {
-                self.router
-                    .enqueue(ctx, inputs, routed, scratch, Some(plan))
-            };
+        match inputs.first().map(|z| z.shape.as_slice()) {
+            Some(&[n, d]) => router_scratch(n, d, self.n_expert),
+            _ => 0,
         }
-        // SAFETY: as above.
-        unsafe { self.router.enqueue(ctx, inputs, routed, scratch, None)? };
-        self.plan()
-            .cuda(ctx, &outputs[..1], &outputs[2..], Scratch::default())
     }
 }
 

@@ -13,7 +13,7 @@ use ops::embedding::Embedding;
 use ops::head::SliceRows;
 use ops::linear::{Linear, LinearPair, NormLinear};
 use ops::mla::{MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut};
-use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, Router, RouterPlan, TopKSum};
+use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, TopKSum};
 use ops::norm::RmsNorm;
 use ops::rope::{RopeParams, Yarn, kq_scale};
 
@@ -214,9 +214,12 @@ impl Trunk {
                 norm_topk: h.expert_weights_norm,
                 scale: h.expert_weights_scale,
             };
-            // The selection and its route plan (the CSR table the expert kernels read).
-            let [_ids, weights, offsets, route_token, route_slot] =
-                b.opn("router", RouterPlan { router }, &[z, w_router, bias])?;
+            let [ids, weights] = b.opn("router", router, &[z, w_router, bias])?;
+            let plan = RoutePlan {
+                n_expert: h.n_expert,
+                top_k: h.n_expert_used,
+            };
+            let [offsets, route_token, route_slot] = b.opn("routes", plan, &[ids])?;
             let experts = ExpertSwiGlu {
                 n_expert: h.n_expert,
                 n_ff: h.n_ff_exp,
