@@ -287,7 +287,10 @@ fn gpu_logits_stay_close_to_the_cpu_reference() {
     let p90 = by_index[(by_index.len() * 9) / 10];
     eprintln!("per position: median {median:.3e}, 90th percentile {p90:.3e}");
     assert!(median < 1e-2, "median per-position difference {median:.3e}");
-    assert!(p90 < 3e-2, "90th-percentile per-position difference {p90:.3e}");
+    assert!(
+        p90 < 3e-2,
+        "90th-percentile per-position difference {p90:.3e}"
+    );
 }
 
 #[test]
