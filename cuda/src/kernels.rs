@@ -476,10 +476,19 @@ fn c_string_lossy(chars: &[std::ffi::c_char]) -> String {
 /// [`crate::Device::programmatic_launch`]) a kernel may start while its predecessor still runs,
 /// so it first waits for the predecessor's completion and the visibility of its writes, then
 /// lets its own successor be scheduled. Without the attribute both instructions are no-ops.
+///
+/// The one exception, `PDL_WEIGHTS_FIRST();` then `PDL_WAIT();`: a kernel whose first reads
+/// are of weights (constant for the whole run, written by no kernel) may issue them before it
+/// waits, so their latency overlaps its predecessor's tail; it touches nothing else before
+/// `PDL_WAIT();`.
 pub const PRELUDE: &str = "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTER() asm volatile(\"griddepcontrol.wait;\\n\\tgriddepcontrol.launch_dependents;\" ::: \"memory\")
+#define PDL_WEIGHTS_FIRST() asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\")
+#define PDL_WAIT() asm volatile(\"griddepcontrol.wait;\" ::: \"memory\")
 #else
 #define PDL_ENTER() do { } while (0)
+#define PDL_WEIGHTS_FIRST() do { } while (0)
+#define PDL_WAIT() do { } while (0)
 #endif
 ";
 

@@ -308,16 +308,21 @@ GEMV_IQ4_ROWS(8)
 // NORM (q_b after q_a's RMSNorm): x is normalised on the fly, x·scale·norm_w with each
 // product rounded as the RMSNorm kernel does; every block sums the squares itself (K is
 // small) in a fixed order, then the weight loads already in flight meet the scaled x.
+//
+// The kernels open with PDL_WEIGHTS_FIRST(): with `early` the weight loads (constant data) are
+// issued before PDL_WAIT(), so under programmatic launches they overlap the predecessor's
+// tail; everything the predecessor writes (x) is read after it. early = 0 waits first.
 template <int JU, int R, bool NORM = false>
 __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restrict__ W,
                                                    const float* __restrict__ x, float* __restrict__ y,
-                                                   int K, int O, long long RB, int block,
+                                                   int K, int O, long long RB, int block, int early,
                                                    const float* __restrict__ norm_w = nullptr,
                                                    float eps = 0.f) {
     __shared__ float red[8 * R];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, S = blockDim.x >> 5;
     const int u = K >> 3;
     const long long r0 = (long long)block * R;
+    if (!early) PDL_WAIT();
     uint4 w[R][JU];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -328,6 +333,7 @@ __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restri
                           ? __ldg(reinterpret_cast<const uint4*>(W + (r0 + r) * RB) + i)
                           : make_uint4(0u, 0u, 0u, 0u);
         }
+    PDL_WAIT();
     float scale = 1.f;
     if constexpr (NORM) {
         __shared__ float nred[8];
@@ -392,32 +398,33 @@ __device__ __forceinline__ void gemv_bf16_dec_body(const unsigned char* __restri
 #define GEMV_BF16_DEC(JU, R)                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_dec_##JU##_##R(                \
         const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,  \
-        int n, int K, int O, long long RB) {                                                      \
-        PDL_ENTER();                                                                              \
+        int n, int K, int O, long long RB, int early) {                                           \
+        PDL_WEIGHTS_FIRST();                                                                      \
         (void)n;                                                                                  \
-        gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB, blockIdx.x);                                 \
+        gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB, blockIdx.x, early);                          \
     }                                                                                             \
     /* Two weights over the same x (q_a and kv_a): the first ceil(O/R) blocks take W, the */      \
     /* rest W2; one launch for both products. */                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_dec2_##JU##_##R(               \
         const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,  \
         int n, int K, int O, long long RB, const unsigned char* __restrict__ W2,                  \
-        float* __restrict__ y2, int O2) {                                                         \
-        PDL_ENTER();                                                                              \
+        float* __restrict__ y2, int O2, int early) {                                              \
+        PDL_WEIGHTS_FIRST();                                                                      \
         (void)n;                                                                                  \
         const int first = (O + R - 1) / R;                                                        \
         if ((int)blockIdx.x < first)                                                              \
-            gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB, blockIdx.x);                             \
+            gemv_bf16_dec_body<JU, R>(W, x, y, K, O, RB, blockIdx.x, early);                      \
         else                                                                                      \
-            gemv_bf16_dec_body<JU, R>(W2, x, y2, K, O2, RB, blockIdx.x - first);                  \
+            gemv_bf16_dec_body<JU, R>(W2, x, y2, K, O2, RB, blockIdx.x - first, early);           \
     }                                                                                             \
     /* The product of RMSNorm(x)·norm_w (q_a's norm before q_b). */                               \
     extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_dec_norm_##JU##_##R(           \
         const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,  \
-        int n, int K, int O, long long RB, const float* __restrict__ norm_w, float eps) {         \
-        PDL_ENTER();                                                                              \
+        int n, int K, int O, long long RB, const float* __restrict__ norm_w, float eps,           \
+        int early) {                                                                              \
+        PDL_WEIGHTS_FIRST();                                                                      \
         (void)n;                                                                                  \
-        gemv_bf16_dec_body<JU, R, true>(W, x, y, K, O, RB, blockIdx.x, norm_w, eps);              \
+        gemv_bf16_dec_body<JU, R, true>(W, x, y, K, O, RB, blockIdx.x, early, norm_w, eps);       \
     }
 GEMV_BF16_DEC(16, 1)
 GEMV_BF16_DEC(8, 1)

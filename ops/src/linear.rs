@@ -137,6 +137,16 @@ fn bf16_dec_plan(k: usize, o: usize, sms: usize) -> Option<(usize, usize, usize)
     Some((u.div_ceil(32 * s).next_power_of_two().max(4), 1, s))
 }
 
+/// 1 when the one-token BF16 GEMVs issue their weight loads before waiting for their
+/// predecessor (`PDL_WEIGHTS_FIRST` in linear.cu); `XING4_PDL_WEIGHTS_FIRST=0` makes them wait
+/// first, an A/B switch for the device.
+fn weights_first() -> i32 {
+    static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        i32::from(std::env::var("XING4_PDL_WEIGHTS_FIRST").map_or(true, |v| v != "0"))
+    })
+}
+
 /// cuBLAS's workspace for the BF16 prefill GEMM, inside the op's scratch (NVIDIA's
 /// recommendation for Hopper). Handing it over keeps a captured graph free of allocations.
 const CUBLAS_WORKSPACE: usize = 32 << 20;
@@ -386,7 +396,7 @@ impl Op for Linear {
                     (blocks as u32, 1),
                     (32 * s) as u32,
                     0,
-                    &[],
+                    &[weights_first()],
                 )
             }
             LinearPath::Gemv(nt) => {
@@ -605,6 +615,7 @@ impl Op for LinearPair {
                 .arg(w2.ptr)
                 .arg(outputs[1].ptr)
                 .arg(as_i32(op, "out", o2)?)
+                .arg(weights_first())
                 .enqueue()
                 .map_err(dev_err)
         }
@@ -726,6 +737,7 @@ impl Op for NormLinear {
                     .arg(rb as i64)
                     .arg(g.ptr)
                     .arg(self.eps)
+                    .arg(weights_first())
                     .enqueue()
                     .map_err(dev_err)
             };

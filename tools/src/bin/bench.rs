@@ -55,7 +55,7 @@ struct Args {
     /// Repetitions of each test (and of each arm of the A/B).
     #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
     reps: usize,
-    /// Prefill chunk size in tokens (0: the engine's default for the device, 2048 on a GPU,
+    /// Prefill chunk size in tokens (0: the engine's default for the device, 4096 on a GPU,
     /// 256 on the CPU).
     #[arg(long, default_value_t = 0)]
     prefill_chunk: usize,

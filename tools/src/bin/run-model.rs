@@ -60,7 +60,7 @@ struct Args {
     no_cuda_graphs: bool,
     #[arg(long, default_value_t = 4096)]
     max_model_len: usize,
-    /// Prefill chunk size in tokens (0: 2048 on a GPU, 256 on the CPU).
+    /// Prefill chunk size in tokens (0: 4096 on a GPU, 256 on the CPU).
     #[arg(long, default_value_t = 0)]
     prefill_chunk: usize,
     /// Write `{"logits": [[f32; vocab]; n_prompt]}` for every prompt position and exit.

@@ -64,7 +64,7 @@ struct Args {
     /// `: keep-alive` comment, so that proxies and clients do not time it out.
     #[arg(long, default_value_t = 5.0)]
     sse_keep_alive: f64,
-    /// Tokens per prefill chunk (0: 2048 on a GPU, 256 on the CPU).
+    /// Tokens per prefill chunk (0: 4096 on a GPU, 256 on the CPU).
     #[arg(long, default_value_t = 0)]
     prefill_chunk: usize,
 }
