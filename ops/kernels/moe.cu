@@ -428,20 +428,39 @@ DENSE_SWIGLU_ROWS(8)
 // out[t] = w[t][0]*x[route of slot tk] + w[t][1]*x[...] + ... in slot order, each product
 // rounded before its add, as the CPU's loop; then + addend[t] (the shared expert) when given.
 // The block finds its token's routes by scanning route_slot (the inverse permutation, one
-// writer a slot).
+// writer a slot), or, for many tokens, in the inverse table topk_slot_routes wrote.
+extern "C" __global__ void __launch_bounds__(256)
+topk_slot_routes(const int* __restrict__ route_slot, int* __restrict__ slot_route, int n_routes) {
+    PDL_ENTER();
+    for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < n_routes; r += gridDim.x * blockDim.x) {
+        const int s = route_slot[r];
+        if (s >= 0 && s < n_routes) slot_route[s] = r;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 topk_sum(const float* __restrict__ route_out, const int* __restrict__ route_slot,
-         const float* __restrict__ weights, const float* __restrict__ addend,
-         float* __restrict__ out, int n_routes, int d, int top_k) {
+         const int* __restrict__ slot_route, const float* __restrict__ weights,
+         const float* __restrict__ addend, float* __restrict__ out, int n_routes, int d,
+         int top_k) {
     PDL_ENTER();
     extern __shared__ int ts_inv[];
     const int t = blockIdx.x, tid = threadIdx.x;
     const long long s0 = (long long)t * top_k;
-    for (int j = tid; j < top_k; j += blockDim.x) ts_inv[j] = -1;
-    __syncthreads();
-    for (int r = tid; r < n_routes; r += blockDim.x) {
-        const long long s = route_slot[r];
-        if (s >= s0 && s < s0 + top_k) ts_inv[s - s0] = r;
+    if (slot_route) {
+        // The inverse table from topk_slot_routes: an entry counts only if the route it
+        // names does name this slot (entries of slots no route took are stale, not -1).
+        for (int j = tid; j < top_k; j += blockDim.x) {
+            const int r = slot_route[s0 + j];
+            ts_inv[j] = (r >= 0 && r < n_routes && route_slot[r] == s0 + j) ? r : -1;
+        }
+    } else {
+        for (int j = tid; j < top_k; j += blockDim.x) ts_inv[j] = -1;
+        __syncthreads();
+        for (int r = tid; r < n_routes; r += blockDim.x) {
+            const long long s = route_slot[r];
+            if (s >= s0 && s < s0 + top_k) ts_inv[s - s0] = r;
+        }
     }
     __syncthreads();
     for (int c = blockIdx.y * blockDim.x + tid; c < d; c += gridDim.y * blockDim.x) {

@@ -35,6 +35,8 @@ const ROUTER_TILED_SLICE: usize = 256;
 /// Routes at or below which the expert ops take the GEMV path (decode: a few tokens, each
 /// expert's weight rows read once for all of its routes); above it the grouped GEMM.
 const GEMV_MAX_ROUTES: usize = 32;
+/// Tokens from which `topk_sum` takes one block a token and an inverse route table.
+const TOPK_MANY_TOKENS: usize = 132;
 /// Most routes a GEMV block sums at once (the largest `expert_rows_iq4_<NR>`).
 const GEMV_MAXR: usize = 8;
 /// Shared memory a block may use on the target (227 KiB opt-in on an H200).
@@ -1281,6 +1283,16 @@ impl Op for TopKSum {
         format!("topk_sum top_k={}", self.top_k)
     }
 
+    /// For many tokens, the slot → route inverse table (R i32).
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match (inputs.first(), inputs.get(2)) {
+            (Some(ro), Some(w)) if w.shape.first().is_some_and(|&n| n >= TOPK_MANY_TOKENS) => {
+                ro.shape.first().copied().unwrap_or(0) * 4
+            }
+            _ => 0,
+        }
+    }
+
     /// A block per token (split over columns when tokens are few) finds its routes by
     /// scanning `route_slot`, then sums in slot order with the CPU's roundings (same bits).
     fn cuda(
@@ -1288,7 +1300,7 @@ impl Op for TopKSum {
         ctx: &GpuCtx,
         inputs: &[DeviceTensor<'_>],
         outputs: &[DeviceTensor<'_>],
-        _scratch: Scratch,
+        scratch: Scratch,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
         let op = self.name();
@@ -1297,8 +1309,36 @@ impl Op for TopKSum {
         if n == 0 {
             return Ok(());
         }
-        // Many tokens fill the chip by themselves; a block then scans the route table once.
-        let col_blocks = if n >= 132 { 1 } else { blocks_for(d, 256) };
+        // Many tokens fill the chip by themselves: a block a token, which finds its routes in
+        // an inverse table made first (scanning the whole route table in every block cost a
+        // 4096-token chunk 164 µs a layer); few tokens split the columns too and scan.
+        let many = n >= TOPK_MANY_TOKENS;
+        let col_blocks = if many { 1 } else { blocks_for(d, 256) };
+        let slot_route = if many {
+            if scratch.bytes < r * 4 {
+                return Err(OpError::Type(format!(
+                    "{op}: scratch of {} bytes, {} needed",
+                    scratch.bytes,
+                    r * 4
+                )));
+            }
+            let inv = ctx.kernel("moe.cu", MOE_CU, "topk_slot_routes")?;
+            // SAFETY: reads the R-entry route_slot, writes R ints of scratch (checked above).
+            unsafe {
+                ctx.device
+                    .launch(&inv)
+                    .grid(blocks_for(r, 256).min(1024))
+                    .block(256)
+                    .arg(inputs[1].ptr)
+                    .arg(scratch.ptr)
+                    .arg(as_i32(op, "routes", r)?)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            scratch.ptr
+        } else {
+            0
+        };
         let kern = ctx.kernel("moe.cu", MOE_CU, "topk_sum")?;
         // SAFETY: argument list matches topk_sum; route indices come from the table's own
         // positions (< R), slots are range-checked in the kernel.
@@ -1310,6 +1350,7 @@ impl Op for TopKSum {
                 .shared_mem((self.top_k * 4) as u32)
                 .arg(inputs[0].ptr)
                 .arg(inputs[1].ptr)
+                .arg(slot_route)
                 .arg(inputs[2].ptr)
                 .arg(inputs.get(3).map_or(0, |a| a.ptr))
                 .arg(outputs[0].ptr)
