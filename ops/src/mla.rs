@@ -667,18 +667,49 @@ impl Op for MlaKv {
         if n == 0 {
             return Ok(());
         }
+        // SAFETY: check_device verified kv (n×W), norm_w, positions and the n×W output.
+        unsafe {
+            self.launch(
+                ctx,
+                op,
+                [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr],
+                outputs[0].ptr,
+                n,
+                None,
+            )
+        }
+    }
+}
+
+impl MlaKv {
+    /// The `mla_kv` kernel over `[kv, norm_w, positions]` of n tokens: rows to `out[t]`, or with
+    /// `cache_rows` to `out[positions[t]]` of a cache of that many rows (skipping positions
+    /// outside it and all but the last token naming a row).
+    ///
+    /// # Safety
+    /// The buffers hold what [`MlaKv::infer`] describes for n tokens; `out` holds n rows, or
+    /// `cache_rows` rows, of `kv_lora + qk_rope` f32.
+    unsafe fn launch(
+        &self,
+        ctx: &GpuCtx,
+        op: &'static str,
+        [kv, norm_w, positions]: [u64; 3],
+        out: u64,
+        n: usize,
+        cache_rows: Option<usize>,
+    ) -> Result<(), OpError> {
         let k = self.rope.consts();
         let kern = ctx.kernel("mla.cu", MLA_CU, "mla_kv")?;
-        // SAFETY: argument list matches mla_kv; sizes verified by check_device.
+        // SAFETY: argument list matches mla_kv; the caller vouches for the buffers.
         unsafe {
             ctx.device
                 .launch(&kern)
                 .grid(as_i32(op, "tokens", n)? as u32)
                 .block(256)
-                .arg(inputs[0].ptr)
-                .arg(inputs[1].ptr)
-                .arg(inputs[2].ptr)
-                .arg(outputs[0].ptr)
+                .arg(kv)
+                .arg(norm_w)
+                .arg(positions)
+                .arg(out)
                 .arg(as_i32(op, "kv_lora", self.kv_lora)?)
                 .arg(as_i32(op, "qk_rope", self.qk_rope)?)
                 .arg(self.eps)
@@ -688,9 +719,9 @@ impl Op for MlaKv {
                 .arg(k.corr[0])
                 .arg(k.corr[1])
                 .arg(k.mscale)
-                .arg(0i32)
+                .arg(i32::from(cache_rows.is_some()))
                 .arg(n as i32)
-                .arg(0i32)
+                .arg(as_i32(op, "cache rows", cache_rows.unwrap_or(0))?)
                 .enqueue()
                 .map_err(dev_err)
         }
@@ -754,34 +785,9 @@ impl Op for MlaKvCacheWrite {
             return Ok(());
         }
         let rows = outputs[0].meta.shape[0];
-        let k = self.kv.rope.consts();
-        let kern = ctx.kernel("mla.cu", MLA_CU, "mla_kv")?;
-        // SAFETY: argument list matches mla_kv; the kernel writes only cache rows in
-        // [0, rows), sizes verified by check_device.
-        unsafe {
-            ctx.device
-                .launch(&kern)
-                .grid(as_i32(op, "tokens", n)? as u32)
-                .block(256)
-                .arg(inputs[1].ptr)
-                .arg(inputs[2].ptr)
-                .arg(inputs[3].ptr)
-                .arg(outputs[0].ptr)
-                .arg(as_i32(op, "kv_lora", self.kv.kv_lora)?)
-                .arg(as_i32(op, "qk_rope", self.kv.qk_rope)?)
-                .arg(self.kv.eps)
-                .arg(k.theta_scale)
-                .arg(k.freq_scale)
-                .arg(k.ext_factor)
-                .arg(k.corr[0])
-                .arg(k.corr[1])
-                .arg(k.mscale)
-                .arg(1i32)
-                .arg(n as i32)
-                .arg(as_i32(op, "cache rows", rows)?)
-                .enqueue()
-                .map_err(dev_err)
-        }
+        let ins = [inputs[1].ptr, inputs[2].ptr, inputs[3].ptr];
+        // SAFETY: check_device verified the token inputs and the rows×W cache.
+        unsafe { self.kv.launch(ctx, op, ins, outputs[0].ptr, n, Some(rows)) }
     }
 
     fn aliases(&self) -> &'static [(usize, usize)] {
