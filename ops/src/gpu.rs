@@ -27,6 +27,20 @@ pub struct Scratch {
     pub bytes: usize,
 }
 
+impl Scratch {
+    /// `Ok` when this scratch holds at least `need` bytes; otherwise the typed error naming the
+    /// op, what it got and what it needed (its `cuda_scratch_bytes` promised that much).
+    pub fn require(&self, op: &str, need: usize) -> Result<(), OpError> {
+        if self.bytes < need {
+            return Err(OpError::Type(format!(
+                "{op}: scratch of {} bytes, {need} needed",
+                self.bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// What a kernel launch needs: the device (and its stream), the NVRTC kernel cache
 /// and a cuBLAS handle.
 pub struct GpuCtx {

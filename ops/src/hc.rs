@@ -539,12 +539,7 @@ impl HcPre {
             return Ok(());
         }
         let need = self.cuda_scratch_bytes(&metas);
-        if scratch.bytes < need {
-            return Err(OpError::Type(format!(
-                "hc_pre: scratch of {} bytes, {need} needed",
-                scratch.bytes
-            )));
-        }
+        scratch.require("hc_pre", need)?;
         let (h, f) = (&inputs[0], &inputs[1]);
         let d = w / self.hc;
         let tb = if n >= 8 { 8 } else { 1 };
@@ -883,12 +878,7 @@ impl HcPreNorm {
         }
         let metas: Vec<&TensorMeta> = inputs.iter().take(5).map(|t| t.meta).collect();
         let need = self.cuda_scratch_bytes(&metas);
-        if scratch.bytes < need {
-            return Err(OpError::Type(format!(
-                "hc_pre_norm: scratch of {} bytes, {need} needed",
-                scratch.bytes
-            )));
-        }
+        scratch.require("hc_pre_norm", need)?;
         let partials = self
             .pre
             .cuda_scratch_bytes(&metas[..4])

@@ -744,12 +744,7 @@ impl Op for NormLinear {
         }
         let metas = [x.meta, g.meta, w.meta];
         let (normed_bytes, need) = Self::split_scratch(&metas);
-        if scratch.bytes < need {
-            return Err(OpError::Type(format!(
-                "{op}: scratch of {} bytes, {need} needed",
-                scratch.bytes
-            )));
-        }
+        scratch.require(op, need)?;
         // SAFETY: the normalised x (n×in f32) goes to the start of the scratch checked above.
         unsafe {
             crate::norm::launch_rms_norm(ctx, x.ptr, Some(g.ptr), scratch.ptr, n, k, self.eps)?

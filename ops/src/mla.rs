@@ -1048,12 +1048,7 @@ impl Op for MlaAttention {
         if self.takes_prefill_kernel(n, w) {
             check_device(self, inputs, outputs)?;
             let need = mla_prefill_scratch_bytes(rows, w);
-            if scratch.bytes < need {
-                return Err(OpError::Type(format!(
-                    "mla_attention: scratch of {} bytes, {need} needed",
-                    scratch.bytes
-                )));
-            }
+            scratch.require("mla_attention", need)?;
             // SAFETY: check_device checked q (n×heads×W), the cache (rows×W), positions (n)
             // and out (n×heads×kv_lora); the scratch holds the f16 copy of the cache.
             return unsafe {

@@ -266,12 +266,7 @@ impl Op for Router {
             ));
         }
         let need = router_scratch(n, d, ne);
-        if scratch.bytes < need {
-            return Err(OpError::Type(format!(
-                "{op}: scratch of {} bytes, {need} needed",
-                scratch.bytes
-            )));
-        }
+        scratch.require(op, need)?;
         let slices = if n >= ROUTER_TILED_MIN_TOKENS {
             let slices = d.div_ceil(ROUTER_TILED_SLICE);
             let token_tiles = n.div_ceil(64);
@@ -1130,12 +1125,7 @@ impl Op for GateUpSwiGlu {
         }
         let metas = [x.meta, wg.meta, wu.meta];
         let (half, need) = Self::chain_scratch(&metas);
-        if scratch.bytes < need {
-            return Err(OpError::Type(format!(
-                "{op}: scratch of {} bytes, {need} needed",
-                scratch.bytes
-            )));
-        }
+        scratch.require(op, need)?;
         let out_meta = TensorMeta::f32([n, ff]);
         let part = |i: u64| DeviceTensor {
             meta: &out_meta,
@@ -1315,13 +1305,7 @@ impl Op for TopKSum {
         let many = n >= TOPK_MANY_TOKENS;
         let col_blocks = if many { 1 } else { blocks_for(d, 256) };
         let slot_route = if many {
-            if scratch.bytes < r * 4 {
-                return Err(OpError::Type(format!(
-                    "{op}: scratch of {} bytes, {} needed",
-                    scratch.bytes,
-                    r * 4
-                )));
-            }
+            scratch.require(op, r * 4)?;
             let inv = ctx.kernel("moe.cu", MOE_CU, "topk_slot_routes")?;
             // SAFETY: reads the R-entry route_slot, writes R ints of scratch (checked above).
             unsafe {
