@@ -49,8 +49,8 @@ fn hc_fusion() -> bool {
 /// (`hc_pre_rows`); below, the split-K pass spreads fewer tokens over more blocks.
 const ROWS_MIN_TOKENS: usize = 64;
 
-/// 32-column chunks a warp of `hc_pre_rows` takes (so a block spans 8 × this many): 0 turns
-/// the tensor-core partial pass off. `XING4_HC_ROWS` sets it for the device A/B; tests and
+/// 32-column chunks a warp of `hc_pre_rows` takes (so a block spans 8 × this many; at most 64):
+/// 0 turns the tensor-core partial pass off. `XING4_HC_ROWS` sets it for the device A/B; tests and
 /// timing tables set it with [`set_rows_chunks_per_warp`].
 static ROWS_CPW: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
 
@@ -62,8 +62,8 @@ fn rows_chunks_per_warp() -> usize {
     }
     let from_env = std::env::var("XING4_HC_ROWS")
         .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(1, |v| v.min(64));
     ROWS_CPW.store(from_env, Ordering::Relaxed);
     from_env
 }
@@ -71,7 +71,7 @@ fn rows_chunks_per_warp() -> usize {
 /// Sets the chunks per warp of `hc_pre`'s tensor-core partial pass for this process (0: off,
 /// every token count takes the split-K pass). For A/B timings and tests of both paths.
 pub fn set_rows_chunks_per_warp(cpw: usize) {
-    ROWS_CPW.store(cpw, std::sync::atomic::Ordering::Relaxed);
+    ROWS_CPW.store(cpw.min(64), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Threads of an `hc_pre_finish` block (its `__launch_bounds__`): a warp per mix total.
