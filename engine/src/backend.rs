@@ -9,8 +9,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use graph::{
-    Bucket, CpuExecutor, CudaExecutor, GraphBuilder, HostState, LogitRows, NodeTime, Plan,
-    StepShape, StepTiming, ValueKind,
+    Bucket, CpuExecutor, CudaExecutor, GraphBuilder, HostState, LogitRows, LoweringOptions,
+    NodeTime, Plan, StepShape, StepTiming, Target, ValueKind,
 };
 use ops::gpu::GpuCtx;
 use ops::head::Argmax;
@@ -108,10 +108,16 @@ pub(crate) fn mib(b: usize) -> String {
     format!("{:.0} MiB", b as f64 / 1048576.0)
 }
 
-/// The plan for `shape`; with `argmax`, the declaration's `logits` feed an
-/// `Argmax` whose I32 result is the output [`NEXT_TOKEN`], so a greedy step
-/// reads back 4 bytes a row instead of a vocabulary of floats.
-pub fn build_plan(model: &Model, shape: StepShape, argmax: bool) -> Result<Plan, EngineError> {
+/// The plan for `shape`, lowered for `target` with `lowering`; with `argmax`, the
+/// declaration's `logits` feed an `Argmax` whose I32 result is the output [`NEXT_TOKEN`], so
+/// a greedy step reads back 4 bytes a row instead of a vocabulary of floats.
+pub fn build_plan(
+    model: &Model,
+    shape: StepShape,
+    argmax: bool,
+    target: Target,
+    lowering: &LoweringOptions,
+) -> Result<Plan, EngineError> {
     let mut b = GraphBuilder::new(model);
     model.decl.declare(&mut b, &shape)?;
     let mut g = b.finish();
@@ -145,7 +151,30 @@ pub fn build_plan(model: &Model, shape: StepShape, argmax: bool) -> Result<Plan,
         });
         g.outputs.push((NEXT_TOKEN.into(), id));
     }
-    Ok(Plan::new(g, shape)?)
+    Ok(Plan::lowered(g, shape, target, lowering)?)
+}
+
+/// The GPU a session runs on, opened before its plans are lowered (they depend on the card).
+pub(crate) fn open_device(device: Device) -> Result<Option<Arc<GpuCtx>>, EngineError> {
+    match device {
+        Device::Cpu => Ok(None),
+        Device::Cuda(ordinal) => GpuCtx::open(ordinal)
+            .map(|ctx| Some(Arc::new(ctx)))
+            .map_err(|e| EngineError::DeviceUnavailable {
+                device: device.to_string(),
+                reason: e.to_string(),
+            }),
+    }
+}
+
+/// The lowering target of a session's device.
+pub(crate) fn target_of(ctx: Option<&GpuCtx>) -> Target {
+    match ctx {
+        None => Target::Cpu,
+        Some(ctx) => Target::Cuda {
+            compute_capability: ctx.device.compute_capability(),
+        },
+    }
 }
 
 /// The executor of a session and the state it owns.
@@ -169,29 +198,27 @@ pub(crate) enum Backend {
 impl Backend {
     /// The backend for `device`, with cache rows `rows`, sized from `probe` (a decode
     /// plan at `rows`) and `prefill` (the widest prefill chunk at `rows`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         model: &Model,
         device: Device,
+        ctx: Option<Arc<GpuCtx>>,
         cuda_graphs: bool,
         max_model_len: usize,
         rows: usize,
         probe: &Plan,
         prefill: Option<&Plan>,
     ) -> Result<Backend, EngineError> {
-        let ordinal = match device {
-            Device::Cpu => {
-                return Ok(Backend::Cpu {
-                    exec: CpuExecutor::new(),
-                    state: HostState::for_plan(probe, rows)?,
-                });
-            }
-            Device::Cuda(n) => n,
+        let Some(ctx) = ctx else {
+            return Ok(Backend::Cpu {
+                exec: CpuExecutor::new(),
+                state: HostState::for_plan(probe, rows)?,
+            });
         };
         let unavailable = |reason: String| EngineError::DeviceUnavailable {
             device: device.to_string(),
             reason,
         };
-        let ctx = GpuCtx::open(ordinal).map_err(|e| unavailable(e.to_string()))?;
         let weights: usize = graph::weight_layout(probe)?
             .iter()
             .map(|(_, _, b)| b.next_multiple_of(graph::SLOT_ALIGN))
@@ -219,7 +246,7 @@ impl Backend {
             .mem_get_info()
             .map_err(|e| unavailable(e.to_string()))?;
         budget.check(device, free, total)?;
-        let mut exec = CudaExecutor::new(Arc::new(ctx), probe, model, rows)?;
+        let mut exec = CudaExecutor::new(ctx, probe, model, rows)?;
         exec.reserve_arena(arena)?;
         Ok(Backend::Cuda {
             exec: Box::new(exec),
@@ -421,7 +448,7 @@ impl crate::Engine {
 /// the widest prefill chunk at the full bucket.
 pub(crate) fn sizing_plans(
     model: &Model,
-    device: Device,
+    (target, lowering): (Target, &LoweringOptions),
     prefill_chunk: usize,
     max_model_len: usize,
     rows: usize,
@@ -433,16 +460,20 @@ pub(crate) fn sizing_plans(
             logits: LogitRows::Last,
         },
         false,
+        target,
+        lowering,
     )?;
     let chunk = prefill_chunk.min(max_model_len);
-    let prefill = match device {
-        Device::Cuda(_) if chunk > 1 => Some(build_plan(
+    let prefill = match target {
+        Target::Cuda { .. } if chunk > 1 => Some(build_plan(
             model,
             StepShape {
                 bucket: Bucket::Prefill { chunk, kv: rows },
                 logits: LogitRows::Last,
             },
             false,
+            target,
+            lowering,
         )?),
         _ => None,
     };

@@ -10,7 +10,7 @@ pub mod sampling;
 
 pub use backend::{DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, build_plan};
 pub use generate::{FinishReason, GenerateRequest, Generation, Stats, TokenEvent};
-pub use graph::{NodeTime, StepTiming};
+pub use graph::{LoweringOptions, NodeTime, StepTiming, Target};
 pub use model::Model;
 pub use sampling::{Sampler, SamplingParams};
 
@@ -91,6 +91,9 @@ pub struct EngineConfig {
     /// On a GPU, replay one captured CUDA graph per decode bucket (false: eager
     /// launches every step, for A/B measurements).
     pub cuda_graphs: bool,
+    /// The fusions and kernel thresholds of the GPU lowering (the CPU runs the declaration
+    /// as written).
+    pub lowering: LoweringOptions,
 }
 
 impl Default for EngineConfig {
@@ -101,6 +104,7 @@ impl Default for EngineConfig {
             min_kv_bucket: 64,
             device: Device::Cpu,
             cuda_graphs: true,
+            lowering: LoweringOptions::default(),
         }
     }
 }
@@ -126,6 +130,8 @@ pub struct Engine {
     model: Arc<Model>,
     config: EngineConfig,
     backend: Backend,
+    /// What this session's plans are lowered for.
+    target: Target,
     plans: HashMap<PlanKey, Plan>,
     /// Positions `0..len` of the cache hold the current context.
     len: usize,
@@ -143,9 +149,11 @@ impl Engine {
             };
         }
         let rows = Bucket::kv_bucket_for(config.max_model_len, config.min_kv_bucket);
+        let ctx = backend::open_device(config.device)?;
+        let target = backend::target_of(ctx.as_deref());
         let (probe, prefill) = backend::sizing_plans(
             &model,
-            config.device,
+            (target, &config.lowering),
             config.prefill_chunk,
             config.max_model_len,
             rows,
@@ -153,6 +161,7 @@ impl Engine {
         let backend = Backend::new(
             &model,
             config.device,
+            ctx,
             config.cuda_graphs,
             config.max_model_len,
             rows,
@@ -168,6 +177,7 @@ impl Engine {
             model,
             config,
             backend,
+            target,
             plans,
             len: 0,
         })
@@ -242,7 +252,13 @@ impl Engine {
 
     fn plan_for(&mut self, key: PlanKey) -> Result<&Plan, EngineError> {
         if !self.plans.contains_key(&key) {
-            let plan = build_plan(&self.model, key.0, key.1)?;
+            let plan = build_plan(
+                &self.model,
+                key.0,
+                key.1,
+                self.target,
+                &self.config.lowering,
+            )?;
             self.plans.insert(key, plan);
         }
         Ok(&self.plans[&key])

@@ -144,6 +144,9 @@ pub fn lowered_launches(plan: &Plan) -> Result<String, GraphError> {
         layout.len(),
         weight_bytes
     );
+    if let Some((target, opts)) = &plan.lowering {
+        let _ = writeln!(s, "lowered for {target}: {opts}");
+    }
     let show = |id: ValueId, meta: &TensorMeta| -> Result<String, GraphError> {
         let (loc, bytes) = locate(plan, &weights, id)?;
         Ok(match loc {

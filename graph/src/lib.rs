@@ -4,6 +4,7 @@
 mod builder;
 mod cuda_exec;
 mod exec;
+mod lower;
 mod plan;
 
 pub use builder::{Graph, GraphBuilder, Node, ValueId, ValueInfo, ValueKind, WeightSource};
@@ -11,6 +12,7 @@ pub use cuda_exec::{
     CudaExecError, CudaExecutor, NodeTime, StepTiming, lowered_launches, weight_layout,
 };
 pub use exec::{AlignedBuf, CpuExecutor, HostState, HostWeights};
+pub use lower::{LoweringOptions, Target, lower};
 pub use plan::{Bucket, LogitRows, Plan, SLOT_ALIGN, Slot, StepShape};
 
 use ops::OpError;
@@ -48,6 +50,8 @@ pub enum GraphError {
     MissingState(String),
     #[error("the plan has no output `{0}`")]
     MissingOutput(String),
+    #[error("lowering options: {0}")]
+    Lowering(String),
 }
 
 /// An architecture's declaration: everything a model file provides.

@@ -11,6 +11,7 @@ use petgraph::graph::DiGraph;
 
 use crate::GraphError;
 use crate::builder::{Graph, ValueId, ValueKind};
+use crate::lower::{LoweringOptions, Target, lower};
 
 /// Byte alignment of every arena slot (a cache line is 64; 256 suits the GPU too).
 pub const SLOT_ALIGN: usize = 256;
@@ -85,6 +86,9 @@ pub struct Plan {
     pub scratch: Vec<Option<Slot>>,
     /// Bytes the values and every scratch slot need (what a device arena holds).
     pub device_arena_bytes: usize,
+    /// The device the graph was lowered for and the options it was lowered with (None for a
+    /// graph planned as declared).
+    pub lowering: Option<(Target, LoweringOptions)>,
 }
 
 static NEXT_PLAN_ID: AtomicU64 = AtomicU64::new(1);
@@ -107,6 +111,19 @@ fn align(n: usize) -> usize {
 }
 
 impl Plan {
+    /// The plan of a declared graph lowered for `target` with `opts` (see [`lower`]).
+    pub fn lowered(
+        graph: Graph,
+        shape: StepShape,
+        target: Target,
+        opts: &LoweringOptions,
+    ) -> Result<Plan, GraphError> {
+        let mut plan = Plan::new(lower(graph, target, opts)?, shape)?;
+        plan.lowering = Some((target, opts.clone()));
+        Ok(plan)
+    }
+
+    /// The plan of `graph` as it is (no lowering: what the CPU runs, or a hand-built graph).
     pub fn new(graph: Graph, shape: StepShape) -> Result<Plan, GraphError> {
         // The DAG: an edge from the producer of each value to each consumer.
         let mut dag = DiGraph::<usize, ()>::new();
@@ -253,6 +270,7 @@ impl Plan {
             arena_bytes,
             scratch,
             device_arena_bytes,
+            lowering: None,
         })
     }
 
@@ -281,6 +299,15 @@ impl Plan {
             self.schedule.len(),
             self.arena_bytes
         );
+        match &self.lowering {
+            Some((Target::Cpu, _)) => {
+                let _ = writeln!(s, "lowered for cpu: as declared");
+            }
+            Some((target, opts)) => {
+                let _ = writeln!(s, "lowered for {target}: {opts}");
+            }
+            None => {}
+        }
         let weights: Vec<_> = g.of_kind(ValueKind::Weight).collect();
         let weight_bytes: usize = weights.iter().filter_map(|(_, v)| v.meta.bytes()).sum();
         let _ = writeln!(
@@ -320,7 +347,8 @@ impl Plan {
             let outs: Vec<String> = node.outputs.iter().map(|&o| place(o)).collect();
             let _ = writeln!(
                 s,
-                "{step:4} {}\n       in:  {}\n       out: {}",
+                "{step:4} {}: {}\n       in:  {}\n       out: {}",
+                node.name,
                 node.op.describe(),
                 ins.join(", "),
                 outs.join(", ")
@@ -330,5 +358,11 @@ impl Plan {
             let _ = writeln!(s, "output {name} = {}", g.value(*v).name);
         }
         s
+    }
+}
+
+impl std::fmt::Display for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.render())
     }
 }

@@ -60,6 +60,48 @@ pub struct HcParams {
 pub const GATING_SOFTMAX: u32 = 1;
 pub const GATING_SIGMOID: u32 = 2;
 
+/// How router logits become expert scores (`expert_gating_func`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExpertGating {
+    /// `softmax` over the experts ([`GATING_SOFTMAX`]).
+    Softmax,
+    /// An independent `σ` per expert ([`GATING_SIGMOID`]).
+    Sigmoid,
+}
+
+impl ExpertGating {
+    /// The gating a GGUF `expert_gating_func` value names, if any.
+    pub fn from_gguf(v: u32) -> Option<ExpertGating> {
+        match v {
+            GATING_SOFTMAX => Some(ExpertGating::Softmax),
+            GATING_SIGMOID => Some(ExpertGating::Sigmoid),
+            _ => None,
+        }
+    }
+
+    /// The GGUF `expert_gating_func` value.
+    pub fn gguf(self) -> u32 {
+        match self {
+            ExpertGating::Softmax => GATING_SOFTMAX,
+            ExpertGating::Sigmoid => GATING_SIGMOID,
+        }
+    }
+
+    /// `scoring_func` as a HF `config.json` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertGating::Softmax => "softmax",
+            ExpertGating::Sigmoid => "sigmoid",
+        }
+    }
+}
+
+impl std::fmt::Display for ExpertGating {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct HParams {
     pub arch: Arch,
@@ -91,8 +133,8 @@ pub struct HParams {
     pub n_dense_lead: usize,
     pub expert_weights_scale: f32,
     pub expert_weights_norm: bool,
-    /// [`GATING_SOFTMAX`] or [`GATING_SIGMOID`].
-    pub expert_gating_func: u32,
+    /// `expert_gating_func`.
+    pub expert_gating: ExpertGating,
     pub rms_eps: f32,
     pub rope_freq_base: f32,
     pub rope_dim: usize,
@@ -243,7 +285,8 @@ impl HParams {
             n_dense_lead,
             expert_weights_scale: r.f32("expert_weights_scale"),
             expert_weights_norm: r.bool("expert_weights_norm"),
-            expert_gating_func,
+            expert_gating: ExpertGating::from_gguf(expert_gating_func)
+                .unwrap_or(ExpertGating::Sigmoid),
             rms_eps: r.f32("attention.layer_norm_rms_epsilon"),
             rope_freq_base: r.f32("rope.freq_base"),
             rope_dim,
@@ -352,7 +395,7 @@ impl HParams {
                 n_dense_lead,
             );
         }
-        if expert_gating_func != GATING_SOFTMAX && expert_gating_func != GATING_SIGMOID {
+        if ExpertGating::from_gguf(expert_gating_func).is_none() {
             r.bad(
                 "expert_gating_func",
                 "1 (softmax) or 2 (sigmoid)",
@@ -427,7 +470,7 @@ impl HParams {
         put("expert_count", u(self.n_expert));
         put("expert_used_count", u(self.n_expert_used));
         put("expert_shared_count", u(self.n_expert_shared));
-        put("expert_gating_func", Value::U32(self.expert_gating_func));
+        put("expert_gating_func", Value::U32(self.expert_gating.gguf()));
         put("expert_weights_norm", Value::Bool(self.expert_weights_norm));
         put(
             "expert_weights_scale",

@@ -33,7 +33,7 @@ fn the_reference_deepseek2_checkpoint_passes_its_schema_with_the_readme_dimensio
     assert_eq!((h.n_ff, h.n_ff_exp, h.n_dense_lead), (128, 32, 1));
     assert_eq!((h.n_expert, h.n_expert_used, h.n_expert_shared), (8, 2, 1));
     assert_eq!((h.n_vocab, h.n_ctx_train), (512, 16384));
-    assert_eq!(h.expert_gating_func, 2);
+    assert_eq!(h.expert_gating, loader::hparams::ExpertGating::Sigmoid);
     assert!(h.expert_weights_norm);
     assert_eq!(h.expert_weights_scale, 2.0);
     assert_eq!(h.rms_eps, 1e-6);

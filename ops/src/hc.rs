@@ -38,40 +38,31 @@ fn pre_segment(w: usize) -> usize {
     w.div_ceil(128).next_multiple_of(8).max(32)
 }
 
-/// `XING4_HC_FUSION=0` runs hc_post, hc_pre and the norm as separate kernels even where one
-/// launch could do their work (same results up to f32 rounding): an A/B switch for the device.
-fn hc_fusion() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("XING4_HC_FUSION").map_or(true, |v| v != "0"))
+/// The most 32-column chunks a warp of `hc_pre_rows` takes (a block spans 8 × this many).
+pub const ROWS_CHUNKS_PER_WARP_LIMIT: usize = 64;
+
+/// How `hc_pre`'s partial dots run on the GPU (chosen by the graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HcPreKernel {
+    #[default]
+    Unlowered,
+    /// ~128 blocks each take a column segment of `fn` for up to 8 tokens (decode: one token
+    /// spread over the chip).
+    SplitK,
+    /// 16-token tiles on the tensor cores (`hc_pre_rows`: tf32 hi + lo against the bf16 fn),
+    /// each warp taking `chunks_per_warp` 32-column chunks (1..=64). Needs hc = 4, D a multiple
+    /// of 32 and a BF16 fn ([`HcPre::rows_supports`]); the split-K pass runs otherwise.
+    Rows { chunks_per_warp: usize },
 }
 
-/// Tokens from which `hc_pre`'s partial pass runs as 16-token tiles on the tensor cores
-/// (`hc_pre_rows`); below, the split-K pass spreads fewer tokens over more blocks.
-const ROWS_MIN_TOKENS: usize = 64;
-
-/// 32-column chunks a warp of `hc_pre_rows` takes (so a block spans 8 × this many; at most 64):
-/// 0 turns the tensor-core partial pass off. `XING4_HC_ROWS` sets it for the device A/B; tests and
-/// timing tables set it with [`set_rows_chunks_per_warp`].
-static ROWS_CPW: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
-
-fn rows_chunks_per_warp() -> usize {
-    use std::sync::atomic::Ordering;
-    let v = ROWS_CPW.load(Ordering::Relaxed);
-    if v != usize::MAX {
-        return v;
+impl HcPreKernel {
+    fn label(self) -> String {
+        match self {
+            HcPreKernel::Unlowered => String::new(),
+            HcPreKernel::SplitK => " [split-k]".into(),
+            HcPreKernel::Rows { chunks_per_warp } => format!(" [rows cpw={chunks_per_warp}]"),
+        }
     }
-    let from_env = std::env::var("XING4_HC_ROWS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .map_or(1, |v| v.min(64));
-    ROWS_CPW.store(from_env, Ordering::Relaxed);
-    from_env
-}
-
-/// Sets the chunks per warp of `hc_pre`'s tensor-core partial pass for this process (0: off,
-/// every token count takes the split-K pass). For A/B timings and tests of both paths.
-pub fn set_rows_chunks_per_warp(cpw: usize) {
-    ROWS_CPW.store(cpw.min(64), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Threads of an `hc_pre_finish` block (its `__launch_bounds__`): a warp per mix total.
@@ -390,12 +381,18 @@ pub struct HcPre {
     pub rms_eps: f32,
     pub hc_eps: f32,
     pub clamp: f32,
+    pub kernel: HcPreKernel,
 }
 
 impl HcPre {
     /// Rows of `fn`: `[pre (hc) | post (hc) | comb (hc²)]`.
     pub fn mixes(&self) -> usize {
         2 * self.hc + self.hc * self.hc
+    }
+
+    /// Whether the tensor-core rows pass takes streams of width `d` and an `fn` of `fn_dtype`.
+    pub fn rows_supports(&self, d: usize, fn_dtype: DType) -> bool {
+        self.hc == 4 && self.mixes() == 24 && d.is_multiple_of(32) && fn_dtype == DType::BF16
     }
 }
 
@@ -471,8 +468,13 @@ impl Op for HcPre {
 
     fn describe(&self) -> String {
         format!(
-            "hc_pre(hc={}, iters={}, rms_eps={:e}, hc_eps={:e}, clamp={})",
-            self.hc, self.sinkhorn_iters, self.rms_eps, self.hc_eps, self.clamp
+            "hc_pre(hc={}, iters={}, rms_eps={:e}, hc_eps={:e}, clamp={}){}",
+            self.hc,
+            self.sinkhorn_iters,
+            self.rms_eps,
+            self.hc_eps,
+            self.clamp,
+            self.kernel.label()
         )
     }
 
@@ -561,13 +563,15 @@ impl HcPre {
         let pairs = vec && fused_smem <= 48 << 10;
         let part = scratch.ptr;
         let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
-        let cpw = rows_chunks_per_warp();
+        let cpw = match self.kernel {
+            HcPreKernel::Unlowered => return Err(crate::linear::unlowered(op)),
+            HcPreKernel::SplitK => 0,
+            HcPreKernel::Rows { chunks_per_warp } => {
+                chunks_per_warp.clamp(1, ROWS_CHUNKS_PER_WARP_LIMIT)
+            }
+        };
         let rows = cpw > 0
-            && n >= ROWS_MIN_TOKENS
-            && self.hc == 4
-            && k == 24
-            && d.is_multiple_of(32)
-            && f.meta.dtype == DType::BF16
+            && self.rows_supports(d, f.meta.dtype)
             && [h.ptr, f.ptr].iter().all(|p| p.is_multiple_of(16));
         let mut post = post;
         if let Some(p) = post {
@@ -576,7 +580,7 @@ impl HcPre {
             } else {
                 pairs
             };
-            if !(fuses && hc_fusion()) {
+            if !fuses {
                 // SAFETY: the caller's hc_post inputs and H' (inputs[0]) are n×… as checked.
                 unsafe { launch_hc_post(ctx, self.hc, p, h.ptr, n, d)? };
                 post = None;
@@ -863,7 +867,7 @@ impl HcPreNorm {
             return Ok(());
         }
         let w = inputs[4].ptr;
-        if hc_fusion() && HcPre::norm_fuses(d, &[inputs[0].ptr, x, w]) {
+        if HcPre::norm_fuses(d, &[inputs[0].ptr, x, w]) {
             // SAFETY: the caller's contract; w holds D f32.
             return unsafe {
                 self.pre.enqueue(
@@ -1217,6 +1221,7 @@ mod tests {
             rms_eps: 1e-6,
             hc_eps: 1e-6,
             clamp: 30.0,
+            kernel: HcPreKernel::Unlowered,
         }
     }
 
@@ -1459,7 +1464,7 @@ mod tests {
             // far above the f32 tolerance.
             let dtype = if bf { DType::BF16 } else { DType::F32 };
             let c = Case::random(seed, pick_hc(hc_i), n, d, dtype, 10f32.powi(mag_exp));
-            let p = HcPre { hc: c.hc, sinkhorn_iters: iters, rms_eps, hc_eps, clamp };
+            let p = HcPre { hc: c.hc, sinkhorn_iters: iters, rms_eps, hc_eps, clamp, kernel: HcPreKernel::Unlowered };
             check_pre_against_f64(&p, &c)?;
         }
 

@@ -43,8 +43,69 @@ fn kernel_suffix(dtype: DType) -> &'static str {
     }
 }
 
-/// Token counts up to this take the weight-streaming GEMV; more take tensor-core tiles.
-pub const GEMV_MAX_TOKENS: usize = 8;
+/// The most rows the weight-streaming GEMV kernels take (`gemv_*_<nt>`, nt ≤ 8).
+pub const GEMV_ROWS_LIMIT: usize = 8;
+
+/// The family of kernels a [`Linear`]-shaped product runs on the GPU. The graph's lowering
+/// chooses it per step shape (`graph::LoweringOptions`); an op never picks its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum LinearKernel {
+    /// Declared and not lowered: the CPU reference runs it, the CUDA path refuses it.
+    #[default]
+    Unlowered,
+    /// The weight-streaming GEMV, at most [`GEMV_ROWS_LIMIT`] rows (the IQ4_NL row split, the
+    /// one-token BF16 kernel, or the generic GEMV; f32 sums). With `weights_first` the
+    /// one-token BF16 kernel issues its weight loads before waiting for its predecessor.
+    Gemv { weights_first: bool },
+    /// x narrowed to bf16, then cuBLAS (BF16 weights) or mma.sync tiles decoding the weight
+    /// (other types): f32 accumulation, BF16 tolerance.
+    TensorCore,
+}
+
+impl LinearKernel {
+    /// The variant as a plan's text shows it (empty while unlowered).
+    pub fn label(self) -> &'static str {
+        match self {
+            LinearKernel::Unlowered => "",
+            LinearKernel::Gemv {
+                weights_first: true,
+            } => " [gemv, weights first]",
+            LinearKernel::Gemv {
+                weights_first: false,
+            } => " [gemv]",
+            LinearKernel::TensorCore => " [tensor cores]",
+        }
+    }
+
+    /// The chosen variant for `n` rows, or why the CUDA path cannot run it.
+    pub(crate) fn chosen(self, op: &'static str, n: usize) -> Result<LinearKernel, OpError> {
+        match self {
+            LinearKernel::Unlowered => Err(unlowered(op)),
+            LinearKernel::Gemv { .. } if n > GEMV_ROWS_LIMIT => Err(OpError::shape(
+                op,
+                format!("the GEMV takes at most {GEMV_ROWS_LIMIT} rows, found {n}"),
+            )),
+            k => Ok(k),
+        }
+    }
+
+    fn weights_first(self) -> i32 {
+        i32::from(matches!(
+            self,
+            LinearKernel::Gemv {
+                weights_first: true
+            }
+        ))
+    }
+}
+
+/// The refusal of an op whose CUDA kernel was never chosen.
+pub(crate) fn unlowered(op: &'static str) -> OpError {
+    OpError::shape(
+        op,
+        "no CUDA kernel chosen: plans for a GPU are lowered first (graph::lower)",
+    )
+}
 /// Warps a GEMV block, shared bytes a warp (two stages of 4096 + 32) — as in linear.cu.
 const GEMV_WARPS: usize = 4;
 const GEMV_SMEM: u32 = (GEMV_WARPS * 2 * (4096 + 32)) as u32;
@@ -137,16 +198,6 @@ fn bf16_dec_plan(k: usize, o: usize, sms: usize) -> Option<(usize, usize, usize)
     Some((u.div_ceil(32 * s).next_power_of_two().max(4), 1, s))
 }
 
-/// 1 when the one-token BF16 GEMVs issue their weight loads before waiting for their
-/// predecessor (`PDL_WEIGHTS_FIRST` in linear.cu); `XING4_PDL_WEIGHTS_FIRST=0` makes them wait
-/// first, an A/B switch for the device.
-fn weights_first() -> i32 {
-    static ON: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        i32::from(std::env::var("XING4_PDL_WEIGHTS_FIRST").map_or(true, |v| v != "0"))
-    })
-}
-
 /// cuBLAS's workspace for the BF16 prefill GEMM, inside the op's scratch (NVIDIA's
 /// recommendation for Hopper). Handing it over keeps a captured graph free of allocations.
 const CUBLAS_WORKSPACE: usize = 32 << 20;
@@ -209,12 +260,13 @@ enum LinearPath {
     Generic,
 }
 
-/// Which kernel a call takes: the IQ4_NL row GEMV for n ≤ 8 when K is whole 256-value
-/// chunks, the BF16 decode GEMV for one token; otherwise the GEMV when n ≤ 8 and K is whole
-/// units of the weight's 16-byte decode group (4 F32, 8 F16/BF16, 32 Q8_0/IQ4_NL, 256 Q6_K);
-/// when n > 8 and K % 32 == 0, cuBLAS for BF16 and the bf16 tensor-core tiles for the other
-/// types; otherwise (and for views not 16-byte aligned) the element-wise fallback.
+/// Which kernel a call takes within its family. GEMV: the IQ4_NL row GEMV when K is whole
+/// 256-value chunks, the BF16 decode GEMV for one token, otherwise the GEMV when K is whole
+/// units of the weight's 16-byte decode group (4 F32, 8 F16/BF16, 32 Q8_0/IQ4_NL, 256 Q6_K).
+/// Tensor cores: when K % 32 == 0, cuBLAS for BF16 and the bf16 tiles for the other types.
+/// Otherwise (and for views not 16-byte aligned) the element-wise fallback.
 fn linear_path(
+    kernel: LinearKernel,
     dtype: DType,
     (n, k, o): (usize, usize, usize),
     x_ptr: u64,
@@ -231,23 +283,25 @@ fn linear_path(
     if k == 0 || !x_ptr.is_multiple_of(16) || !w_ptr.is_multiple_of(16) {
         return LinearPath::Generic;
     }
-    if n <= GEMV_MAX_TOKENS
+    let gemv = matches!(kernel, LinearKernel::Gemv { .. }) && n <= GEMV_ROWS_LIMIT;
+    if gemv
         && dtype == DType::IQ4_NL
         && k.is_multiple_of(256)
         && let Some(plan) = RowsPlan::choose(k / 256, o, 1, false, sms)
     {
         return LinearPath::Iq4Rows(n.next_power_of_two(), plan);
     }
-    if n == 1
+    if gemv
+        && n == 1
         && dtype == DType::BF16
         && k.is_multiple_of(8)
         && let Some((ju, r, s)) = bf16_dec_plan(k, o, sms)
     {
         return LinearPath::Bf16Dec(ju, r, s);
     }
-    if n <= GEMV_MAX_TOKENS && k.is_multiple_of(unit) {
+    if gemv && k.is_multiple_of(unit) {
         LinearPath::Gemv(n.next_power_of_two())
-    } else if n > GEMV_MAX_TOKENS && k.is_multiple_of(32) {
+    } else if kernel == LinearKernel::TensorCore && k.is_multiple_of(32) {
         if dtype == DType::BF16 {
             LinearPath::Cublas
         } else {
@@ -260,8 +314,16 @@ fn linear_path(
 
 /// Inputs: `x` F32 `[n, in]`, `W` `[out, in]` of F32/F16/BF16/Q8_0/Q6_K/IQ4_NL
 /// (`in` whole blocks of W's type). Output F32 `[n, out]`, `y[t][o] = Σ_i W[o][i]·x[t][i]`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Linear;
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Linear {
+    pub kernel: LinearKernel,
+}
+
+impl Linear {
+    pub fn with(kernel: LinearKernel) -> Linear {
+        Linear { kernel }
+    }
+}
 
 impl Op for Linear {
     fn name(&self) -> &'static str {
@@ -323,7 +385,7 @@ impl Op for Linear {
     }
 
     fn describe(&self) -> String {
-        "linear".to_string()
+        format!("linear{}", self.kernel.label())
     }
 
     /// n ≤ 8: f32 GEMV streaming the weight once (F32 tolerance, reordered sums);
@@ -376,8 +438,9 @@ impl Op for Linear {
             // is all the kernels touch; the executor keeps the buffers alive.
             unsafe { l.enqueue() }.map_err(dev_err)
         };
+        let kernel = self.kernel.chosen(op, n)?;
         let sms = ctx.device.sm_count() as usize;
-        let path = linear_path(dtype, (n, k, o), x.ptr, w.ptr, sms);
+        let path = linear_path(kernel, dtype, (n, k, o), x.ptr, w.ptr, sms);
         match path {
             LinearPath::Iq4Rows(nr, plan) => {
                 let blocks = as_i32(op, "row tiles", o.div_ceil(plan.rt))?;
@@ -396,7 +459,7 @@ impl Op for Linear {
                     (blocks as u32, 1),
                     (32 * s) as u32,
                     0,
-                    &[weights_first()],
+                    &[kernel.weights_first()],
                 )
             }
             LinearPath::Gemv(nt) => {
@@ -498,7 +561,7 @@ impl Op for Linear {
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         match (inputs.first(), inputs.get(1)) {
             (Some(x), Some(w)) => match x.shape.as_slice() {
-                &[n, k] if n > GEMV_MAX_TOKENS && k.is_multiple_of(32) => {
+                &[n, k] if self.kernel == LinearKernel::TensorCore && k.is_multiple_of(32) => {
                     prefill_scratch(w.dtype, n, k)
                 }
                 _ => 0,
@@ -514,12 +577,15 @@ impl Op for Linear {
 ///
 /// Inputs: x F32 `[n, in]`, W1 `[out1, in]`, W2 `[out2, in]`. Outputs: F32 `[n, out1]`,
 /// `[n, out2]`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LinearPair;
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LinearPair {
+    pub kernel: LinearKernel,
+}
 
 impl LinearPair {
     /// The decode plan both products share, when one launch can run them.
     fn fused_plan(
+        kernel: LinearKernel,
         x: &DeviceTensor<'_>,
         w1: &DeviceTensor<'_>,
         w2: &DeviceTensor<'_>,
@@ -529,7 +595,7 @@ impl LinearPair {
         let (o1, o2) = (w1.meta.shape[0], w2.meta.shape[0]);
         let one = |w: &DeviceTensor<'_>, o| {
             matches!(
-                linear_path(w.meta.dtype, (n, k, o), x.ptr, w.ptr, sms),
+                linear_path(kernel, w.meta.dtype, (n, k, o), x.ptr, w.ptr, sms),
                 LinearPath::Bf16Dec(..)
             )
         };
@@ -547,8 +613,8 @@ impl Op for LinearPair {
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         arity(self.name(), inputs, 3)?;
-        let mut outs = Linear.infer(&inputs[..2])?;
-        outs.extend(Linear.infer(&[inputs[0], inputs[2]])?);
+        let mut outs = Linear::default().infer(&inputs[..2])?;
+        outs.extend(Linear::default().infer(&[inputs[0], inputs[2]])?);
         Ok(outs)
     }
 
@@ -559,12 +625,12 @@ impl Op for LinearPair {
     ) -> Result<(), OpError> {
         check_host(self, inputs, outputs)?;
         let (first, second) = outputs.split_at_mut(1);
-        Linear.cpu(&inputs[..2], first)?;
-        Linear.cpu(&[inputs[0], inputs[2]], second)
+        Linear::default().cpu(&inputs[..2], first)?;
+        Linear::default().cpu(&[inputs[0], inputs[2]], second)
     }
 
     fn describe(&self) -> String {
-        "linear_pair".to_string()
+        format!("linear_pair{}", self.kernel.label())
     }
 
     /// The two products run one after the other, so they share one scratch.
@@ -572,9 +638,9 @@ impl Op for LinearPair {
         if inputs.len() != 3 {
             return 0;
         }
-        Linear
-            .cuda_scratch_bytes(&inputs[..2])
-            .max(Linear.cuda_scratch_bytes(&[inputs[0], inputs[2]]))
+        let one = Linear::with(self.kernel);
+        one.cuda_scratch_bytes(&inputs[..2])
+            .max(one.cuda_scratch_bytes(&[inputs[0], inputs[2]]))
     }
 
     fn cuda(
@@ -587,10 +653,12 @@ impl Op for LinearPair {
         check_device(self, inputs, outputs)?;
         let op = self.name();
         let (x, w1, w2) = (&inputs[0], &inputs[1], &inputs[2]);
+        let kernel = self.kernel.chosen(op, x.meta.shape[0])?;
         let sms = ctx.device.sm_count() as usize;
-        let Some((ju, r, s)) = Self::fused_plan(x, w1, w2, sms) else {
-            Linear.cuda(ctx, &[*x, *w1], &outputs[..1], scratch)?;
-            return Linear.cuda(ctx, &[*x, *w2], &outputs[1..], scratch);
+        let Some((ju, r, s)) = Self::fused_plan(kernel, x, w1, w2, sms) else {
+            let one = Linear::with(kernel);
+            one.cuda(ctx, &[*x, *w1], &outputs[..1], scratch)?;
+            return one.cuda(ctx, &[*x, *w2], &outputs[1..], scratch);
         };
         let (k, o1, o2) = (x.meta.shape[1], w1.meta.shape[0], w2.meta.shape[0]);
         let blocks = as_i32(op, "row groups", o1.div_ceil(r) + o2.div_ceil(r))?;
@@ -615,7 +683,7 @@ impl Op for LinearPair {
                 .arg(w2.ptr)
                 .arg(outputs[1].ptr)
                 .arg(as_i32(op, "out", o2)?)
-                .arg(weights_first())
+                .arg(kernel.weights_first())
                 .enqueue()
                 .map_err(dev_err)
         }
@@ -631,15 +699,16 @@ impl Op for LinearPair {
 #[derive(Debug, Clone, PartialEq)]
 pub struct NormLinear {
     pub eps: f32,
+    pub kernel: LinearKernel,
 }
 
 impl NormLinear {
     /// Scratch of the unfused path: the normalised x, then what [`Linear`] needs.
-    fn split_scratch(inputs: &[&TensorMeta]) -> (usize, usize) {
+    fn split_scratch(&self, inputs: &[&TensorMeta]) -> (usize, usize) {
         let normed = (inputs[0].numel() * 4).next_multiple_of(256);
         (
             normed,
-            normed + Linear.cuda_scratch_bytes(&[inputs[0], inputs[2]]),
+            normed + Linear::with(self.kernel).cuda_scratch_bytes(&[inputs[0], inputs[2]]),
         )
     }
 }
@@ -652,7 +721,7 @@ impl Op for NormLinear {
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         let op = self.name();
         arity(op, inputs, 3)?;
-        let outs = Linear.infer(&[inputs[0], inputs[2]])?;
+        let outs = Linear::default().infer(&[inputs[0], inputs[2]])?;
         let k = inputs[0].shape[1];
         want_dtype(op, "norm weight", inputs[1], DType::F32)?;
         if inputs[1].shape != [k] {
@@ -679,21 +748,25 @@ impl Op for NormLinear {
             self.eps,
             normed.f32s_mut(),
         );
-        Linear.cpu(
+        Linear::default().cpu(
             &[HostTensor::new(&meta, normed.bytes()), inputs[2]],
             outputs,
         )
     }
 
     fn describe(&self) -> String {
-        format!("rms_norm(eps={:e}) then linear", self.eps)
+        format!(
+            "rms_norm(eps={:e}) then linear{}",
+            self.eps,
+            self.kernel.label()
+        )
     }
 
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         if self.infer(inputs).is_err() {
             return 0;
         }
-        Self::split_scratch(inputs).1
+        self.split_scratch(inputs).1
     }
 
     fn cuda(
@@ -710,8 +783,9 @@ impl Op for NormLinear {
         if n == 0 || o == 0 {
             return Ok(());
         }
+        let kernel = self.kernel.chosen(op, n)?;
         let sms = ctx.device.sm_count() as usize;
-        let path = linear_path(w.meta.dtype, (n, k, o), x.ptr, w.ptr, sms);
+        let path = linear_path(kernel, w.meta.dtype, (n, k, o), x.ptr, w.ptr, sms);
         if let (LinearPath::Bf16Dec(ju, r, s), true) = (path, g.ptr.is_multiple_of(16)) {
             let rb = DType::BF16
                 .row_bytes(k)
@@ -737,13 +811,13 @@ impl Op for NormLinear {
                     .arg(rb as i64)
                     .arg(g.ptr)
                     .arg(self.eps)
-                    .arg(weights_first())
+                    .arg(kernel.weights_first())
                     .enqueue()
                     .map_err(dev_err)
             };
         }
         let metas = [x.meta, g.meta, w.meta];
-        let (normed_bytes, need) = Self::split_scratch(&metas);
+        let (normed_bytes, need) = self.split_scratch(&metas);
         scratch.require(op, need)?;
         // SAFETY: the normalised x (n×in f32) goes to the start of the scratch checked above.
         unsafe {
@@ -758,7 +832,7 @@ impl Op for NormLinear {
             ptr: scratch.ptr + normed_bytes as u64,
             bytes: need - normed_bytes,
         };
-        Linear.cuda(ctx, &[normed, *w], outputs, rest)
+        Linear::with(kernel).cuda(ctx, &[normed, *w], outputs, rest)
     }
 }
 
@@ -825,7 +899,7 @@ mod tests {
             loader::quant::dequantize(dtype.ggml().unwrap(), &wb, &mut wf).unwrap();
             let x = r.vec(n * n_in, -4.0, 4.0);
             let w = Owned::from_bytes(TensorMeta::new([n_out, n_in], dtype), &wb);
-            let y = run(&Linear, &[&Owned::f32([n, n_in], &x), &w]).unwrap()[0].to_f32();
+            let y = run(&Linear::default(), &[&Owned::f32([n, n_in], &x), &w]).unwrap()[0].to_f32();
             // f32 dot of n_in terms: |error| ≤ γ_n · Σ|w·x| with γ_n = n·u/(1 − n·u).
             let u = f32::EPSILON as f64 / 2.0;
             let gamma = n_in as f64 * u / (1.0 - n_in as f64 * u);
@@ -847,7 +921,7 @@ mod tests {
     #[test]
     fn linear_refuses_a_mismatched_input_width_a_partial_block_and_a_non_f32_input() {
         let e = infer(
-            &Linear,
+            &Linear::default(),
             &[
                 TensorMeta::f32([2, 64]),
                 TensorMeta::new([8, 32], DType::BF16),
@@ -856,7 +930,7 @@ mod tests {
         .unwrap_err();
         assert!(matches!(e, OpError::Shape { op: "linear", .. }), "{e}");
         let e = infer(
-            &Linear,
+            &Linear::default(),
             &[
                 TensorMeta::f32([2, 48]),
                 TensorMeta::new([8, 48], DType::Q8_0),
@@ -868,7 +942,7 @@ mod tests {
             "{e}"
         );
         let e = infer(
-            &Linear,
+            &Linear::default(),
             &[
                 TensorMeta::new([2, 32], DType::BF16),
                 TensorMeta::f32([8, 32]),
@@ -877,14 +951,14 @@ mod tests {
         .unwrap_err();
         assert!(matches!(e, OpError::Shape { .. }), "{e}");
         let e = infer(
-            &Linear,
+            &Linear::default(),
             &[TensorMeta::f32([2, 32]), TensorMeta::i32([8, 32])],
         )
         .unwrap_err();
         assert!(matches!(e, OpError::Shape { .. }), "{e}");
         assert_eq!(
             infer(
-                &Linear,
+                &Linear::default(),
                 &[
                     TensorMeta::f32([2, 256]),
                     TensorMeta::new([8, 256], DType::Q6_K)
@@ -976,29 +1050,30 @@ mod tests {
             ]
         };
         let [x, w] = metas(DType::IQ4_NL);
-        assert_eq!(Linear.cuda_scratch_bytes(&[&x, &w]), 256 + 100 * 512 * 2);
+        let tc = Linear::with(LinearKernel::TensorCore);
+        assert_eq!(tc.cuda_scratch_bytes(&[&x, &w]), 256 + 100 * 512 * 2);
         let [x, w] = metas(DType::BF16);
         assert_eq!(
-            Linear.cuda_scratch_bytes(&[&x, &w]),
+            tc.cuda_scratch_bytes(&[&x, &w]),
             256 + 100 * 512 * 2 + CUBLAS_WORKSPACE
         );
-        // Decode sizes and widths that take the fallback need none.
+        // The GEMV and widths that take the fallback need none.
+        let gemv = Linear::with(LinearKernel::Gemv {
+            weights_first: true,
+        });
         let w = TensorMeta::new([7, 512], DType::BF16);
         assert_eq!(
-            Linear.cuda_scratch_bytes(&[&TensorMeta::f32([8, 512]), &w]),
+            gemv.cuda_scratch_bytes(&[&TensorMeta::f32([8, 512]), &w]),
             0
         );
         let w = TensorMeta::new([7, 48], DType::F32);
-        assert_eq!(
-            Linear.cuda_scratch_bytes(&[&TensorMeta::f32([100, 48]), &w]),
-            0
-        );
+        assert_eq!(tc.cuda_scratch_bytes(&[&TensorMeta::f32([100, 48]), &w]), 0);
     }
 
     #[test]
     fn a_weight_buffer_shorter_than_its_shape_is_an_error_not_a_panic() {
         let x = Owned::f32([1, 32], &[1.0; 32]);
         let w = Owned::from_bytes(TensorMeta::new([2, 32], DType::IQ4_NL), &[0u8; 18]);
-        assert!(run(&Linear, &[&x, &w]).is_err());
+        assert!(run(&Linear::default(), &[&x, &w]).is_err());
     }
 }

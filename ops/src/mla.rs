@@ -181,6 +181,7 @@ pub struct MlaQuery {
     pub qk_rope: usize,
     pub kv_lora: usize,
     pub rope: RopeParams,
+    pub kernel: HeadKernel,
 }
 
 impl MlaQuery {
@@ -289,8 +290,13 @@ impl Op for MlaQuery {
 
     fn describe(&self) -> String {
         format!(
-            "mla_query n_head={} qk_nope={} qk_rope={} kv_lora={} {}",
-            self.n_head, self.qk_nope, self.qk_rope, self.kv_lora, self.rope
+            "mla_query n_head={} qk_nope={} qk_rope={} kv_lora={} {}{}",
+            self.n_head,
+            self.qk_nope,
+            self.qk_rope,
+            self.kv_lora,
+            self.rope,
+            self.kernel.label()
         )
     }
 
@@ -315,6 +321,7 @@ impl Op for MlaQuery {
         head_gemv(
             ctx,
             self.name(),
+            self.kernel,
             &HeadGemv {
                 w: &inputs[1],
                 n_head: nh,
@@ -343,9 +350,31 @@ pub(crate) const MLA_CU: &str = include_str!("../kernels/mla.cu");
 
 /// Weight segments of 8 BF16 values one lane of `head_gemv_bf16` holds (`HG_SEGS` there).
 const HG_SEGS: usize = 4;
-/// Tokens up to which the per-head product is a GEMV (weight rows in registers, one group of
-/// lanes a row); beyond, the tensor-core `head_mma_bf16_*` kernels.
-const HEAD_GEMV_MAX_TOKENS: usize = 8;
+/// The most tokens the per-head GEMV (`head_gemv_bf16`) stages at once.
+pub const HEAD_GEMV_ROWS_LIMIT: usize = 8;
+
+/// How the per-head products of [`MlaQuery`] and [`MlaValueOut`] run on the GPU (chosen by the
+/// graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HeadKernel {
+    #[default]
+    Unlowered,
+    /// Weight rows in registers, one group of lanes a row, at most [`HEAD_GEMV_ROWS_LIMIT`]
+    /// tokens: f32 products.
+    Gemv,
+    /// The bf16 tensor-core `head_mma_bf16_*` tiles with x split into two bf16 parts.
+    TensorCore,
+}
+
+impl HeadKernel {
+    fn label(self) -> &'static str {
+        match self {
+            HeadKernel::Unlowered => "",
+            HeadKernel::Gemv => " [gemv]",
+            HeadKernel::TensorCore => " [tensor cores]",
+        }
+    }
+}
 /// `head_mma`'s k slice and pipeline depth (`HT_BK`, `HT_STAGES` in mla.cu), and its shared
 /// memory rows' padding in elements.
 const HT_BK: usize = 32;
@@ -383,10 +412,29 @@ struct HeadGemv<'a> {
     rope: Option<HeadRope>,
 }
 
-fn head_gemv(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), OpError> {
+fn head_gemv(
+    ctx: &GpuCtx,
+    op: &'static str,
+    kernel: HeadKernel,
+    a: &HeadGemv<'_>,
+) -> Result<(), OpError> {
     if a.n_tok == 0 {
         return Ok(());
     }
+    let tiles = match kernel {
+        HeadKernel::Unlowered => return Err(crate::linear::unlowered(op)),
+        HeadKernel::Gemv if a.n_tok > HEAD_GEMV_ROWS_LIMIT => {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the per-head GEMV takes at most {HEAD_GEMV_ROWS_LIMIT} tokens, found {}",
+                    a.n_tok
+                ),
+            ));
+        }
+        HeadKernel::Gemv => false,
+        HeadKernel::TensorCore => true,
+    };
     if a.w.meta.dtype != DType::BF16 {
         return Err(OpError::shape(
             op,
@@ -433,7 +481,7 @@ fn head_gemv(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), OpE
     };
     let i = |what, v| as_i32(op, what, v);
     let rope_col = usize::from(rope_n > 0);
-    if a.n_tok > HEAD_GEMV_MAX_TOKENS {
+    if tiles {
         // Tile (tokens, outputs), the larger one where there are enough tokens to fill the
         // card (on the H200 64x128 is faster up to 256 tokens, 128x128 from 1024; at 512
         // they are within 10%).
@@ -920,6 +968,31 @@ pub struct MlaAttention {
     pub n_head: usize,
     pub kv_lora: usize,
     pub kq_scale: f32,
+    pub kernel: AttentionPath,
+}
+
+/// Which attention kernel runs on the GPU (chosen by the graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum AttentionPath {
+    #[default]
+    Unlowered,
+    /// Split-K flash attention with f32-class corrections: each token's rows in chunks over the
+    /// chip, then a combine (decode and short chunks).
+    SplitK,
+    /// The f16 tensor-core flash kernel of [`crate::mla_prefill`] (long prefill chunks; needs
+    /// a rope width of 64 and `kv_lora` a multiple of 64 up to 512, see
+    /// [`MlaAttention::flash_supports`]).
+    Flash,
+}
+
+impl AttentionPath {
+    fn label(self) -> &'static str {
+        match self {
+            AttentionPath::Unlowered => "",
+            AttentionPath::SplitK => " [split-k]",
+            AttentionPath::Flash => " [flash f16]",
+        }
+    }
 }
 
 impl MlaAttention {
@@ -1017,13 +1090,16 @@ impl Op for MlaAttention {
 
     fn describe(&self) -> String {
         format!(
-            "mla_attention n_head={} kv_lora={} kq_scale={:?}",
-            self.n_head, self.kv_lora, self.kq_scale
+            "mla_attention n_head={} kv_lora={} kq_scale={:?}{}",
+            self.n_head,
+            self.kv_lora,
+            self.kq_scale,
+            self.kernel.label()
         )
     }
 
-    /// Chunks of [`PREFILL_KERNEL_MIN_TOKENS`] tokens or more: the f16 tensor-core flash kernel
-    /// of [`crate::mla_prefill`]. Otherwise split-K flash attention on the tensor cores with
+    /// [`AttentionPath::Flash`]: the f16 tensor-core flash kernel of [`crate::mla_prefill`].
+    /// [`AttentionPath::SplitK`]: split-K flash attention on the tensor cores with
     /// f32-class corrections (`mla_attn_split_t*`, then `mla_attn_combine` when a token's rows
     /// are split over several chunks); see [`attention_chunks`] for the split and
     /// [`attention_tile`] for the tile. A position at or past the cache end (which the CPU
@@ -1045,7 +1121,22 @@ impl Op for MlaAttention {
         let w = inputs
             .get(1)
             .map_or(0, |c| c.meta.shape.get(1).copied().unwrap_or(0));
-        if self.takes_prefill_kernel(n, w) {
+        let flash = match self.kernel {
+            AttentionPath::Unlowered => return Err(crate::linear::unlowered(self.name())),
+            AttentionPath::SplitK => false,
+            AttentionPath::Flash if !self.flash_supports(w) => {
+                return Err(OpError::shape(
+                    self.name(),
+                    format!(
+                        "the flash kernel needs rows of kv_lora + 64 with kv_lora a multiple \
+                         of 64 up to 512, found rows of {w} with kv_lora {}",
+                        self.kv_lora
+                    ),
+                ));
+            }
+            AttentionPath::Flash => true,
+        };
+        if flash {
             check_device(self, inputs, outputs)?;
             let need = mla_prefill_scratch_bytes(rows, w);
             scratch.require("mla_attention", need)?;
@@ -1084,7 +1175,7 @@ impl Op for MlaAttention {
                 );
                 let w = cache.shape.get(1).copied().unwrap_or(0);
                 let split = attention_scratch(n, rows, self.n_head, self.kv_lora);
-                if self.takes_prefill_kernel(n, w) {
+                if self.kernel == AttentionPath::Flash && self.flash_supports(w) {
                     split.max(mla_prefill_scratch_bytes(rows, w))
                 } else {
                     split
@@ -1095,17 +1186,10 @@ impl Op for MlaAttention {
     }
 }
 
-/// Prefill chunks of at least this many tokens take the f16 tensor-core flash kernel
-/// (`mla_prefill`): below it its (token, head) tiles no longer fill the chip.
-pub const PREFILL_KERNEL_MIN_TOKENS: usize = 256;
-
 impl MlaAttention {
-    /// Whether `n` tokens over rows of width `w` go to the prefill kernel.
-    fn takes_prefill_kernel(&self, n: usize, w: usize) -> bool {
-        n >= PREFILL_KERNEL_MIN_TOKENS
-            && w == self.kv_lora + 64
-            && self.kv_lora.is_multiple_of(64)
-            && self.kv_lora <= 512
+    /// Whether the flash kernel takes cache rows of width `w`.
+    pub fn flash_supports(&self, w: usize) -> bool {
+        w == self.kv_lora + 64 && self.kv_lora.is_multiple_of(64) && self.kv_lora <= 512
     }
 
     /// [`Op::cuda`] with the split kernel chosen by the caller, so tests can check and time
@@ -1299,6 +1383,7 @@ pub struct MlaValueOut {
     pub n_head: usize,
     pub kv_lora: usize,
     pub v_head: usize,
+    pub kernel: HeadKernel,
 }
 
 impl MlaValueOut {
@@ -1379,8 +1464,11 @@ impl Op for MlaValueOut {
 
     fn describe(&self) -> String {
         format!(
-            "mla_value_out n_head={} kv_lora={} v_head={}",
-            self.n_head, self.kv_lora, self.v_head
+            "mla_value_out n_head={} kv_lora={} v_head={}{}",
+            self.n_head,
+            self.kv_lora,
+            self.v_head,
+            self.kernel.label()
         )
     }
 
@@ -1397,6 +1485,7 @@ impl Op for MlaValueOut {
         head_gemv(
             ctx,
             self.name(),
+            self.kernel,
             &HeadGemv {
                 w: &inputs[1],
                 n_head: nh,

@@ -6,16 +6,14 @@
 //! `TopKSum` adds each token's routes in slot order. No output element has two writers and
 //! no sum depends on scheduling, so a chunk gives the same bits on every run and thread count.
 
-use std::fmt;
-
 use rayon::prelude::*;
 
 use crate::cpu::{dot, matmul};
 use crate::elementwise::{SwiGlu, swiglu};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
-use crate::linear::{Linear, RowsPlan};
+use crate::linear::{Linear, LinearKernel, RowsPlan, unlowered};
 use crate::mla::{aligned16, as_i32, expect, expect_inputs, expect_weight, nonzero, weight_bytes};
-use crate::moe_prefill::launch_expert_gemm_tc;
+use crate::moe_prefill::{TcKernel, launch_expert_gemm_tc_with};
 use crate::op::{check_device, check_host};
 use crate::tensor::{AlignedBuf, DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
@@ -27,16 +25,11 @@ pub(crate) const MOE_CU: &str = concat!(
 
 /// Input values one `router_logits` block column sums (`RL_SLICE` there).
 const ROUTER_SLICE: usize = 128;
-/// Tokens from which the router's logits are a tiled GEMM (`router_logits_tiled`), and its
-/// slice of D: a multiple of 128 (so the partials fit the scratch sized for ROUTER_SLICE) that
-/// gives a 1024-token chunk ~200 blocks.
-const ROUTER_TILED_MIN_TOKENS: usize = 64;
+/// The tiled router GEMM's slice of D (`router_logits_tiled`): a multiple of 128 (so the
+/// partials fit the scratch sized for ROUTER_SLICE) that gives a 1024-token chunk ~200 blocks.
 const ROUTER_TILED_SLICE: usize = 256;
-/// Routes at or below which the expert ops take the GEMV path (decode: a few tokens, each
-/// expert's weight rows read once for all of its routes); above it the grouped GEMM.
-const GEMV_MAX_ROUTES: usize = 32;
-/// Tokens from which `topk_sum` takes one block a token and an inverse route table.
-const TOPK_MANY_TOKENS: usize = 132;
+/// The most routes the expert GEMV kernels take in one launch.
+pub const GEMV_ROUTES_LIMIT: usize = 32;
 /// Most routes a GEMV block sums at once (the largest `expert_rows_iq4_<NR>`).
 const GEMV_MAXR: usize = 8;
 /// Shared memory a block may use on the target (227 KiB opt-in on an H200).
@@ -70,21 +63,8 @@ fn too_big(op: &'static str, what: &str, v: usize) -> Result<(), OpError> {
 
 // ---- Router --------------------------------------------------------------------------
 
-/// How router logits become expert scores.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Gating {
-    Sigmoid,
-    Softmax,
-}
-
-impl fmt::Display for Gating {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Gating::Sigmoid => "sigmoid",
-            Gating::Softmax => "softmax",
-        })
-    }
-}
+/// How router logits become expert scores: the loader's reading of `expert_gating_func`.
+pub use loader::hparams::ExpertGating as Gating;
 
 /// Top-k expert selection (spec §3.7, llama.cpp `build_moe_ffn`).
 ///
@@ -101,6 +81,72 @@ pub struct Router {
     pub gating: Gating,
     pub norm_topk: bool,
     pub scale: f32,
+    pub kernel: RouterKernel,
+}
+
+/// How the router's logits are computed on the GPU (chosen by the graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RouterKernel {
+    #[default]
+    Unlowered,
+    /// Split-K over 128-input slices (8 experts a block): fills the chip for a few tokens.
+    Slices,
+    /// A tiled f32 GEMM, 64 tokens × 64 experts a block (prefill chunks).
+    Tiled,
+}
+
+impl RouterKernel {
+    fn label(self) -> &'static str {
+        match self {
+            RouterKernel::Unlowered => "",
+            RouterKernel::Slices => " [split-k]",
+            RouterKernel::Tiled => " [tiled]",
+        }
+    }
+}
+
+/// How `topk_sum` finds each token's routes on the GPU (chosen by the graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TopKKernel {
+    #[default]
+    Unlowered,
+    /// Blocks split over tokens and columns, each scanning the route table (few tokens).
+    Scan,
+    /// A slot → route inverse table first (one scatter), then a block a token (many tokens).
+    InverseTable,
+}
+
+impl TopKKernel {
+    fn label(self) -> &'static str {
+        match self {
+            TopKKernel::Unlowered => "",
+            TopKKernel::Scan => " [scan]",
+            TopKKernel::InverseTable => " [inverse table]",
+        }
+    }
+}
+
+/// How the routed expert products run on the GPU (chosen by the graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ExpertKernel {
+    #[default]
+    Unlowered,
+    /// IQ4_NL row GEMVs reading each touched expert's rows once for all of its routes (at
+    /// most [`GEMV_ROUTES_LIMIT`] routes).
+    Gemv,
+    /// The grouped GEMM on the tensor cores, on the given kernel.
+    Grouped(TcKernel),
+}
+
+impl ExpertKernel {
+    fn label(self) -> &'static str {
+        match self {
+            ExpertKernel::Unlowered => "",
+            ExpertKernel::Gemv => " [gemv]",
+            ExpertKernel::Grouped(TcKernel::MmaSync) => " [grouped mma.sync]",
+            ExpertKernel::Grouped(TcKernel::Wgmma) => " [grouped wgmma]",
+        }
+    }
 }
 
 impl Router {
@@ -226,8 +272,13 @@ impl Op for Router {
 
     fn describe(&self) -> String {
         format!(
-            "router n_expert={} top_k={} gating={} norm_topk={} scale={:?}",
-            self.n_expert, self.top_k, self.gating, self.norm_topk, self.scale
+            "router n_expert={} top_k={} gating={} norm_topk={} scale={:?}{}",
+            self.n_expert,
+            self.top_k,
+            self.gating,
+            self.norm_topk,
+            self.scale,
+            self.kernel.label()
         )
     }
 
@@ -267,7 +318,12 @@ impl Op for Router {
         }
         let need = router_scratch(n, d, ne);
         scratch.require(op, need)?;
-        let slices = if n >= ROUTER_TILED_MIN_TOKENS {
+        let tiled = match self.kernel {
+            RouterKernel::Unlowered => return Err(unlowered(op)),
+            RouterKernel::Slices => false,
+            RouterKernel::Tiled => true,
+        };
+        let slices = if tiled {
             let slices = d.div_ceil(ROUTER_TILED_SLICE);
             let token_tiles = n.div_ceil(64);
             if token_tiles > 65535 || slices > 65535 {
@@ -600,6 +656,7 @@ fn per_expert<'b>(
 pub struct ExpertSwiGlu {
     pub n_expert: usize,
     pub n_ff: usize,
+    pub kernel: ExpertKernel,
 }
 
 impl ExpertSwiGlu {
@@ -699,8 +756,10 @@ impl Op for ExpertSwiGlu {
 
     fn describe(&self) -> String {
         format!(
-            "expert_swiglu n_expert={} n_ff={}",
-            self.n_expert, self.n_ff
+            "expert_swiglu n_expert={} n_ff={}{}",
+            self.n_expert,
+            self.n_ff,
+            self.kernel.label()
         )
     }
 
@@ -718,6 +777,7 @@ impl Op for ExpertSwiGlu {
         expert_launch(
             ctx,
             self.name(),
+            self.kernel,
             &Experts {
                 wa: &inputs[1],
                 wb: Some(&inputs[2]),
@@ -757,10 +817,29 @@ struct Experts<'a> {
     nr: usize,
 }
 
-fn expert_launch(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), OpError> {
+fn expert_launch(
+    ctx: &GpuCtx,
+    op: &'static str,
+    kernel: ExpertKernel,
+    a: &Experts<'_>,
+) -> Result<(), OpError> {
     if a.routes == 0 {
         return Ok(());
     }
+    let tc = match kernel {
+        ExpertKernel::Unlowered => return Err(unlowered(op)),
+        ExpertKernel::Gemv if a.routes > GEMV_ROUTES_LIMIT => {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the expert GEMV takes at most {GEMV_ROUTES_LIMIT} routes, found {}",
+                    a.routes
+                ),
+            ));
+        }
+        ExpertKernel::Gemv => None,
+        ExpertKernel::Grouped(tc) => Some(tc),
+    };
     for w in std::iter::once(a.wa).chain(a.wb) {
         if w.meta.dtype != DType::IQ4_NL {
             return Err(OpError::shape(
@@ -788,7 +867,7 @@ fn expert_launch(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), 
     let wb = a.wb.map_or(0, |w| w.ptr);
     let slots = a.n_expert.min(a.routes);
     let i = |what, v| as_i32(op, what, v);
-    if a.routes <= GEMV_MAX_ROUTES {
+    let Some(tc) = tc else {
         let sms = ctx.device.sm_count() as usize;
         let plan =
             RowsPlan::choose(a.n_in / 256, a.n_out, slots, swiglu, sms).ok_or_else(|| {
@@ -804,7 +883,7 @@ fn expert_launch(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), 
         let kern = ctx.kernel("moe.cu", MOE_CU, &format!("expert_rows_iq4_{}", a.nr))?;
         // SAFETY: argument list matches expert_rows_iq4_<NR>; weight rows, inputs and outputs
         // are indexed within the shapes check_device verified, route ids are bounds-checked.
-        unsafe {
+        return unsafe {
             ctx.device
                 .launch(&kern)
                 .grid((
@@ -828,27 +907,27 @@ fn expert_launch(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), 
                 .arg(plan.kp as i32)
                 .enqueue()
                 .map_err(dev_err)
-        }
-    } else {
-        // A chunk's routes: the grouped GEMM on the tensor cores (f16 operands, f32 sums).
-        // SAFETY: the weights, inputs, route table and output were checked by check_device
-        // against the op's shapes; route ids are bounds-checked by the kernel.
-        unsafe {
-            launch_expert_gemm_tc(
-                ctx,
-                a.wa.ptr,
-                a.wb.map(|w| w.ptr),
-                a.x.ptr,
-                a.offsets,
-                a.route_token,
-                a.y,
-                a.n_in,
-                a.n_out,
-                a.n_expert,
-                a.x_rows,
-                a.routes,
-            )
-        }
+        };
+    };
+    // A chunk's routes: the grouped GEMM on the tensor cores (f16 operands, f32 sums).
+    // SAFETY: the weights, inputs, route table and output were checked by check_device
+    // against the op's shapes; route ids are bounds-checked by the kernel.
+    unsafe {
+        launch_expert_gemm_tc_with(
+            ctx,
+            tc,
+            a.wa.ptr,
+            a.wb.map(|w| w.ptr),
+            a.x.ptr,
+            a.offsets,
+            a.route_token,
+            a.y,
+            a.n_in,
+            a.n_out,
+            a.n_expert,
+            a.x_rows,
+            a.routes,
+        )
     }
 }
 
@@ -860,6 +939,7 @@ fn expert_launch(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), 
 pub struct ExpertDown {
     pub n_expert: usize,
     pub n_embd: usize,
+    pub kernel: ExpertKernel,
 }
 
 impl ExpertDown {
@@ -946,8 +1026,10 @@ impl Op for ExpertDown {
 
     fn describe(&self) -> String {
         format!(
-            "expert_down n_expert={} n_embd={}",
-            self.n_expert, self.n_embd
+            "expert_down n_expert={} n_embd={}{}",
+            self.n_expert,
+            self.n_embd,
+            self.kernel.label()
         )
     }
 
@@ -964,6 +1046,7 @@ impl Op for ExpertDown {
         expert_launch(
             ctx,
             self.name(),
+            self.kernel,
             &Experts {
                 wa: &inputs[1],
                 wb: None,
@@ -994,25 +1077,31 @@ impl Op for ExpertDown {
 ///
 /// Inputs: x F32 `[n, in]`, W_gate and W_up `[ff, in]` (any `linear` weight type).
 /// Output: F32 `[n, ff]`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GateUpSwiGlu;
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GateUpSwiGlu {
+    /// The GEMV kernel family takes the one-launch kernel where it can; the chain's products
+    /// run on this family either way.
+    pub kernel: LinearKernel,
+}
 
 impl GateUpSwiGlu {
     /// Whether the one-launch decode kernel takes these inputs.
-    fn fused(x: &TensorMeta, wg: &TensorMeta, wu: &TensorMeta) -> bool {
-        x.shape[0] <= GEMV_MAXR
+    fn fused(&self, x: &TensorMeta, wg: &TensorMeta, wu: &TensorMeta) -> bool {
+        matches!(self.kernel, LinearKernel::Gemv { .. })
+            && x.shape[0] <= GEMV_MAXR
             && wg.dtype == DType::IQ4_NL
             && wu.dtype == DType::IQ4_NL
             && x.shape[1].is_multiple_of(256)
     }
 
     /// Scratch of the unfused chain: gate and up `[n, ff]` each, then what `linear` needs.
-    fn chain_scratch(inputs: &[&TensorMeta]) -> (usize, usize) {
+    fn chain_scratch(&self, inputs: &[&TensorMeta]) -> (usize, usize) {
         let (n, ff) = (inputs[0].shape[0], inputs[1].shape[0]);
         let half = (n * ff * 4).next_multiple_of(256);
-        let lin = Linear
+        let one = Linear::with(self.kernel);
+        let lin = one
             .cuda_scratch_bytes(&inputs[..2])
-            .max(Linear.cuda_scratch_bytes(&[inputs[0], inputs[2]]));
+            .max(one.cuda_scratch_bytes(&[inputs[0], inputs[2]]));
         (half, 2 * half + lin)
     }
 }
@@ -1025,8 +1114,8 @@ impl Op for GateUpSwiGlu {
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         let op = self.name();
         expect_inputs(op, inputs, 3)?;
-        let gate = Linear.infer(&inputs[..2])?;
-        let up = Linear.infer(&[inputs[0], inputs[2]])?;
+        let gate = Linear::default().infer(&inputs[..2])?;
+        let up = Linear::default().infer(&[inputs[0], inputs[2]])?;
         if gate != up {
             return Err(OpError::shape(
                 op,
@@ -1048,11 +1137,11 @@ impl Op for GateUpSwiGlu {
         let meta = outputs[0].meta.clone();
         let bytes = meta.numel() * 4;
         let (mut gate, mut up) = (AlignedBuf::zeroed(bytes), AlignedBuf::zeroed(bytes));
-        Linear.cpu(
+        Linear::default().cpu(
             &[inputs[0], inputs[1]],
             &mut [HostTensorMut::new(&meta, gate.bytes_mut())],
         )?;
-        Linear.cpu(
+        Linear::default().cpu(
             &[inputs[0], inputs[2]],
             &mut [HostTensorMut::new(&meta, up.bytes_mut())],
         )?;
@@ -1061,17 +1150,17 @@ impl Op for GateUpSwiGlu {
     }
 
     fn describe(&self) -> String {
-        "gate_up_swiglu".to_string()
+        format!("gate_up_swiglu{}", self.kernel.label())
     }
 
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         if inputs.len() != 3 || self.infer(inputs).is_err() {
             return 0;
         }
-        if Self::fused(inputs[0], inputs[1], inputs[2]) {
+        if self.fused(inputs[0], inputs[1], inputs[2]) {
             0
         } else {
-            Self::chain_scratch(inputs).1
+            self.chain_scratch(inputs).1
         }
     }
 
@@ -1089,7 +1178,8 @@ impl Op for GateUpSwiGlu {
         if n == 0 || ff == 0 {
             return Ok(());
         }
-        if Self::fused(x.meta, wg.meta, wu.meta) {
+        let kernel = self.kernel.chosen(op, n)?;
+        if self.fused(x.meta, wg.meta, wu.meta) {
             aligned16(op, "x", x)?;
             aligned16(op, "gate weight", wg)?;
             aligned16(op, "up weight", wu)?;
@@ -1124,7 +1214,7 @@ impl Op for GateUpSwiGlu {
             };
         }
         let metas = [x.meta, wg.meta, wu.meta];
-        let (half, need) = Self::chain_scratch(&metas);
+        let (half, need) = self.chain_scratch(&metas);
         scratch.require(op, need)?;
         let out_meta = TensorMeta::f32([n, ff]);
         let part = |i: u64| DeviceTensor {
@@ -1137,8 +1227,9 @@ impl Op for GateUpSwiGlu {
             ptr: scratch.ptr + 2 * half as u64,
             bytes: need - 2 * half,
         };
-        Linear.cuda(ctx, &[*x, *wg], &[gate], lin_scratch)?;
-        Linear.cuda(ctx, &[*x, *wu], &[up], lin_scratch)?;
+        let one = Linear::with(kernel);
+        one.cuda(ctx, &[*x, *wg], &[gate], lin_scratch)?;
+        one.cuda(ctx, &[*x, *wu], &[up], lin_scratch)?;
         SwiGlu.cuda(ctx, &[gate, up], &[*y], Scratch::default())
     }
 }
@@ -1154,6 +1245,7 @@ impl Op for GateUpSwiGlu {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TopKSum {
     pub top_k: usize,
+    pub kernel: TopKKernel,
 }
 
 impl TopKSum {
@@ -1270,15 +1362,13 @@ impl Op for TopKSum {
     }
 
     fn describe(&self) -> String {
-        format!("topk_sum top_k={}", self.top_k)
+        format!("topk_sum top_k={}{}", self.top_k, self.kernel.label())
     }
 
-    /// For many tokens, the slot → route inverse table (R i32).
+    /// With the inverse table, the slot → route table (R i32).
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
-        match (inputs.first(), inputs.get(2)) {
-            (Some(ro), Some(w)) if w.shape.first().is_some_and(|&n| n >= TOPK_MANY_TOKENS) => {
-                ro.shape.first().copied().unwrap_or(0) * 4
-            }
+        match (self.kernel, inputs.first()) {
+            (TopKKernel::InverseTable, Some(ro)) => ro.shape.first().copied().unwrap_or(0) * 4,
             _ => 0,
         }
     }
@@ -1302,7 +1392,11 @@ impl Op for TopKSum {
         // Many tokens fill the chip by themselves: a block a token, which finds its routes in
         // an inverse table made first (scanning the whole route table in every block cost a
         // 4096-token chunk 164 µs a layer); few tokens split the columns too and scan.
-        let many = n >= TOPK_MANY_TOKENS;
+        let many = match self.kernel {
+            TopKKernel::Unlowered => return Err(unlowered(op)),
+            TopKKernel::Scan => false,
+            TopKKernel::InverseTable => true,
+        };
         let col_blocks = if many { 1 } else { blocks_for(d, 256) };
         let slot_route = if many {
             scratch.require(op, r * 4)?;

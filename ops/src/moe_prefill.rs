@@ -39,7 +39,7 @@ const DOWN_X_SCALE: f32 = 1.0 / 256.0;
 
 /// Which kernel computes the grouped product; both give the contract's results, each
 /// bit-reproducible on its own (their bits need not match each other).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TcKernel {
     /// `mma.sync` m16n8k16, tiles of 64 routes × 256 weight rows: any sm_80+ device.
     MmaSync,

@@ -57,7 +57,7 @@ impl OpError {
 ///   host inside a step (the CUDA variant is enqueued on a stream and captured);
 /// * `aliases` lists outputs that are the same storage as an input (an in-place
 ///   update of persistent state such as the KV cache); the executor gives them one buffer.
-pub trait Op: fmt::Debug + Send + Sync {
+pub trait Op: fmt::Debug + Send + Sync + std::any::Any {
     /// Short stable name, e.g. `hc_pre`.
     fn name(&self) -> &'static str;
 

@@ -104,7 +104,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// the GPU must pick the CPU's token wherever the CPU's top-2 gap exceeds twice the
 /// largest GPU−CPU logit difference of that row (no error that small can flip it),
 /// and a free-running GPU generation may leave the CPU's only at such a near-tie.
-/// With prefill chunks of at most `GEMV_MAX_TOKENS` every GPU kernel computes in f32
+/// With prefill chunks of at most `gemv_max_rows` (the lowering's default) every GPU kernel computes in f32
 /// (no bf16 tensor-core tiles), so the 64 greedy ids must equal the CPU's outright.
 #[test]
 fn small_xing4_gpu_greedy_ids_equal_the_cpu_ids_when_every_kernel_computes_in_f32() {
@@ -112,7 +112,7 @@ fn small_xing4_gpu_greedy_ids_equal_the_cpu_ids_when_every_kernel_computes_in_f3
         return;
     }
     let n = 64;
-    let chunk = ops::linear::GEMV_MAX_TOKENS;
+    let chunk = graph::LoweringOptions::default().gemv_max_rows;
     let (cpu_ids, cpu_rows) = greedy(&mut engine_with_chunk(Device::Cpu, true, chunk), n);
     let mut gpu = engine_with_chunk(Device::Cuda(0), true, chunk);
     let req = GenerateRequest {

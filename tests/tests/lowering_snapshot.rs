@@ -1,34 +1,158 @@
-//! The launch list a greedy decode step of the tiny Xing4.0 model lowers to on the
-//! GPU (built from the plan, no GPU needed): every node's op and parameters, where
-//! each device view points (weight buffer, state, arena offset) and its scratch.
+//! What the tiny Xing4.0 model lowers to, per step shape and device (no GPU needed to plan):
+//! the plan text names every node's op, parameters and kernel variant, so a change of fusion
+//! or variant shows in review. And the CUDA lowering's graph, run by the CPU executor (every
+//! fused op's reference is the chain it replaces), computes what the declaration computes.
 
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 
-use graph::{Bucket, LogitRows, StepShape, lowered_launches};
+use engine::{Model, build_plan};
+use graph::{
+    Bucket, CpuExecutor, HostState, LogitRows, LoweringOptions, Plan, StepShape, Target,
+    lowered_launches,
+};
 use loader::hparams::Arch;
 use tools::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 
-#[test]
-fn the_tiny_greedy_decode_step_lowers_to_this_launch_list() {
-    let dir = std::env::temp_dir().join(format!("lowering_tiny_{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    write_checkpoint(&SynthOptions {
-        arch: Arch::Xing4_0,
-        dims: Dims::preset(Preset::Tiny),
-        seed: 11,
-        out: dir.clone(),
-        force: true,
-        progress: false,
-    })
-    .unwrap_or_else(|e| panic!("{e:#}"));
-    let loaded = tools::load::load(&dir.join("model.gguf"), Some(&dir), false).unwrap();
+const HOPPER: Target = Target::Cuda {
+    compute_capability: (9, 0),
+};
+
+fn tiny() -> Arc<Model> {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("lowering_tiny_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        write_checkpoint(&SynthOptions {
+            arch: Arch::Xing4_0,
+            dims: Dims::preset(Preset::Tiny),
+            seed: 11,
+            out: dir.clone(),
+            force: true,
+            progress: false,
+        })
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        dir
+    });
+    tools::load::load(&dir.join("model.gguf"), Some(dir), false)
+        .unwrap()
+        .model
+}
+
+fn plan(model: &Model, bucket: Bucket, target: Target) -> Plan {
     let shape = StepShape {
-        bucket: Bucket::Decode { batch: 1, kv: 64 },
+        bucket,
         logits: LogitRows::Last,
     };
-    let plan = engine::build_plan(&loaded.model, shape, true).unwrap();
+    build_plan(model, shape, false, target, &LoweringOptions::default()).unwrap()
+}
+
+const DECODE: Bucket = Bucket::Decode { batch: 1, kv: 64 };
+/// Past every GEMV threshold, below the tiled router's and the rows pass's.
+const SHORT_CHUNK: Bucket = Bucket::Prefill { chunk: 32, kv: 64 };
+/// Past every threshold (the attention stays split-K: tiny's latent is too narrow for flash).
+const LONG_CHUNK: Bucket = Bucket::Prefill {
+    chunk: 512,
+    kv: 512,
+};
+
+#[test]
+fn the_cpu_runs_the_declaration_as_written() {
+    let m = tiny();
+    for (bucket, name) in [
+        (DECODE, "cpu_decode"),
+        (SHORT_CHUNK, "cpu_prefill_32"),
+        (LONG_CHUNK, "cpu_prefill_512"),
+    ] {
+        let p = plan(&m, bucket, Target::Cpu);
+        let text = p.to_string();
+        // Spec-level ops only: no fused op appears in a CPU plan.
+        for fused in [
+            "hc_post_pre",
+            "then linear",
+            "linear_pair",
+            "gate_up_swiglu",
+            "into the cache",
+        ] {
+            assert!(!text.contains(fused), "{name} has `{fused}`:\n{text}");
+        }
+        insta::assert_snapshot!(name, text);
+    }
+}
+
+#[test]
+fn the_cuda_lowering_fuses_and_picks_a_kernel_for_every_step_shape() {
+    let m = tiny();
+    for (bucket, name) in [
+        (DECODE, "cuda_decode"),
+        (SHORT_CHUNK, "cuda_prefill_32"),
+        (LONG_CHUNK, "cuda_prefill_512"),
+    ] {
+        let p = plan(&m, bucket, HOPPER);
+        let text = p.to_string();
+        assert!(text.contains("lowered for cuda sm_90"), "{text}");
+        insta::assert_snapshot!(name, text);
+    }
+    let decode = plan(&m, DECODE, HOPPER).to_string();
+    assert!(decode.contains("linear_pair [gemv, weights first]"));
+    assert!(decode.contains("expert_swiglu n_expert=8 n_ff=32 [gemv]"));
+    let long = plan(&m, LONG_CHUNK, HOPPER).to_string();
+    assert!(long.contains("[rows cpw=1]"), "{long}");
+    assert!(long.contains("[grouped wgmma]"), "{long}");
+    assert!(long.contains("[inverse table]"), "{long}");
+    // Only the head's one row (the last token's logits) still takes a GEMV.
+    let gemv: Vec<&str> = long.lines().filter(|l| l.contains("[gemv")).collect();
+    assert_eq!(gemv.len(), 1, "{gemv:?}");
+    assert!(gemv[0].contains(" logits: linear"), "{gemv:?}");
+}
+
+#[test]
+fn a_gpu_without_warpgroup_mma_gets_the_mma_sync_expert_kernel() {
+    let ampere = Target::Cuda {
+        compute_capability: (8, 0),
+    };
+    let text = plan(&tiny(), LONG_CHUNK, ampere).to_string();
+    assert!(text.contains("[grouped mma.sync]"), "{text}");
+    assert!(!text.contains("wgmma"), "{text}");
+}
+
+#[test]
+fn every_fusion_can_be_turned_off_and_then_the_declaration_stays() {
+    let m = tiny();
+    let off = LoweringOptions {
+        fuse_hc: false,
+        fuse_norm_linear: false,
+        pair_linears: false,
+        fuse_gate_up: false,
+        fuse_kv_cache_write: false,
+        fold_shared_add: false,
+        ..LoweringOptions::default()
+    };
+    let shape = StepShape {
+        bucket: DECODE,
+        logits: LogitRows::Last,
+    };
+    let unfused = build_plan(&m, shape, false, HOPPER, &off).unwrap();
+    let declared = plan(&m, DECODE, Target::Cpu);
+    assert_eq!(unfused.schedule.len(), declared.schedule.len());
+    let fused = plan(&m, DECODE, HOPPER);
+    assert!(
+        fused.schedule.len() < declared.schedule.len(),
+        "{} fused nodes vs {} declared",
+        fused.schedule.len(),
+        declared.schedule.len()
+    );
+}
+
+#[test]
+fn the_tiny_greedy_decode_step_lowers_to_this_launch_list() {
+    let m = tiny();
+    let shape = StepShape {
+        bucket: DECODE,
+        logits: LogitRows::Last,
+    };
+    let plan = build_plan(&m, shape, true, HOPPER, &LoweringOptions::default()).unwrap();
     let text = lowered_launches(&plan).unwrap();
-    let _ = std::fs::remove_dir_all(PathBuf::from(&dir));
     // The step ends in the argmax, whose I32 result is the only thing read back.
     let last = text
         .lines()
@@ -38,4 +162,58 @@ fn the_tiny_greedy_decode_step_lowers_to_this_launch_list() {
     assert!(last.contains("argmax"), "{last}");
     assert!(text.contains("output next_token"), "{text}");
     insta::assert_snapshot!("tiny_xing4_greedy_decode_lowered", text);
+}
+
+/// Runs `tokens` at positions `0..n` then one decode token on the CPU executor, through the
+/// plans built for `target`; returns every prefill row's logits and the decode step's.
+fn run_on_cpu(m: &Model, target: Target, tokens: &[u32], next: u32) -> (Vec<f32>, Vec<f32>) {
+    let opts = LoweringOptions::default();
+    let n = tokens.len();
+    let prefill = StepShape {
+        bucket: Bucket::Prefill { chunk: n, kv: 64 },
+        logits: LogitRows::All,
+    };
+    let decode = StepShape {
+        bucket: Bucket::Decode { batch: 1, kv: 64 },
+        logits: LogitRows::Last,
+    };
+    let p = build_plan(m, prefill, false, target, &opts).unwrap();
+    let d = build_plan(m, decode, false, target, &opts).unwrap();
+    let mut state = HostState::for_plan(&p, 64).unwrap();
+    let mut exec = CpuExecutor::new();
+    let bytes = |v: &[i32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    let pos: Vec<i32> = (0..n as i32).collect();
+    exec.run(
+        &p,
+        m,
+        &mut state,
+        &[("tokens", &bytes(&ids)), ("positions", &bytes(&pos))],
+    )
+    .unwrap();
+    let rows = exec.output_f32(&p, "logits").unwrap().to_vec();
+    exec.run(
+        &d,
+        m,
+        &mut state,
+        &[
+            ("tokens", &bytes(&[next as i32])),
+            ("positions", &bytes(&[n as i32])),
+        ],
+    )
+    .unwrap();
+    (rows, exec.output_f32(&d, "logits").unwrap().to_vec())
+}
+
+#[test]
+fn the_cuda_lowered_graph_computes_the_declared_one_on_the_cpu() {
+    let m = tiny();
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 512).collect();
+    let (declared_rows, declared_next) = run_on_cpu(&m, Target::Cpu, &tokens, 77);
+    let (lowered_rows, lowered_next) = run_on_cpu(&m, HOPPER, &tokens, 77);
+    assert_eq!(declared_rows.len(), 12 * m.decl.n_vocab());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // Each fused op's reference is the chain it replaces, in the same order: the same bits.
+    assert_eq!(bits(&declared_rows), bits(&lowered_rows));
+    assert_eq!(bits(&declared_next), bits(&lowered_next));
 }

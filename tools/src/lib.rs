@@ -5,6 +5,58 @@ pub mod synth;
 
 use std::path::PathBuf;
 
+use graph::LoweringOptions;
+
+/// The GPU lowering's switches a user may flip for an A/B run. Each flag's environment
+/// variable sets it too, so a script can A/B binaries it does not start itself; the flag wins.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct LoweringArgs {
+    /// Run hc_post, hc_pre and the sub-layer norm as separate kernels instead of one
+    /// (also `XING4_HC_FUSION=0`).
+    #[arg(long)]
+    pub no_hc_fusion: bool,
+    /// 32-column chunks a warp of the hc boundaries' tensor-core rows pass takes in prefill
+    /// chunks, 1..=64; 0 turns the rows pass off (also `XING4_HC_ROWS=N`; default 1).
+    #[arg(long, value_name = "N")]
+    pub hc_rows: Option<usize>,
+    /// The one-token BF16 GEMVs wait for their predecessor before loading their weights
+    /// (also `XING4_PDL_WEIGHTS_FIRST=0`).
+    #[arg(long)]
+    pub no_weights_first: bool,
+}
+
+impl LoweringArgs {
+    /// The lowering options these flags (and the environment) give.
+    pub fn options(&self) -> anyhow::Result<LoweringOptions> {
+        self.options_with(|k| std::env::var(k).ok())
+    }
+
+    fn options_with(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> anyhow::Result<LoweringOptions> {
+        let off = |k: &str| env(k).is_some_and(|v| v == "0");
+        let hc_rows = match (self.hc_rows, env("XING4_HC_ROWS")) {
+            (Some(n), _) => n,
+            (None, Some(v)) => v.parse().map_err(|_| {
+                anyhow::anyhow!(
+                    "XING4_HC_ROWS={v:?}: expected a count of 32-column chunks (0..=64)"
+                )
+            })?,
+            (None, None) => LoweringOptions::default().hc_rows_chunks_per_warp,
+        };
+        let opts = LoweringOptions {
+            fuse_hc: !(self.no_hc_fusion || off("XING4_HC_FUSION")),
+            hc_rows_chunks_per_warp: hc_rows,
+            pdl_weights_first: !(self.no_weights_first || off("XING4_PDL_WEIGHTS_FIRST")),
+            ..LoweringOptions::default()
+        };
+        opts.validate()
+            .map_err(|e| anyhow::anyhow!("--hc-rows / XING4_HC_ROWS: {e}"))?;
+        Ok(opts)
+    }
+}
+
 /// Where generated checkpoints and compiled kernels are cached:
 /// `$XING4_CACHE_DIR`, else `$XDG_CACHE_HOME/xing4-rt`, else `~/.cache/xing4-rt`.
 pub fn cache_dir() -> PathBuf {
@@ -46,4 +98,39 @@ pub fn default_checkpoint() -> anyhow::Result<PathBuf> {
     };
     synth::write_checkpoint(&opts)?;
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lowering_flags_win_over_the_environment_and_bad_values_name_the_variable() {
+        let env = |k: &str| match k {
+            "XING4_HC_FUSION" => Some("0".to_string()),
+            "XING4_HC_ROWS" => Some("3".to_string()),
+            _ => None,
+        };
+        let o = LoweringArgs::default().options_with(env).unwrap();
+        assert!(!o.fuse_hc && o.pdl_weights_first);
+        assert_eq!(o.hc_rows_chunks_per_warp, 3);
+        let flags = LoweringArgs {
+            hc_rows: Some(0),
+            no_weights_first: true,
+            ..LoweringArgs::default()
+        };
+        let o = flags.options_with(env).unwrap();
+        assert_eq!(o.hc_rows_chunks_per_warp, 0);
+        assert!(!o.pdl_weights_first);
+        let none = LoweringArgs::default().options_with(|_| None).unwrap();
+        assert_eq!(none, LoweringOptions::default());
+        let bad = |k: &str| (k == "XING4_HC_ROWS").then(|| "many".to_string());
+        let err = LoweringArgs::default().options_with(bad).unwrap_err();
+        assert!(err.to_string().contains("XING4_HC_ROWS=\"many\""), "{err}");
+        let too_many = LoweringArgs {
+            hc_rows: Some(65),
+            ..LoweringArgs::default()
+        };
+        assert!(too_many.options_with(|_| None).is_err());
+    }
 }

@@ -8,12 +8,12 @@
 use graph::{GraphBuilder, GraphError, LogitRows, ModelDecl, StepShape, ValueId};
 use loader::hparams::HParams;
 use ops::TensorMeta;
-use ops::elementwise::Add;
+use ops::elementwise::{Add, SwiGlu};
 use ops::embedding::Embedding;
 use ops::head::SliceRows;
-use ops::linear::{Linear, LinearPair, NormLinear};
-use ops::mla::{MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut};
-use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, TopKSum};
+use ops::linear::Linear;
+use ops::mla::{KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut};
+use ops::moe::{ExpertDown, ExpertSwiGlu, RoutePlan, Router, TopKSum};
 use ops::norm::RmsNorm;
 use ops::rope::{RopeParams, Yarn, kq_scale};
 
@@ -126,47 +126,43 @@ impl Trunk {
         let w_vb = self.w(b, layer, "attn_v_b")?;
         let w_o = self.w(b, layer, "attn_output")?;
         b.scope("attn", |b| {
-            // The query's and the key/value's down-projections read the same input.
-            let [qa, kv] = b.opn("q_a_kv_a", LinearPair, &[a, w_qa, w_kva])?;
-            // q_b over the normalised q_a (the norm is q_b's prologue on the GPU).
-            let q = b.op1(
-                "q_a_norm_q_b",
-                NormLinear { eps: h.rms_eps },
-                &[qa, w_qa_norm, w_qb],
-            )?;
+            let qa = b.op1("q_a", Linear::default(), &[a, w_qa])?;
+            let qa = self.rms(b, "q_a_norm", qa, w_qa_norm)?;
+            let q = b.op1("q_b", Linear::default(), &[qa, w_qb])?;
+            let kv = b.op1("kv_a", Linear::default(), &[a, w_kva])?;
             let query = MlaQuery {
                 n_head: h.n_head,
                 qk_nope: h.qk_nope,
                 qk_rope: h.qk_rope,
                 kv_lora: h.kv_lora_rank,
                 rope: self.rope,
+                kernel: Default::default(),
             };
             let q_abs = b.op1("q_absorbed", query, &[q, w_kb, positions])?;
-            // The cache row (normalised latent ‖ roped key), formed at its position in the cache.
+            // The cache row: the normalised latent ‖ the roped shared key, at its position.
             let kv_row = MlaKv {
                 kv_lora: h.kv_lora_rank,
                 qk_rope: h.qk_rope,
                 eps: h.rms_eps,
                 rope: self.rope,
             };
-            let cache = b.op1(
-                "kv_row_to_cache",
-                MlaKvCacheWrite { kv: kv_row },
-                &[cache, kv, w_kva_norm, positions],
-            )?;
+            let row = b.op1("kv_row", kv_row, &[kv, w_kva_norm, positions])?;
+            let cache = b.op1("kv_to_cache", KvCacheWrite, &[cache, row, positions])?;
             let attend = MlaAttention {
                 n_head: h.n_head,
                 kv_lora: h.kv_lora_rank,
                 kq_scale: self.kq_scale,
+                kernel: Default::default(),
             };
             let o_lat = b.op1("attend", attend, &[q_abs, cache, positions])?;
             let v_out = MlaValueOut {
                 n_head: h.n_head,
                 kv_lora: h.kv_lora_rank,
                 v_head: h.v_head,
+                kernel: Default::default(),
             };
             let o = b.op1("v_out", v_out, &[o_lat, w_vb])?;
-            b.op1("out", Linear, &[o, w_o])
+            b.op1("out", Linear::default(), &[o, w_o])
         })
     }
 
@@ -181,8 +177,10 @@ impl Trunk {
         let wg = self.w(b, layer, &format!("ffn_gate{suffix}"))?;
         let wu = self.w(b, layer, &format!("ffn_up{suffix}"))?;
         let wd = self.w(b, layer, &format!("ffn_down{suffix}"))?;
-        let act = b.op1("gate_up_act", GateUpSwiGlu, &[z, wg, wu])?;
-        b.op1("down", Linear, &[act, wd])
+        let gate = b.op1("gate", Linear::default(), &[z, wg])?;
+        let up = b.op1("up", Linear::default(), &[z, wu])?;
+        let act = b.op1("act", SwiGlu, &[gate, up])?;
+        b.op1("down", Linear::default(), &[act, wd])
     }
 
     /// The FFN of layer `layer` over `z = rms(x; ffn_norm)` (spec §3.7): dense for the
@@ -206,15 +204,14 @@ impl Trunk {
             let router = Router {
                 n_expert: h.n_expert,
                 top_k: h.n_expert_used,
-                gating: if h.expert_gating_func == 2 {
-                    Gating::Sigmoid
-                } else {
-                    Gating::Softmax
-                },
+                gating: h.expert_gating,
                 norm_topk: h.expert_weights_norm,
                 scale: h.expert_weights_scale,
+                kernel: Default::default(),
             };
             let [ids, weights] = b.opn("router", router, &[z, w_router, bias])?;
+            // Routes grouped by expert: where each expert's routes start, and each route's
+            // token and top-k slot.
             let plan = RoutePlan {
                 n_expert: h.n_expert,
                 top_k: h.n_expert_used,
@@ -223,6 +220,7 @@ impl Trunk {
             let experts = ExpertSwiGlu {
                 n_expert: h.n_expert,
                 n_ff: h.n_ff_exp,
+                kernel: Default::default(),
             };
             let act = b.op1(
                 "experts_act",
@@ -232,17 +230,17 @@ impl Trunk {
             let down = ExpertDown {
                 n_expert: h.n_expert,
                 n_embd: h.n_embd,
+                kernel: Default::default(),
             };
             let per_route = b.op1("experts_down", down, &[act, w_down, offsets])?;
+            // The routed sum in top-k slot order (one writer an element: the same bits every run).
+            let sum = TopKSum {
+                top_k: h.n_expert_used,
+                kernel: Default::default(),
+            };
+            let routed = b.op1("routed_sum", sum, &[per_route, route_slot, weights])?;
             let shared = b.scope("shared", |b| self.swiglu_ffn(b, layer, "_shexp", z))?;
-            // The routed sum in slot order, then + shared (one op: the add is its last step).
-            b.op1(
-                "routed_plus_shared",
-                TopKSum {
-                    top_k: h.n_expert_used,
-                },
-                &[per_route, route_slot, weights, shared],
-            )
+            b.op1("plus_shared", Add, &[routed, shared])
         })
     }
 
@@ -268,7 +266,7 @@ impl Trunk {
         let w_norm = b.weight("output_norm.weight")?;
         let w_out = b.weight("output.weight")?;
         let normed = self.rms(b, "output_norm", x, w_norm)?;
-        let logits = b.op1("logits", Linear, &[normed, w_out])?;
+        let logits = b.op1("logits", Linear::default(), &[normed, w_out])?;
         b.output("logits", logits);
         Ok(logits)
     }

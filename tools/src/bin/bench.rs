@@ -22,6 +22,8 @@ struct Args {
     /// A .gguf file or a release directory holding one. Default: the embedded small checkpoint.
     #[arg(long)]
     model: Option<PathBuf>,
+    #[command(flatten)]
+    lowering: tools::LoweringArgs,
     /// The release directory, when it is not beside the .gguf.
     #[arg(long)]
     tokenizer_path: Option<PathBuf>,
@@ -233,6 +235,7 @@ fn main() -> Result<()> {
         prefill_chunk: a.prefill_chunk,
         device,
         cuda_graphs: true,
+        lowering: a.lowering.options()?,
         ..EngineConfig::default()
     };
     let t_load = Instant::now();

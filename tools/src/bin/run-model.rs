@@ -58,6 +58,8 @@ struct Args {
     /// Run every GPU decode step eagerly instead of replaying a captured CUDA graph.
     #[arg(long)]
     no_cuda_graphs: bool,
+    #[command(flatten)]
+    lowering: tools::LoweringArgs,
     #[arg(long, default_value_t = 4096)]
     max_model_len: usize,
     /// Prefill chunk size in tokens (0: 4096 on a GPU, 256 on the CPU).
@@ -128,6 +130,7 @@ fn main() -> Result<()> {
         prefill_chunk: args.prefill_chunk,
         device,
         cuda_graphs: !args.no_cuda_graphs,
+        lowering: args.lowering.options()?,
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(loaded.model.clone(), config)

@@ -16,7 +16,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail, ensure};
 use indicatif::{ProgressBar, ProgressStyle};
 use loader::gguf::{GgufWriter, Metadata, TensorSpec, Value};
-use loader::hparams::{Arch, GATING_SIGMOID, HParams, HcParams, YarnParams};
+use loader::hparams::{Arch, ExpertGating, HParams, HcParams, YarnParams};
 use loader::quant;
 use rayon::prelude::*;
 use serde_json::{Value as Json, json};
@@ -228,7 +228,7 @@ impl Dims {
             n_dense_lead: d.n_dense,
             expert_weights_scale: 2.0,
             expert_weights_norm: true,
-            expert_gating_func: GATING_SIGMOID,
+            expert_gating: ExpertGating::Sigmoid,
             rms_eps: 1e-6,
             rope_freq_base: 10000.0,
             rope_dim: d.qk_rope,
@@ -485,7 +485,7 @@ pub fn config_json(h: &HParams) -> Json {
         "n_routed_experts": h.n_expert,
         "num_experts_per_tok": h.n_expert_used,
         "routed_scaling_factor": dec(h.expert_weights_scale),
-        "scoring_func": if h.expert_gating_func == GATING_SIGMOID { "sigmoid" } else { "softmax" },
+        "scoring_func": h.expert_gating.name(),
         "topk_method": "noaux_tc",
         "n_group": 1,
         "topk_group": 1,

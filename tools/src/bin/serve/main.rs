@@ -36,6 +36,8 @@ struct Args {
     /// A .gguf file or a release directory holding one. Default: the embedded small checkpoint.
     #[arg(long, short = 'm')]
     model: Option<PathBuf>,
+    #[command(flatten)]
+    lowering: tools::LoweringArgs,
     /// The release directory (tokenizer.json, config.json, chat template).
     #[arg(long)]
     tokenizer_path: Option<PathBuf>,
@@ -109,6 +111,7 @@ fn main() -> Result<()> {
         }),
         prefill_chunk: args.prefill_chunk,
         device,
+        lowering: args.lowering.options()?,
         ..EngineConfig::default()
     };
     check_memory(&loaded, &config)?;

@@ -1,0 +1,766 @@
+//! Lowering: the graph a model file declares (spec-level ops only) rewritten for one step
+//! shape and one device. This is the one place that decides
+//!
+//! * **fusions** — hc_post + hc_pre + the sub-layer's RMSNorm as one op, a norm into the
+//!   BF16 GEMV after it, two products of one input as a pair, a dense SwiGLU's gate, up and
+//!   combination as one op, the cache row formed at its position, the shared expert's add as
+//!   the top-k sum's last step;
+//! * **the kernel variant of every node** — GEMV or tensor-core tiles, split-K or the rows
+//!   pass, the router's and top-k sum's kernels, the attention kernel, from the rows the step
+//!   shape gives each node.
+//!
+//! Everything it decides comes from [`LoweringOptions`] and the [`Target`]; no op reads the
+//! environment or a static, so a plan's text (which prints each node's variant) is all there
+//! is to know about what runs. The CPU runs the declaration as written: its reference ops
+//! have no variants and the fused ops' references are the chains they replace.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use ops::elementwise::{Add, SwiGlu};
+use ops::hc::{HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm};
+use ops::linear::{GEMV_ROWS_LIMIT, Linear, LinearKernel, LinearPair, NormLinear};
+use ops::mla::{
+    AttentionPath, HEAD_GEMV_ROWS_LIMIT, HeadKernel, KvCacheWrite, MlaAttention, MlaKv,
+    MlaKvCacheWrite, MlaQuery, MlaValueOut,
+};
+use ops::moe::{
+    ExpertDown, ExpertKernel, ExpertSwiGlu, GEMV_ROUTES_LIMIT, GateUpSwiGlu, Router, RouterKernel,
+    TopKKernel, TopKSum,
+};
+use ops::moe_prefill::TcKernel;
+use ops::norm::RmsNorm;
+use ops::{DType, Op, TensorMeta};
+
+use crate::GraphError;
+use crate::builder::{Graph, Node, ValueId, ValueInfo, ValueKind};
+
+/// The device a plan is lowered for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// The reference backend: the declaration runs as written.
+    Cpu,
+    /// An NVIDIA GPU of this compute capability (9.0 takes the Hopper-only kernels).
+    Cuda { compute_capability: (u32, u32) },
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Cpu => f.write_str("cpu"),
+            Target::Cuda {
+                compute_capability: (major, minor),
+            } => write!(f, "cuda sm_{major}{minor}"),
+        }
+    }
+}
+
+/// Every choice the lowering makes for a GPU, in one value. The defaults are what the
+/// H200 measurements chose (bench/RESULTS.md); the binaries build it from their flags, and
+/// the A/B environment switches documented in the README may change single fields.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LoweringOptions {
+    /// hc_post, the next hc_pre and the sub-layer's norm as one op (`hc_post_pre_norm`),
+    /// and an hc_pre with its norm where no hc_post precedes it (`hc_pre_norm`).
+    pub fuse_hc: bool,
+    /// An RMSNorm whose only reader is a BF16 product, inside that product (`norm_linear`).
+    pub fuse_norm_linear: bool,
+    /// Two products of the same input as one op (`linear_pair`: q_a with kv_a).
+    pub pair_linears: bool,
+    /// A dense SwiGLU's gate and up products and their combination as one op.
+    pub fuse_gate_up: bool,
+    /// The cache row (`mla_kv`) formed at its position in the cache.
+    pub fuse_kv_cache_write: bool,
+    /// The add of the shared expert as the top-k sum's last step.
+    pub fold_shared_add: bool,
+    /// Rows up to which products (and their fusions) take the weight-streaming GEMV; more
+    /// take the tensor cores. At most [`GEMV_ROWS_LIMIT`].
+    pub gemv_max_rows: usize,
+    /// Tokens up to which MLA's per-head products are a GEMV. At most [`HEAD_GEMV_ROWS_LIMIT`].
+    pub head_gemv_max_rows: usize,
+    /// Routes up to which the routed experts take the GEMV; more take the grouped GEMM.
+    /// At most [`GEMV_ROUTES_LIMIT`].
+    pub expert_gemv_max_routes: usize,
+    /// Tokens from which the router's logits are a tiled GEMM.
+    pub router_tiled_min_rows: usize,
+    /// Tokens from which the top-k sum builds an inverse route table first.
+    pub topk_inverse_min_rows: usize,
+    /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass.
+    pub hc_rows_min_rows: usize,
+    /// 32-column chunks a warp of the rows pass takes; 0 turns the rows pass off.
+    pub hc_rows_chunks_per_warp: usize,
+    /// Tokens from which attention takes the f16 flash kernel (where its shape allows).
+    pub attention_flash_min_rows: usize,
+    /// The one-token BF16 GEMVs issue their weight loads before waiting for their predecessor.
+    pub pdl_weights_first: bool,
+}
+
+impl Default for LoweringOptions {
+    fn default() -> Self {
+        LoweringOptions {
+            fuse_hc: true,
+            fuse_norm_linear: true,
+            pair_linears: true,
+            fuse_gate_up: true,
+            fuse_kv_cache_write: true,
+            fold_shared_add: true,
+            gemv_max_rows: GEMV_ROWS_LIMIT,
+            head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
+            expert_gemv_max_routes: GEMV_ROUTES_LIMIT,
+            router_tiled_min_rows: 64,
+            topk_inverse_min_rows: 132,
+            hc_rows_min_rows: 64,
+            hc_rows_chunks_per_warp: 1,
+            attention_flash_min_rows: 256,
+            pdl_weights_first: true,
+        }
+    }
+}
+
+impl fmt::Display for LoweringOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let on = |b: bool| if b { "on" } else { "off" };
+        write!(
+            f,
+            "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={}; \
+             gemv<={} head_gemv<={} expert_gemv<={} routes; router tiled>={} topk inverse>={} \
+             hc rows>={} (cpw {}) flash>={}; weights first={}",
+            on(self.fuse_hc),
+            on(self.fuse_norm_linear),
+            on(self.pair_linears),
+            on(self.fuse_gate_up),
+            on(self.fuse_kv_cache_write),
+            on(self.fold_shared_add),
+            self.gemv_max_rows,
+            self.head_gemv_max_rows,
+            self.expert_gemv_max_routes,
+            self.router_tiled_min_rows,
+            self.topk_inverse_min_rows,
+            self.hc_rows_min_rows,
+            self.hc_rows_chunks_per_warp,
+            self.attention_flash_min_rows,
+            on(self.pdl_weights_first)
+        )
+    }
+}
+
+impl LoweringOptions {
+    /// Refuses thresholds past what the kernels take, naming the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let limits = [
+            ("gemv_max_rows", self.gemv_max_rows, GEMV_ROWS_LIMIT),
+            (
+                "head_gemv_max_rows",
+                self.head_gemv_max_rows,
+                HEAD_GEMV_ROWS_LIMIT,
+            ),
+            (
+                "expert_gemv_max_routes",
+                self.expert_gemv_max_routes,
+                GEMV_ROUTES_LIMIT,
+            ),
+            (
+                "hc_rows_chunks_per_warp",
+                self.hc_rows_chunks_per_warp,
+                ops::hc::ROWS_CHUNKS_PER_WARP_LIMIT,
+            ),
+        ];
+        for (name, v, limit) in limits {
+            if v > limit {
+                return Err(format!("{name} = {v}: the kernels take at most {limit}"));
+            }
+        }
+        Ok(())
+    }
+
+    fn linear(&self, rows: usize) -> LinearKernel {
+        if rows <= self.gemv_max_rows.min(GEMV_ROWS_LIMIT) {
+            LinearKernel::Gemv {
+                weights_first: self.pdl_weights_first,
+            }
+        } else {
+            LinearKernel::TensorCore
+        }
+    }
+
+    fn head(&self, rows: usize) -> HeadKernel {
+        if rows <= self.head_gemv_max_rows.min(HEAD_GEMV_ROWS_LIMIT) {
+            HeadKernel::Gemv
+        } else {
+            HeadKernel::TensorCore
+        }
+    }
+
+    fn experts(&self, routes: usize, target: Target) -> ExpertKernel {
+        if routes <= self.expert_gemv_max_routes.min(GEMV_ROUTES_LIMIT) {
+            return ExpertKernel::Gemv;
+        }
+        ExpertKernel::Grouped(match target {
+            Target::Cuda {
+                compute_capability: (9, 0),
+            } => TcKernel::Wgmma,
+            _ => TcKernel::MmaSync,
+        })
+    }
+
+    fn hc_pre(&self, pre: &HcPre, rows: usize, d: usize, fn_dtype: DType) -> HcPreKernel {
+        if self.hc_rows_chunks_per_warp > 0
+            && rows >= self.hc_rows_min_rows
+            && pre.rows_supports(d, fn_dtype)
+        {
+            HcPreKernel::Rows {
+                chunks_per_warp: self.hc_rows_chunks_per_warp,
+            }
+        } else {
+            HcPreKernel::SplitK
+        }
+    }
+}
+
+/// `graph` rewritten for `target`: on a GPU, fused as `opts` says and every node's kernel
+/// variant chosen from its rows; on the CPU, unchanged.
+pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Graph, GraphError> {
+    if target == Target::Cpu {
+        return Ok(graph);
+    }
+    opts.validate().map_err(GraphError::Lowering)?;
+    let mut f = Fusions::new(graph);
+    if opts.fuse_hc {
+        f.hc_boundaries();
+    }
+    if opts.fuse_gate_up {
+        f.gate_up();
+    }
+    if opts.pair_linears {
+        f.linear_pairs();
+    }
+    if opts.fuse_norm_linear {
+        f.norm_linear();
+    }
+    if opts.fuse_kv_cache_write {
+        f.kv_cache_write();
+    }
+    if opts.fold_shared_add {
+        f.shared_add();
+    }
+    let mut g = f.finish();
+    for n in 0..g.nodes.len() {
+        if let Some(op) = choose_kernel(&g, &g.nodes[n], target, opts) {
+            g.nodes[n].op = op;
+        }
+    }
+    Ok(g)
+}
+
+fn op_as<T: 'static>(node: &Node) -> Option<&T> {
+    let any: &dyn Any = node.op.as_ref();
+    any.downcast_ref::<T>()
+}
+
+/// Leading dimension of a node's input `i` (its rows).
+fn rows(g: &Graph, node: &Node, i: usize) -> usize {
+    node.inputs
+        .get(i)
+        .and_then(|v| g.value(*v).meta.shape.first().copied())
+        .unwrap_or(0)
+}
+
+fn meta<'g>(g: &'g Graph, node: &Node, i: usize) -> Option<&'g TensorMeta> {
+    node.inputs.get(i).map(|v| &g.value(*v).meta)
+}
+
+/// The node's op with its kernel variant set, or None for ops without variants.
+fn choose_kernel(
+    g: &Graph,
+    node: &Node,
+    target: Target,
+    o: &LoweringOptions,
+) -> Option<Arc<dyn Op>> {
+    let r0 = rows(g, node, 0);
+    let hc_kernel = |pre: &HcPre, streams: usize, fn_at: usize| {
+        let d = meta(g, node, streams)
+            .and_then(|m| m.shape.last().copied())
+            .unwrap_or(0);
+        let fn_dtype = meta(g, node, fn_at).map_or(DType::F32, |m| m.dtype);
+        o.hc_pre(pre, r0, d, fn_dtype)
+    };
+    if op_as::<Linear>(node).is_some() {
+        return Some(Arc::new(Linear::with(o.linear(r0))));
+    }
+    if op_as::<LinearPair>(node).is_some() {
+        return Some(Arc::new(LinearPair {
+            kernel: o.linear(r0),
+        }));
+    }
+    if let Some(op) = op_as::<NormLinear>(node) {
+        return Some(Arc::new(NormLinear {
+            kernel: o.linear(r0),
+            ..op.clone()
+        }));
+    }
+    if op_as::<GateUpSwiGlu>(node).is_some() {
+        return Some(Arc::new(GateUpSwiGlu {
+            kernel: o.linear(r0),
+        }));
+    }
+    if let Some(op) = op_as::<MlaQuery>(node) {
+        return Some(Arc::new(MlaQuery {
+            kernel: o.head(rows(g, node, 2)),
+            ..op.clone()
+        }));
+    }
+    if let Some(op) = op_as::<MlaValueOut>(node) {
+        return Some(Arc::new(MlaValueOut {
+            kernel: o.head(r0),
+            ..op.clone()
+        }));
+    }
+    if let Some(op) = op_as::<MlaAttention>(node) {
+        let width = meta(g, node, 1)
+            .and_then(|m| m.shape.get(1).copied())
+            .unwrap_or(0);
+        let flash = rows(g, node, 2) >= o.attention_flash_min_rows && op.flash_supports(width);
+        return Some(Arc::new(MlaAttention {
+            kernel: if flash {
+                AttentionPath::Flash
+            } else {
+                AttentionPath::SplitK
+            },
+            ..op.clone()
+        }));
+    }
+    if let Some(op) = op_as::<Router>(node) {
+        return Some(Arc::new(Router {
+            kernel: if r0 >= o.router_tiled_min_rows {
+                RouterKernel::Tiled
+            } else {
+                RouterKernel::Slices
+            },
+            ..op.clone()
+        }));
+    }
+    if let Some(op) = op_as::<TopKSum>(node) {
+        return Some(Arc::new(TopKSum {
+            kernel: if rows(g, node, 2) >= o.topk_inverse_min_rows {
+                TopKKernel::InverseTable
+            } else {
+                TopKKernel::Scan
+            },
+            ..op.clone()
+        }));
+    }
+    if let Some(op) = op_as::<ExpertSwiGlu>(node) {
+        return Some(Arc::new(ExpertSwiGlu {
+            kernel: o.experts(rows(g, node, 4), target),
+            ..op.clone()
+        }));
+    }
+    if let Some(op) = op_as::<ExpertDown>(node) {
+        return Some(Arc::new(ExpertDown {
+            kernel: o.experts(r0, target),
+            ..op.clone()
+        }));
+    }
+    if let Some(op) = op_as::<HcPre>(node) {
+        return Some(Arc::new(HcPre {
+            kernel: hc_kernel(op, 0, 1),
+            ..op.clone()
+        }));
+    }
+    if let Some(op) = op_as::<HcPreNorm>(node) {
+        let mut op = op.clone();
+        op.pre.kernel = hc_kernel(&op.pre, 0, 1);
+        return Some(Arc::new(op));
+    }
+    if let Some(op) = op_as::<HcPostPreNorm>(node) {
+        let mut op = op.clone();
+        op.pre_norm.pre.kernel = hc_kernel(&op.pre_norm.pre, 1, 4);
+        return Some(Arc::new(op));
+    }
+    None
+}
+
+/// The rewrites, over a graph whose nodes may be retired (None) until [`Fusions::finish`].
+struct Fusions {
+    values: Vec<ValueInfo>,
+    nodes: Vec<Option<Node>>,
+    outputs: Vec<(String, ValueId)>,
+}
+
+/// Who produces and who reads each value, at the start of a pass.
+struct Uses {
+    producer: Vec<Option<usize>>,
+    readers: Vec<Vec<usize>>,
+    is_output: Vec<bool>,
+}
+
+impl Uses {
+    /// The one node that reads `v`, when exactly one does and `v` is not a step output.
+    fn sole_reader(&self, v: ValueId) -> Option<usize> {
+        match self.readers[v.0].as_slice() {
+            [one] if !self.is_output[v.0] => Some(*one),
+            _ => None,
+        }
+    }
+}
+
+/// `a+b+c` with the scope each shares with the one before it left out: readable names for
+/// fused nodes (`blk.3.attn.q_a_norm+q_b`).
+fn joined(names: &[&str]) -> String {
+    let mut out = names[0].to_string();
+    for w in names.windows(2) {
+        let scope = |s: &str| s.rfind('.').map_or(String::new(), |i| s[..=i].to_string());
+        let (prev, next) = (w[0], w[1]);
+        let tail = match next.strip_prefix(&scope(prev)) {
+            Some(t) if !scope(prev).is_empty() => t,
+            _ => next,
+        };
+        out.push('+');
+        out.push_str(tail);
+    }
+    out
+}
+
+impl Fusions {
+    fn new(g: Graph) -> Fusions {
+        Fusions {
+            values: g.values,
+            nodes: g.nodes.into_iter().map(Some).collect(),
+            outputs: g.outputs,
+        }
+    }
+
+    fn uses(&self) -> Uses {
+        let mut producer = vec![None; self.values.len()];
+        let mut readers = vec![Vec::new(); self.values.len()];
+        for (n, node) in self.nodes.iter().enumerate() {
+            let Some(node) = node else { continue };
+            for o in &node.outputs {
+                producer[o.0] = Some(n);
+            }
+            for i in &node.inputs {
+                if !readers[i.0].contains(&n) {
+                    readers[i.0].push(n);
+                }
+            }
+        }
+        let mut is_output = vec![false; self.values.len()];
+        for (_, v) in &self.outputs {
+            is_output[v.0] = true;
+        }
+        Uses {
+            producer,
+            readers,
+            is_output,
+        }
+    }
+
+    fn node(&self, n: usize) -> Option<&Node> {
+        self.nodes[n].as_ref()
+    }
+
+    fn as_op<T: 'static>(&self, n: usize) -> Option<&T> {
+        self.node(n).and_then(op_as::<T>)
+    }
+
+    /// Replaces nodes `gone` by one node at index `at` (one of them).
+    fn fuse(
+        &mut self,
+        at: usize,
+        gone: &[usize],
+        op: impl Op + 'static,
+        inputs: Vec<ValueId>,
+        outputs: Vec<ValueId>,
+    ) {
+        let names: Vec<String> = gone
+            .iter()
+            .filter_map(|&n| self.node(n).map(|x| x.name.clone()))
+            .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let name = joined(&refs);
+        for &n in gone {
+            self.nodes[n] = None;
+        }
+        self.nodes[at] = Some(Node {
+            name,
+            op: Arc::new(op),
+            inputs,
+            outputs,
+        });
+    }
+
+    /// `hc_post → hc_pre → rms_norm` (the norm the only reader of hc_pre's x) as one
+    /// `hc_post_pre_norm`; an `hc_pre → rms_norm` with no hc_post before it as `hc_pre_norm`.
+    fn hc_boundaries(&mut self) {
+        let u = self.uses();
+        for q in 0..self.nodes.len() {
+            let Some(pre) = self.as_op::<HcPre>(q).cloned() else {
+                continue;
+            };
+            let qn = self.nodes[q].clone().expect("live");
+            let x = qn.outputs[0];
+            let Some(r) = u.sole_reader(x) else { continue };
+            let Some(norm) = self.as_op::<RmsNorm>(r).cloned() else {
+                continue;
+            };
+            let rn = self.nodes[r].clone().expect("live");
+            if rn.inputs.first() != Some(&x) || rn.inputs.len() != 2 {
+                continue;
+            }
+            let pre_norm = HcPreNorm {
+                pre,
+                norm_eps: norm.eps,
+            };
+            let post = u.producer[qn.inputs[0].0].filter(|&p| self.as_op::<HcPost>(p).is_some());
+            match post {
+                Some(p) => {
+                    let pn = self.nodes[p].clone().expect("live");
+                    let hc_post = self.as_op::<HcPost>(p).cloned().expect("checked");
+                    let mut inputs = pn.inputs.clone();
+                    inputs.extend_from_slice(&qn.inputs[1..]);
+                    inputs.push(rn.inputs[1]);
+                    let outputs = vec![pn.outputs[0], rn.outputs[0], qn.outputs[1], qn.outputs[2]];
+                    let op = HcPostPreNorm {
+                        post: hc_post,
+                        pre_norm,
+                    };
+                    self.fuse(p, &[p, q, r], op, inputs, outputs);
+                }
+                None => {
+                    let mut inputs = qn.inputs.clone();
+                    inputs.push(rn.inputs[1]);
+                    let outputs = vec![rn.outputs[0], qn.outputs[1], qn.outputs[2]];
+                    self.fuse(q, &[q, r], pre_norm, inputs, outputs);
+                }
+            }
+        }
+    }
+
+    /// `swiglu(linear(z, Wg), linear(z, Wu))`, the products read by nothing else, as one
+    /// `gate_up_swiglu`.
+    fn gate_up(&mut self) {
+        let u = self.uses();
+        for s in 0..self.nodes.len() {
+            if self.as_op::<SwiGlu>(s).is_none() {
+                continue;
+            }
+            let sn = self.nodes[s].clone().expect("live");
+            let [g, up] = sn.inputs[..] else { continue };
+            let (Some(gp), Some(upp)) = (u.producer[g.0], u.producer[up.0]) else {
+                continue;
+            };
+            if gp == upp
+                || self.as_op::<Linear>(gp).is_none()
+                || self.as_op::<Linear>(upp).is_none()
+                || u.sole_reader(g) != Some(s)
+                || u.sole_reader(up) != Some(s)
+            {
+                continue;
+            }
+            let (gn, un) = (
+                self.nodes[gp].clone().expect("live"),
+                self.nodes[upp].clone().expect("live"),
+            );
+            if gn.inputs[0] != un.inputs[0] {
+                continue;
+            }
+            let inputs = vec![gn.inputs[0], gn.inputs[1], un.inputs[1]];
+            let at = gp.min(upp);
+            let op = GateUpSwiGlu::default();
+            self.fuse(at, &[gp, upp, s], op, inputs, sn.outputs.clone());
+        }
+    }
+
+    /// The first two products of one input as a `linear_pair`.
+    fn linear_pairs(&mut self) {
+        let mut first_of: HashMap<ValueId, usize> = HashMap::new();
+        for n in 0..self.nodes.len() {
+            if self.as_op::<Linear>(n).is_none() {
+                continue;
+            }
+            let x = self.nodes[n].as_ref().expect("live").inputs[0];
+            let Some(a) = first_of.remove(&x) else {
+                first_of.insert(x, n);
+                continue;
+            };
+            let (an, bn) = (
+                self.nodes[a].clone().expect("live"),
+                self.nodes[n].clone().expect("live"),
+            );
+            let inputs = vec![x, an.inputs[1], bn.inputs[1]];
+            let outputs = vec![an.outputs[0], bn.outputs[0]];
+            self.fuse(a, &[a, n], LinearPair::default(), inputs, outputs);
+            // A third product of `x` pairs with a fourth, not with this pair.
+        }
+    }
+
+    /// `linear(rms_norm(x, w), W)` with a BF16 W and the product the norm's only reader, as
+    /// one `norm_linear` (the norm inside the one-token BF16 GEMV).
+    fn norm_linear(&mut self) {
+        let u = self.uses();
+        for r in 0..self.nodes.len() {
+            let Some(norm) = self.as_op::<RmsNorm>(r).cloned() else {
+                continue;
+            };
+            let rn = self.nodes[r].clone().expect("live");
+            let Some(l) = u.sole_reader(rn.outputs[0]) else {
+                continue;
+            };
+            if self.as_op::<Linear>(l).is_none() || rn.inputs.len() != 2 {
+                continue;
+            }
+            let ln = self.nodes[l].clone().expect("live");
+            if ln.inputs[0] != rn.outputs[0]
+                || self.values[ln.inputs[1].0].meta.dtype != DType::BF16
+            {
+                continue;
+            }
+            let op = NormLinear {
+                eps: norm.eps,
+                kernel: LinearKernel::Unlowered,
+            };
+            let inputs = vec![rn.inputs[0], rn.inputs[1], ln.inputs[1]];
+            self.fuse(r, &[r, l], op, inputs, ln.outputs.clone());
+        }
+    }
+
+    /// `kv_cache_write(cache, mla_kv(kv, w, pos), pos)`, the row read by nothing else, as one
+    /// `mla_kv_cache_write`.
+    fn kv_cache_write(&mut self) {
+        let u = self.uses();
+        for w in 0..self.nodes.len() {
+            if self.as_op::<KvCacheWrite>(w).is_none() {
+                continue;
+            }
+            let wn = self.nodes[w].clone().expect("live");
+            let [cache, row, pos] = wn.inputs[..] else {
+                continue;
+            };
+            let Some(k) = u.producer[row.0] else { continue };
+            let Some(kv) = self.as_op::<MlaKv>(k).cloned() else {
+                continue;
+            };
+            let kn = self.nodes[k].clone().expect("live");
+            if u.sole_reader(row) != Some(w) || kn.inputs.get(2) != Some(&pos) {
+                continue;
+            }
+            let inputs = vec![cache, kn.inputs[0], kn.inputs[1], pos];
+            self.fuse(
+                k,
+                &[k, w],
+                MlaKvCacheWrite { kv },
+                inputs,
+                wn.outputs.clone(),
+            );
+        }
+    }
+
+    /// `add(topk_sum(...), shared)` (either order), the sum read by nothing else, as a
+    /// `topk_sum` with the addend (the same bits: the add is its last step).
+    fn shared_add(&mut self) {
+        let u = self.uses();
+        for a in 0..self.nodes.len() {
+            if self.as_op::<Add>(a).is_none() {
+                continue;
+            }
+            let an = self.nodes[a].clone().expect("live");
+            let [l, r] = an.inputs[..] else { continue };
+            let sum_of = |v: ValueId| {
+                u.producer[v.0].filter(|&t| {
+                    self.as_op::<TopKSum>(t).is_some()
+                        && self.nodes[t].as_ref().is_some_and(|n| n.inputs.len() == 3)
+                        && u.sole_reader(v) == Some(a)
+                })
+            };
+            let (t, addend) = match (sum_of(l), sum_of(r)) {
+                (Some(t), _) => (t, r),
+                (None, Some(t)) => (t, l),
+                _ => continue,
+            };
+            let tn = self.nodes[t].clone().expect("live");
+            let op = self.as_op::<TopKSum>(t).cloned().expect("checked");
+            let mut inputs = tn.inputs.clone();
+            inputs.push(addend);
+            self.fuse(a, &[t, a], op, inputs, an.outputs.clone());
+        }
+    }
+
+    /// The live nodes, and only the values they (or the step's outputs, or the engine as
+    /// inputs) still use, renumbered.
+    fn finish(self) -> Graph {
+        let nodes: Vec<Node> = self.nodes.into_iter().flatten().collect();
+        let mut used = vec![false; self.values.len()];
+        for node in &nodes {
+            for v in node.inputs.iter().chain(&node.outputs) {
+                used[v.0] = true;
+            }
+        }
+        for (_, v) in &self.outputs {
+            used[v.0] = true;
+        }
+        for (i, v) in self.values.iter().enumerate() {
+            if v.kind == ValueKind::Input {
+                used[i] = true;
+            }
+        }
+        let mut new_id = vec![None; self.values.len()];
+        let mut values = Vec::new();
+        for (i, v) in self.values.into_iter().enumerate() {
+            if used[i] {
+                new_id[i] = Some(ValueId(values.len()));
+                values.push(v);
+            }
+        }
+        let map = |v: ValueId| new_id[v.0].expect("a used value");
+        for v in &mut values {
+            v.alias_of = v.alias_of.map(map);
+        }
+        let nodes = nodes
+            .into_iter()
+            .map(|n| Node {
+                inputs: n.inputs.into_iter().map(map).collect(),
+                outputs: n.outputs.into_iter().map(map).collect(),
+                ..n
+            })
+            .collect();
+        let outputs = self
+            .outputs
+            .into_iter()
+            .map(|(name, v)| (name, map(v)))
+            .collect();
+        Graph {
+            values,
+            nodes,
+            outputs,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_names_drop_the_scope_they_share() {
+        assert_eq!(
+            joined(&["blk.3.attn.q_a_norm", "blk.3.attn.q_b"]),
+            "blk.3.attn.q_a_norm+q_b"
+        );
+        assert_eq!(
+            joined(&["blk.0.hc_ffn_post", "blk.1.hc_attn_pre", "blk.1.attn_norm"]),
+            "blk.0.hc_ffn_post+blk.1.hc_attn_pre+attn_norm"
+        );
+    }
+
+    #[test]
+    fn thresholds_past_the_kernels_are_refused_by_name() {
+        let o = LoweringOptions {
+            gemv_max_rows: 9,
+            ..LoweringOptions::default()
+        };
+        assert!(o.validate().unwrap_err().contains("gemv_max_rows = 9"));
+        assert!(LoweringOptions::default().validate().is_ok());
+    }
+}
