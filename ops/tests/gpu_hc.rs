@@ -3,10 +3,12 @@
 
 use half::bf16;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::hc::{HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreNorm, StreamMean};
+use ops::hc::{HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, StreamMean};
 use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::{DType, Op, TensorMeta};
 use proptest::prelude::*;
+
+mod support;
 
 struct Rng(u64);
 
@@ -124,13 +126,25 @@ impl PreCase {
     }
 }
 
-fn pre_op(hc: usize) -> HcPre {
+/// The model's `hc_pre` for `hc` streams on the partial pass `kernel`.
+fn pre_with(hc: usize, kernel: HcPreKernel) -> HcPre {
     HcPre {
         hc,
         sinkhorn_iters: 20,
         rms_eps: 1e-6,
         hc_eps: 1e-6,
         clamp: 30.0,
+        kernel,
+    }
+}
+
+/// [`pre_with`] on the partial pass a plan of `n` tokens of streams `d` wide and an `fn` of
+/// `fn_dtype` would carry (the rows pass from 64 tokens where it applies, split-K otherwise).
+fn pre_op(hc: usize, n: usize, d: usize, fn_dtype: DType) -> HcPre {
+    let p = pre_with(hc, HcPreKernel::SplitK);
+    HcPre {
+        kernel: support::hc_pre_for(&p, n, d, fn_dtype),
+        ..p
     }
 }
 
@@ -152,7 +166,7 @@ fn hc_pre_matches_the_cpu_reference_on_random_shapes() {
     )| {
         let dtype = if bf { DType::BF16 } else { DType::F32 };
         let c = PreCase::random(seed, hc, n, d, dtype, 10f32.powi(mag_exp));
-        let p = HcPre { sinkhorn_iters: iters, hc_eps, clamp, ..pre_op(hc) };
+        let p = HcPre { sinkhorn_iters: iters, hc_eps, clamp, ..pre_op(hc, n, d, dtype) };
         c.check(&gpu, &p).map_err(TestCaseError::fail)?;
     });
 }
@@ -162,7 +176,9 @@ fn hc_pre_matches_the_cpu_reference_at_the_real_width() {
     let Some(gpu) = test_gpu() else { return };
     for (n, dtype) in [(1, DType::BF16), (9, DType::BF16), (2, DType::F32)] {
         let c = PreCase::random(40 + n as u64, 4, n, 3584, dtype, 30.0);
-        let rel = c.check(&gpu, &pre_op(4)).unwrap_or_else(|e| panic!("{e}"));
+        let rel = c
+            .check(&gpu, &pre_op(4, n, 3584, dtype))
+            .unwrap_or_else(|e| panic!("{e}"));
         println!(
             "hc_pre hc=4 D=3584 {dtype} n={n}: max rel x {:.2e}, post {:.2e}, comb {:.2e}",
             rel[0], rel[1], rel[2]
@@ -189,7 +205,7 @@ fn hc_pre_norm_matches_hc_pre_then_rms_norm_fused_or_not() {
         let wmax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
         let mut inputs = c.inputs.clone();
         inputs.push(HostValue::f32([d], &w));
-        let op = HcPreNorm { pre: pre_op(hc), norm_eps: 1e-6 };
+        let op = HcPreNorm { pre: pre_op(hc, n, d, DType::BF16), norm_eps: 1e-6 };
         let cpu = run_cpu(&op, &inputs).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
         let dev = run_gpu(&gpu, &op, &inputs).map_err(|e| TestCaseError::fail(format!("cuda: {e}")))?;
         let tols = [
@@ -251,7 +267,7 @@ fn post_pre_norm_case(
     let op = HcPostPreNorm {
         post: HcPost { hc },
         pre_norm: HcPreNorm {
-            pre: pre_op(hc),
+            pre: pre_op(hc, n, d, DType::BF16),
             norm_eps: 1e-6,
         },
     };
@@ -275,8 +291,9 @@ fn hc_pre_gives_the_same_bits_on_every_run() {
     let Some(gpu) = test_gpu() else { return };
     for n in [1, 12, 100] {
         let c = PreCase::random(7 + n as u64, 4, n, 3584, DType::BF16, 5.0);
-        let a = run_gpu(&gpu, &pre_op(4), &c.inputs).expect("first run");
-        let b = run_gpu(&gpu, &pre_op(4), &c.inputs).expect("second run");
+        let op = pre_op(4, n, 3584, DType::BF16);
+        let a = run_gpu(&gpu, &op, &c.inputs).expect("first run");
+        let b = run_gpu(&gpu, &op, &c.inputs).expect("second run");
         for (i, ((_, x), (_, y))) in a.iter().zip(&b).enumerate() {
             assert!(x == y, "n={n}: output {i} differs between runs");
         }
@@ -293,7 +310,7 @@ fn hc_pre_timing_at_the_real_shape() {
             &gpu,
             &HcPre {
                 sinkhorn_iters: iters,
-                ..pre_op(4)
+                ..pre_op(4, 1, 3584, DType::BF16)
             },
         );
     }
@@ -388,9 +405,10 @@ fn time_hc_pre(gpu: &GpuCtx, p: &HcPre) {
     );
 }
 
-/// From 64 tokens, hc = 4 with D a multiple of 32 takes the tensor-core partial pass
-/// (`hc_pre_rows`, fused with hc_post or not): H' keeps hc_post's bits, x/post/comb the
-/// split-K pass's tolerances (the mixes are tf32 hi+lo products, 22 of H's 24 bits, f32 sums).
+/// From 64 tokens the lowering gives hc = 4 with D a multiple of 32 the tensor-core partial
+/// pass (`HcPreKernel::Rows`: `hc_pre_rows`, fused with hc_post or not): H' keeps hc_post's
+/// bits, x/post/comb the split-K pass's tolerances (the mixes are tf32 hi+lo products, 22 of
+/// H's 24 bits, f32 sums).
 #[test]
 fn the_tensor_core_partial_pass_matches_the_cpu_reference() {
     let Some(gpu) = test_gpu() else { return };
@@ -405,7 +423,7 @@ fn the_tensor_core_partial_pass_matches_the_cpu_reference() {
             post_pre_norm_case(&gpu, 4, n, d, seed).map_err(TestCaseError::fail)?;
         } else {
             let c = PreCase::random(seed, 4, n, d, DType::BF16, 10f32.powi(mag_exp));
-            c.check(&gpu, &pre_op(4)).map_err(TestCaseError::fail)?;
+            c.check(&gpu, &pre_op(4, n, d, DType::BF16)).map_err(TestCaseError::fail)?;
         }
     });
 }
@@ -416,11 +434,21 @@ fn the_tensor_core_partial_pass_matches_at_the_real_width() {
     for n in [64, 333] {
         post_pre_norm_case(&gpu, 4, n, 3584, n as u64).unwrap_or_else(|e| panic!("{e}"));
         let c = PreCase::random(90 + n as u64, 4, n, 3584, DType::BF16, 30.0);
-        let rel = c.check(&gpu, &pre_op(4)).unwrap_or_else(|e| panic!("{e}"));
-        println!(
-            "hc_pre rows hc=4 D=3584 n={n}: max rel x {:.2e}, post {:.2e}, comb {:.2e}",
-            rel[0], rel[1], rel[2]
-        );
+        // The lowering's rows pass, and the split-K pass it falls back to when the rows pass
+        // is turned off (`hc_rows_chunks_per_warp = 0`), on the same tokens.
+        for p in [
+            pre_op(4, n, 3584, DType::BF16),
+            pre_with(4, HcPreKernel::SplitK),
+        ] {
+            let rel = c.check(&gpu, &p).unwrap_or_else(|e| panic!("{e}"));
+            println!(
+                "{} D=3584 n={n}: max rel x {:.2e}, post {:.2e}, comb {:.2e}",
+                p.describe(),
+                rel[0],
+                rel[1],
+                rel[2]
+            );
+        }
     }
 }
 
@@ -431,23 +459,27 @@ fn hc_boundary_timing_for_prefill_chunks() {
     println!("| tokens | partial pass | µs per boundary | GB/s (H, y, H', x) |");
     println!("| ---: | --- | ---: | ---: |");
     for n in [64, 256, 1024, 2048] {
-        for cpw in [0, 1, 2] {
-            ops::hc::set_rows_chunks_per_warp(cpw);
-            let us = time_boundary(&gpu, n);
+        for kernel in [
+            HcPreKernel::SplitK,
+            HcPreKernel::Rows { chunks_per_warp: 1 },
+            HcPreKernel::Rows { chunks_per_warp: 2 },
+        ] {
+            let us = time_boundary(&gpu, n, kernel);
             let bytes = (n * 3584 * 4 * (4 + 1 + 4 + 1)) as f64;
-            let path = if cpw == 0 {
-                "split-K (CUDA cores)".to_string()
-            } else {
-                format!("rows, {cpw} chunk(s) a warp")
+            let path = match kernel {
+                HcPreKernel::Rows { chunks_per_warp } => {
+                    format!("rows, {chunks_per_warp} chunk(s) a warp")
+                }
+                _ => "split-K (CUDA cores)".to_string(),
             };
             println!("| {n} | {path} | {us:.1} | {:.0} |", bytes / us / 1e3);
         }
     }
-    ops::hc::set_rows_chunks_per_warp(1);
 }
 
-/// One `hc_post_pre_norm` at the real width over `n` tokens, graph-replayed.
-fn time_boundary(gpu: &GpuCtx, n: usize) -> f64 {
+/// One `hc_post_pre_norm` at the real width over `n` tokens on the partial pass `kernel`,
+/// graph-replayed.
+fn time_boundary(gpu: &GpuCtx, n: usize, kernel: HcPreKernel) -> f64 {
     let dev = &gpu.device;
     let (hc, d) = (4, 3584);
     let c = PreCase::random(5, hc, n, d, DType::BF16, 3.0);
@@ -463,7 +495,7 @@ fn time_boundary(gpu: &GpuCtx, n: usize) -> f64 {
     let op = HcPostPreNorm {
         post: HcPost { hc },
         pre_norm: HcPreNorm {
-            pre: pre_op(hc),
+            pre: pre_with(hc, kernel),
             norm_eps: 1e-6,
         },
     };

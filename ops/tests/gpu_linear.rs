@@ -4,12 +4,15 @@
 use half::{bf16, f16};
 use ops::Op;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::linear::{Linear, LinearPair, NormLinear};
+use ops::linear::{Linear, LinearKernel, LinearPair, NormLinear};
 use ops::parity::{
     HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu, time_calls_us,
 };
 use ops::{DType, TensorMeta};
 use proptest::prelude::*;
+
+mod support;
+use support::linear_for;
 
 struct Rng(u64);
 
@@ -151,7 +154,8 @@ fn the_decode_gemv_matches_the_cpu_reference_for_every_weight_type() {
         let dtype = TYPES[ti];
         let k = if matches!(dtype, DType::F32 | DType::BF16) { 640 * blocks } else { 256 * blocks };
         let c = Case::random(seed, dtype, n, k, o);
-        let r = check(&gpu, &Linear, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
+        let op = Linear::with(linear_for(n));
+        let r = check(&gpu, &op, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
         prop_assert_eq!(r.elements, n * o);
     });
 }
@@ -167,7 +171,8 @@ fn the_one_token_iq4_nl_gemv_matches_the_cpu_reference_over_slice_counts() {
         // row GEMV, split into K parts of one to four chunks; the others (1, 3, 17, 50) the
         // staged GEMV. Random row counts leave partial row tiles.
         let c = Case::random(seed, DType::IQ4_NL, 1, 64 * pairs, o);
-        let r = check(&gpu, &Linear, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
+        let op = Linear::with(linear_for(1));
+        let r = check(&gpu, &op, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
         prop_assert_eq!(r.elements, o);
     });
 }
@@ -176,12 +181,15 @@ fn the_one_token_iq4_nl_gemv_matches_the_cpu_reference_over_slice_counts() {
 fn the_one_token_bf16_gemv_matches_the_cpu_reference_over_row_lengths() {
     let Some(gpu) = test_gpu() else { return };
     proptest!(ProptestConfig::with_cases(32), |(
-        units in 1usize..1200, o in 1usize..400, seed in any::<u64>(),
+        units in 1usize..1200, o in 1usize..400, weights_first in any::<bool>(),
+        seed in any::<u64>(),
     )| {
         // K = 8·units: up to 128 units rows go four to a block, longer ones one to a block
-        // split over 1 to 8 warps, with the last warps' loads partly past the row's end.
+        // split over 1 to 8 warps, with the last warps' loads partly past the row's end. The
+        // weight loads are issued before or after the wait for the predecessor.
         let c = Case::random(seed, DType::BF16, 1, 8 * units, o);
-        let r = check(&gpu, &Linear, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
+        let op = Linear::with(LinearKernel::Gemv { weights_first });
+        let r = check(&gpu, &op, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
         prop_assert_eq!(r.elements, o);
     });
 }
@@ -208,9 +216,12 @@ fn a_linear_pair_gives_each_product_of_its_weights() {
         let (a, b) = pair_case(seed, dtype, n, k, o1, o2);
         let mut ins = a.inputs();
         ins.push(b.inputs().swap_remove(1));
-        let cpu = run_cpu(&LinearPair, &ins).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
-        let dev = run_gpu(&gpu, &LinearPair, &ins).map_err(|e| TestCaseError::fail(format!("cuda: {e}")))?;
-        let tol = |c: &Case| if n > 8 { c.bf16_tol() } else { c.f32_tol() };
+        let kernel = linear_for(n);
+        let op = LinearPair { kernel };
+        let cpu = run_cpu(&op, &ins).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
+        let dev = run_gpu(&gpu, &op, &ins).map_err(|e| TestCaseError::fail(format!("cuda: {e}")))?;
+        let tensor_cores = kernel == LinearKernel::TensorCore;
+        let tol = |c: &Case| if tensor_cores { c.bf16_tol() } else { c.f32_tol() };
         for (i, (c, ((m, want), (_, got)))) in [&a, &b].into_iter().zip(cpu.iter().zip(&dev)).enumerate() {
             compare(m, want.bytes(), got, tol(c))
                 .map_err(|e| TestCaseError::fail(format!("{dtype} n={n} K={k}: output {i}: {e}")))?;
@@ -237,10 +248,12 @@ fn a_norm_linear_is_the_product_of_the_normalised_input() {
         let mut xn = vec![0f32; n * k];
         ops::norm::rms_norm_rows(&c.x, Some(&g), k, eps, &mut xn);
         let normed = Case { x: xn, w: c.w.clone(), dtype, n, k, o };
-        let tol = if n > 8 { normed.bf16_tol() } else { normed.f32_tol() };
+        let kernel = linear_for(n);
+        let tensor_cores = kernel == LinearKernel::TensorCore;
+        let tol = if tensor_cores { normed.bf16_tol() } else { normed.f32_tol() };
         let mut ins = c.inputs();
         ins.insert(1, HostValue::f32([k], &g));
-        let r = check(&gpu, &NormLinear { eps }, &ins, tol).map_err(TestCaseError::fail)?;
+        let r = check(&gpu, &NormLinear { eps, kernel }, &ins, tol).map_err(TestCaseError::fail)?;
         prop_assert_eq!(r.elements, n * o);
     });
 }
@@ -259,7 +272,8 @@ fn the_prefill_paths_match_the_cpu_reference_within_bf16_rounding() {
         let dtype = TYPES[ti];
         let k = if dtype == DType::Q6_K { 256 * groups.div_ceil(8) } else { 32 * groups };
         let c = Case::random(seed, dtype, n, k, o);
-        let r = check(&gpu, &Linear, &c.inputs(), c.bf16_tol()).map_err(TestCaseError::fail)?;
+        let op = Linear::with(linear_for(n));
+        let r = check(&gpu, &op, &c.inputs(), c.bf16_tol()).map_err(TestCaseError::fail)?;
         prop_assert_eq!(r.elements, n * o);
     });
 }
@@ -275,8 +289,13 @@ fn prefill_tiles_two_to_a_multiprocessor_match_the_cpu_reference_with_partial_ti
         .enumerate()
     {
         let c = Case::random(0x3c + i as u64, dtype, 150, k, 8500);
-        let r = check(&gpu, &Linear, &c.inputs(), c.bf16_tol())
-            .unwrap_or_else(|e| panic!("{dtype} n=150: {e}"));
+        let r = check(
+            &gpu,
+            &Linear::with(LinearKernel::TensorCore),
+            &c.inputs(),
+            c.bf16_tol(),
+        )
+        .unwrap_or_else(|e| panic!("{dtype} n=150: {e}"));
         println!("linear two-a-multiprocessor tiles {dtype} n=150 K={k} O=8500: {r}");
     }
 }
@@ -290,7 +309,8 @@ fn widths_that_are_not_whole_decode_units_take_the_fallback_and_still_match() {
         // Odd K (float weights only: block types have whole blocks by the shape rule).
         let k = k | 1;
         let c = Case::random(seed, TYPES[ti], n, k, o);
-        check(&gpu, &Linear, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
+        let op = Linear::with(linear_for(n));
+        check(&gpu, &op, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
     });
 }
 
@@ -313,7 +333,7 @@ fn every_real_xing4_shape_matches_the_cpu_reference_at_one_and_three_tokens() {
     for (i, &(name, k, o, dtype)) in SHAPES.iter().enumerate() {
         for n in [1, 3] {
             let c = Case::random(0x9e37 + i as u64 * 7 + n as u64, dtype, n, k, o);
-            let r = check(&gpu, &Linear, &c.inputs(), c.f32_tol())
+            let r = check(&gpu, &Linear::with(linear_for(n)), &c.inputs(), c.f32_tol())
                 .unwrap_or_else(|e| panic!("{name} n={n}: {e}"));
             println!("linear {name} {dtype} n={n}: {r}");
         }
@@ -333,8 +353,13 @@ fn real_shapes_take_the_tensor_cores_at_a_prefill_chunk() {
     .enumerate()
     {
         let c = Case::random(0x51 + i as u64, dtype, 100, k, o);
-        let r = check(&gpu, &Linear, &c.inputs(), c.bf16_tol())
-            .unwrap_or_else(|e| panic!("{name} n=100: {e}"));
+        let r = check(
+            &gpu,
+            &Linear::with(LinearKernel::TensorCore),
+            &c.inputs(),
+            c.bf16_tol(),
+        )
+        .unwrap_or_else(|e| panic!("{name} n=100: {e}"));
         println!("linear {name} {dtype} n=100: {r}");
     }
 }
@@ -352,15 +377,18 @@ fn linear_gives_the_same_bits_on_every_run() {
         (300, DType::BF16),
     ] {
         let c = Case::random(77 + n as u64, dtype, n, 3584, 1000);
-        let a = run_gpu(&gpu, &Linear, &c.inputs()).expect("first run");
-        let b = run_gpu(&gpu, &Linear, &c.inputs()).expect("second run");
+        let op = Linear::with(linear_for(n));
+        let a = run_gpu(&gpu, &op, &c.inputs()).expect("first run");
+        let b = run_gpu(&gpu, &op, &c.inputs()).expect("second run");
         assert!(a[0].1 == b[0].1, "{dtype} n={n}: two runs differ");
     }
 }
 
-/// `Linear` on device buffers: `copies` copies of one random weight (so that a small weight
-/// can be rotated out of the 60 MB L2), x, y and the scratch the op asks for.
+/// `Linear` (on the variant a plan of `n` rows would carry) on device buffers: `copies` copies
+/// of one random weight (so that a small weight can be rotated out of the 60 MB L2), x, y and
+/// the scratch the op asks for.
 struct OnDevice {
+    op: Linear,
     metas: [TensorMeta; 3],
     ws: Vec<cuda::DeviceBuffer<u8>>,
     w_bytes: usize,
@@ -384,8 +412,10 @@ impl OnDevice {
             TensorMeta::new([o, k], dtype),
             TensorMeta::f32([n, o]),
         ];
-        let scratch = Linear.cuda_scratch_bytes(&[&metas[0], &metas[1]]);
+        let op = Linear::with(linear_for(n));
+        let scratch = op.cuda_scratch_bytes(&[&metas[0], &metas[1]]);
         OnDevice {
+            op,
             ws: (0..copies.max(1))
                 .map(|_| dev.upload(&wb).expect("upload"))
                 .collect(),
@@ -419,9 +449,9 @@ impl OnDevice {
         }];
         let scratch = Scratch {
             ptr: self.scratch.device_ptr(),
-            bytes: Linear.cuda_scratch_bytes(&[xm, wm]),
+            bytes: self.op.cuda_scratch_bytes(&[xm, wm]),
         };
-        Linear.cuda(gpu, &ins, &outs, scratch)
+        self.op.cuda(gpu, &ins, &outs, scratch)
     }
 }
 

@@ -18,7 +18,8 @@
 //! (BF16 corrections); the reports print the margins.
 //!
 //! The per-head products (`MlaQuery`'s Kb, `MlaValueOut`'s Vb) of more than
-//! [`GEMV_MAX_TOKENS`] tokens run on the tensor cores: the BF16 weight is exact, x is split
+//! [`HEAD_GEMV_ROWS_LIMIT`] tokens run on the tensor cores (`HeadKernel::TensorCore`, as the
+//! lowering chooses them; [`support::head_for`]): the BF16 weight is exact, x is split
 //! into hi = bf16(x) and lo = bf16(x − hi), and hi·w + lo·w are summed in f32. x − hi − lo
 //! is within 2^-16 of x (each bf16 rounding keeps 8 significant bits), so each product may be
 //! off by up to 2^-16 of itself; over k products of random sign that is a sum with a standard
@@ -33,14 +34,17 @@ use cuda::DeviceBuffer;
 use half::bf16;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::mla::{
-    AttentionKernel, KvCacheWrite, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut,
-    attention_chunks, attention_tile,
+    AttentionKernel, AttentionPath, HEAD_GEMV_ROWS_LIMIT, KvCacheWrite, MlaAttention, MlaKv,
+    MlaKvCacheWrite, MlaQuery, MlaValueOut, attention_chunks, attention_tile,
 };
 use ops::parity::{HostValue, ParityReport, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::rope::{RopeConsts, RopeParams, Yarn};
 use ops::tensor::{HostTensor, HostTensorMut};
 use ops::{DType, Op, OpError, TensorMeta};
 use proptest::prelude::*;
+
+mod support;
+use support::{attention_for, head_for};
 
 struct Rng(u64);
 
@@ -88,15 +92,12 @@ fn dot_tol(n: usize, wrms: f32, xrms: f32) -> Tolerance {
     Tolerance::new(1e-5, 16.0 * n as f32 * f32::EPSILON * wrms * xrms)
 }
 
-/// Tokens up to which the per-head products run as an f32 GEMV (`HEAD_GEMV_MAX_TOKENS` in
-/// mla.rs); more take the split-operand tensor-core kernels.
-const GEMV_MAX_TOKENS: usize = 8;
-
 /// The per-head products' tolerance for `n` tokens of `k`-long dots of U(−1, 1) values: see
-/// the module doc.
+/// the module doc. Up to [`HEAD_GEMV_ROWS_LIMIT`] tokens they run as an f32 GEMV; more take the
+/// split-operand tensor-core kernels.
 fn head_tol(n: usize, k: usize) -> Tolerance {
     let t = dot_tol(k, U_RMS, U_RMS);
-    if n <= GEMV_MAX_TOKENS {
+    if head_for(n) == ops::mla::HeadKernel::Gemv {
         return t;
     }
     let split = 6.0 * (k as f32).sqrt() * U_RMS * U_RMS * 2f32.powi(-16);
@@ -117,7 +118,7 @@ fn sixteen_bits(v: &HostValue) -> HostValue {
 /// Token counts for the per-head products: the GEMV's and the tensor cores' (one or several
 /// token tiles, mostly partial).
 fn head_tokens() -> impl Strategy<Value = usize> {
-    prop_oneof![1usize..=GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1..300]
+    prop_oneof![1usize..=HEAD_GEMV_ROWS_LIMIT, HEAD_GEMV_ROWS_LIMIT + 1..300]
 }
 
 const ATT_TOL: Tolerance = Tolerance {
@@ -158,6 +159,7 @@ fn query_case(
         qk_rope: rot,
         kv_lora: lora,
         rope: rope(rot),
+        kernel: head_for(n),
     };
     let q = HostValue::f32(
         [n, nh * (nope + rot)],
@@ -395,7 +397,9 @@ fn mla_attention_matches_its_cpu_reference_on_random_shapes() {
         ctx in 1usize..3000, seed in any::<u64>(),
     )| {
         let (lora, w) = (4 * lora4, 4 * (lora4 + rot4).min(144));
-        let att = MlaAttention { n_head: nh, kv_lora: lora, kq_scale: 0.1 };
+        let att = MlaAttention {
+            n_head: nh, kv_lora: lora, kq_scale: 0.1, kernel: AttentionPath::SplitK,
+        };
         let mut r = Rng::new(seed ^ 0x55);
         let pos: Vec<i32> = (0..n)
             .map(|_| match r.below(3) {
@@ -409,11 +413,23 @@ fn mla_attention_matches_its_cpu_reference_on_random_shapes() {
     });
 }
 
+/// The model's attention on the split kernel (see [`real_attention_for`] for the lowering's
+/// choice).
 fn real_attention() -> MlaAttention {
     MlaAttention {
         n_head: 32,
         kv_lora: 512,
         kq_scale: 0.144_679_63,
+        kernel: AttentionPath::SplitK,
+    }
+}
+
+/// [`real_attention`] on the kernel a plan of `n` tokens over rows `w` wide would carry.
+fn real_attention_for(n: usize, w: usize) -> MlaAttention {
+    let op = real_attention();
+    MlaAttention {
+        kernel: attention_for(&op, n, w),
+        ..op
     }
 }
 
@@ -482,7 +498,6 @@ fn last_row(out: &[(TensorMeta, Vec<u8>)]) -> Vec<f32> {
 #[test]
 fn decode_equals_the_last_row_of_a_chunked_prefill_on_the_gpu() {
     let Some(gpu) = test_gpu() else { return };
-    let op = real_attention();
     let (ctx, p) = (2048usize, 1500i32);
     // 8 tokens split into several chunks each; 200 tokens take one chunk a token (no combine).
     for n in [8usize, 200] {
@@ -499,8 +514,8 @@ fn decode_equals_the_last_row_of_a_chunked_prefill_on_the_gpu() {
             prefill[1].clone(),
             HostValue::i32([1], &[p]),
         ];
-        let a = last_row(&run_gpu(&gpu, &op, &prefill).expect("prefill"));
-        let b = last_row(&run_gpu(&gpu, &op, &decode).expect("decode"));
+        let a = last_row(&run_gpu(&gpu, &real_attention_for(n, 576), &prefill).expect("prefill"));
+        let b = last_row(&run_gpu(&gpu, &real_attention_for(1, 576), &decode).expect("decode"));
         let mut worst = 0f32;
         for (i, (x, y)) in a.iter().zip(&b).enumerate() {
             let d = (x - y).abs();
@@ -528,6 +543,7 @@ fn value_case(
         n_head: nh,
         kv_lora: lora,
         v_head: vh,
+        kernel: head_for(n),
     };
     let o = HostValue::f32([n, nh, lora], &r.vec(n * nh * lora, -1.0, 1.0));
     (op, vec![o, bf16_weight(&mut r, [nh, vh, lora])])
@@ -555,7 +571,7 @@ fn the_tensor_core_products_are_f32_exact_on_inputs_of_16_significant_bits() {
     let Some(gpu) = test_gpu() else { return };
     // With hi + lo = x exactly, only the order of the f32 sums differs from the reference.
     proptest!(ProptestConfig::with_cases(16), |(
-        n in GEMV_MAX_TOKENS + 1..300, nh in 1usize..4, k8 in 1usize..80, m in 1usize..300,
+        n in HEAD_GEMV_ROWS_LIMIT + 1..300, nh in 1usize..4, k8 in 1usize..80, m in 1usize..300,
         rot2 in 1usize..9, seed in any::<u64>(),
     )| {
         let (op, mut ins) = query_case(seed, n, nh, 8 * k8, 2 * rot2, m);
@@ -594,6 +610,7 @@ fn the_cuda_kernels_refuse_shapes_they_do_not_cover() {
         n_head: 2,
         kv_lora: 5,
         kq_scale: 0.1,
+        kernel: AttentionPath::SplitK,
     };
     let e = run_gpu(&gpu, &op, &attention_inputs(1, 2, 6, 4, &[1])).unwrap_err();
     assert!(
@@ -632,10 +649,11 @@ fn line(what: &str, us: f64, bytes: f64) {
 }
 
 /// Per call one of enough caches of `bucket` rows that the rows read exceed the 60 MB L2, the
-/// default and every split kernel; `first_pos` is the first token's position.
+/// op on the lowering's kernel and every split kernel; `first_pos` is the first token's
+/// position.
 fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
-    let op = real_attention();
     let w = 576;
+    let op = real_attention_for(n, w);
     let rows = first_pos + n;
     let layers = (150usize << 20).div_ceil(rows * w * 4).clamp(2, 64);
     let mut r = Rng::new(77);
@@ -687,6 +705,7 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
             .map(|i| 2.0 * 32.0 * (first_pos + i + 1) as f64 * (576.0 + 512.0))
             .sum();
         let which = match kernel {
+            None if op.kernel == AttentionPath::Flash => "default (flash)".to_string(),
             None => format!("default (tile={default})"),
             Some(k) => format!("tile={} bf16={}", k.tile, k.bf16_corrections),
         };
@@ -743,10 +762,10 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
     }
 }
 
-/// How a per-head product is launched: through the op (its own choice of kernel), or one
-/// kernel of mla.cu directly: the f32 SIMT `head_gemm_bf16` the tensor-core kernels replaced,
-/// or one `head_mma_bf16_*` tile shape (tokens x outputs) with a fixed number of column tiles
-/// a block.
+/// How a per-head product is launched: through the op (on the variant the lowering would give
+/// it, [`support::head_for`]), or one kernel of mla.cu directly: the f32 SIMT `head_gemm_bf16`
+/// the tensor-core kernels replaced, or one `head_mma_bf16_*` tile shape (tokens x outputs)
+/// with a fixed number of column tiles a block.
 #[derive(Clone, Copy, Debug)]
 enum HeadKernel {
     Op,
@@ -1026,11 +1045,13 @@ fn time_head_products(gpu: &GpuCtx, n: usize, value_out: bool, kernels: &[HeadKe
         qk_rope: 64,
         kv_lora: lora,
         rope: rope(64),
+        kernel: head_for(n),
     };
     let v_op = MlaValueOut {
         n_head: nh,
         kv_lora: lora,
         v_head: 128,
+        kernel: head_for(n),
     };
     let name = if value_out {
         "mla_value_out"

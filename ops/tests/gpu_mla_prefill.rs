@@ -1,8 +1,8 @@
 //! CUDA parity of the tensor-core prefill attention (`launch_mla_prefill`) against
 //! `MlaAttention`'s CPU reference; skips without a GPU, saying why. The timing table at the real
-//! Xing4.0 shapes (against the split kernel, which `MlaAttention::cuda` takes below
-//! `PREFILL_KERNEL_MIN_TOKENS` tokens) is ignored: run it on the GPU host with
-//! `--include-ignored`.
+//! Xing4.0 shapes (against the split kernel, `AttentionPath::SplitK`, which the graph's lowering
+//! chooses below 256 tokens or where `MlaAttention::flash_supports` refuses the width) is
+//! ignored: run it on the GPU host with `--include-ignored`.
 //!
 //! Tolerance. The kernel rounds Q, the cache rows and the softmax weights to f16 (2^-11
 //! relative), so its error is a few f16 units of the *value scale*, not of each output element:
@@ -16,12 +16,14 @@
 
 use cuda::DeviceBuffer;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::mla::{AttentionKernel, MlaAttention, attention_tile};
+use ops::mla::{AttentionKernel, AttentionPath, MlaAttention, attention_tile};
 use ops::mla_prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
 use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::tensor::{HostTensor, HostTensorMut};
 use ops::{Op, OpError, TensorMeta};
 use proptest::prelude::*;
+
+mod support;
 
 const PREFILL_TOL: Tolerance = Tolerance {
     rel: 4e-3,
@@ -54,8 +56,9 @@ impl Rng {
     }
 }
 
-/// The split kernel whatever the token count (`MlaAttention::cuda` sends 256 tokens and more to
-/// the prefill kernel), with its default tile and correction terms.
+/// The split kernel whatever the token count and whatever `att.kernel` says (a lowered plan
+/// gives 256 tokens and more `AttentionPath::Flash`, the prefill kernel), with its default
+/// tile and correction terms.
 fn split_kernel(
     att: &MlaAttention,
     gpu: &GpuCtx,
@@ -202,11 +205,14 @@ impl Op for Prefill {
     }
 }
 
+/// The attention whose reference the kernels are held to, its own CUDA path the split kernel
+/// (the wrappers above launch the kernel under test themselves).
 fn attention(n_head: usize, kv_lora: usize) -> MlaAttention {
     MlaAttention {
         n_head,
         kv_lora,
         kq_scale: KQ_SCALE,
+        kernel: AttentionPath::SplitK,
     }
 }
 
@@ -304,6 +310,18 @@ fn a_512_token_chunk_matches_the_split_kernel() {
         let old = run_gpu(&gpu, &Split(att.clone()), &ins).expect("split kernel");
         let r = compare(&old[0].0, &old[0].1, &new[0].1, PREFILL_TOL)
             .unwrap_or_else(|e| panic!("pos={first}.. bucket={bucket}: {e}"));
+        // The op on the kernel the lowering gives a 512-token chunk (the flash kernel) is the
+        // prefill kernel, bit for bit.
+        let lowered = MlaAttention {
+            kernel: support::attention_for(&att, 512, 576),
+            ..att.clone()
+        };
+        assert_eq!(lowered.kernel, AttentionPath::Flash);
+        let op = run_gpu(&gpu, &lowered, &ins).expect("the op on the flash kernel");
+        assert!(
+            op[0].1 == new[0].1,
+            "pos={first}.. bucket={bucket}: the op's flash path differs from the prefill kernel"
+        );
         eprintln!("mla_prefill vs split kernel, 512 tokens pos={first}.. bucket={bucket}: {r}");
     }
 }
@@ -319,6 +337,23 @@ fn shapes_the_kernel_does_not_cover_are_refused_before_any_launch() {
             e,
             OpError::Shape {
                 op: "mla_prefill",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // The op asked for the flash kernel at that width refuses it too, naming itself.
+    let flash = MlaAttention {
+        kernel: AttentionPath::Flash,
+        ..attention(4, 64)
+    };
+    assert!(!flash.flash_supports(96));
+    let e = run_gpu(&gpu, &flash, &ins).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            OpError::Shape {
+                op: "mla_attention",
                 ..
             }
         ),

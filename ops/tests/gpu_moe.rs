@@ -19,10 +19,15 @@ use half::f16;
 use ops::elementwise::SwiGlu;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::linear::Linear;
-use ops::moe::{ExpertDown, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, TopKSum};
+use ops::moe::{
+    ExpertDown, ExpertKernel, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, TopKSum,
+};
 use ops::parity::{HostValue, ParityReport, Tolerance, check, run_cpu, run_gpu, test_gpu};
 use ops::{DType, Op, OpError, TensorMeta};
 use proptest::prelude::*;
+
+mod support;
+use support::{expert_for, linear_for, router_for, topk_for};
 
 struct Rng(u64);
 
@@ -74,8 +79,11 @@ fn swiglu_tol(n: usize, wrms: f32, xrms: f32) -> Tolerance {
     Tolerance::new(1e-5, 2.0 * typical * dot_abs(n, wrms, xrms))
 }
 
-/// Routes above this take the grouped GEMM on the tensor cores (ops::moe's GEMV_MAX_ROUTES).
-const GEMV_MAX_ROUTES: usize = 32;
+/// The expert kernel a plan of `routes` routes would carry on `gpu` ([`expert_for`]: the GEMV
+/// up to `ops::moe::GEMV_ROUTES_LIMIT` routes, the grouped GEMM on the tensor cores beyond).
+fn experts_on(gpu: &GpuCtx, routes: usize) -> ExpertKernel {
+    expert_for(routes, gpu.device.compute_capability())
+}
 
 /// The grouped GEMM multiplies f16-rounded weights and inputs (unit roundoff 2⁻¹¹ each) with
 /// f32 sums: a dot of n terms is off by about 0.82·2⁻¹¹·√n·rms(w)·rms(x); allow 6·2⁻¹¹·√n·…
@@ -85,8 +93,8 @@ fn f16_dot_abs(n: usize, wrms: f32, xrms: f32) -> f32 {
 }
 
 /// `dot_tol` for the GEMV, the f16 model for the grouped GEMM.
-fn expert_dot_tol(routes: usize, n: usize, wrms: f32, xrms: f32) -> Tolerance {
-    if routes <= GEMV_MAX_ROUTES {
+fn expert_dot_tol(kernel: ExpertKernel, n: usize, wrms: f32, xrms: f32) -> Tolerance {
+    if kernel == ExpertKernel::Gemv {
         return dot_tol(n, wrms, xrms);
     }
     Tolerance::new(Tolerance::F16.rel, f16_dot_abs(n, wrms, xrms))
@@ -94,8 +102,8 @@ fn expert_dot_tol(routes: usize, n: usize, wrms: f32, xrms: f32) -> Tolerance {
 
 /// `swiglu_tol` for the GEMV; for the grouped GEMM silu(g)·u moves by about 1.1·|u|·Δg +
 /// |g|·Δu, so the f16 dot allowance times 4·T, T = √n·rms(w)·rms(x) the typical dot.
-fn expert_swiglu_tol(routes: usize, n: usize, wrms: f32, xrms: f32) -> Tolerance {
-    if routes <= GEMV_MAX_ROUTES {
+fn expert_swiglu_tol(kernel: ExpertKernel, n: usize, wrms: f32, xrms: f32) -> Tolerance {
+    if kernel == ExpertKernel::Gemv {
         return swiglu_tol(n, wrms, xrms);
     }
     let typical = (n as f32).sqrt() * wrms * xrms;
@@ -183,6 +191,7 @@ fn router_matches_its_cpu_reference_on_random_shapes() {
             gating: if softmax { Gating::Softmax } else { Gating::Sigmoid },
             norm_topk: norm,
             scale: 2.0,
+            kernel: router_for(n),
         };
         let wmax = 1.0 / (d as f32).sqrt();
         let mut ins = vec![
@@ -241,7 +250,7 @@ fn topk_sum_reproduces_the_cpu_sum_bit_for_bit() {
         if seed % 2 == 0 {
             ins.push(HostValue::f32([n, d], &r.vec(n * d, -50.0, 50.0)));
         }
-        check(&gpu, &TopKSum { top_k: k }, &ins, Tolerance::new(0.0, 0.0))
+        check(&gpu, &TopKSum { top_k: k, kernel: topk_for(n) }, &ins, Tolerance::new(0.0, 0.0))
             .map_err(TestCaseError::fail)?;
     });
 }
@@ -272,7 +281,7 @@ fn gate_up_swiglu_for_a_decode_step_matches_the_cpu_chain() {
             iq4_matrix(&mut r, nf, d),
             iq4_matrix(&mut r, nf, d),
         ];
-        check(&gpu, &GateUpSwiGlu, &ins, swiglu_tol(d, IQ4_WRMS, U_RMS))
+        check(&gpu, &GateUpSwiGlu { kernel: linear_for(n) }, &ins, swiglu_tol(d, IQ4_WRMS, U_RMS))
             .map_err(TestCaseError::fail)?;
     });
 }
@@ -292,9 +301,10 @@ fn gate_up_swiglu_over_many_tokens_is_the_linear_chain_bit_for_bit() {
         let gpu1 = |op: &dyn Op, ins: &[HostValue]| {
             run_gpu(&gpu, op, ins).map_err(|e| TestCaseError::fail(format!("{}: {e}", op.describe())))
         };
-        let fused = gpu1(&GateUpSwiGlu, &[x.clone(), wg.clone(), wu.clone()])?;
-        let gate = gpu1(&Linear, &[x.clone(), wg])?;
-        let up = gpu1(&Linear, &[x, wu])?;
+        let kernel = linear_for(n);
+        let fused = gpu1(&GateUpSwiGlu { kernel }, &[x.clone(), wg.clone(), wu.clone()])?;
+        let gate = gpu1(&Linear::with(kernel), &[x.clone(), wg])?;
+        let up = gpu1(&Linear::with(kernel), &[x, wu])?;
         let as_input = |o: &[(TensorMeta, Vec<u8>)]| HostValue::from_bytes(o[0].0.clone(), &o[0].1);
         let chain = gpu1(&SwiGlu, &[as_input(&gate), as_input(&up)])?;
         prop_assert!(fused[0].1 == chain[0].1, "n={n} d={d} nf={nf}: the outputs differ");
@@ -314,7 +324,8 @@ fn expert_swiglu_matches_its_cpu_reference_on_both_paths() {
         let (k, d) = (k.min(ne), 256 * d256);
         let mut r = Rng::new(seed);
         let (_, plan) = plan_for(&mut r, n, ne, k);
-        let op = ExpertSwiGlu { n_expert: ne, n_ff: nf };
+        let kernel = experts_on(&gpu, n * k);
+        let op = ExpertSwiGlu { n_expert: ne, n_ff: nf, kernel };
         let ins = vec![
             HostValue::f32([n, d], &r.vec(n * d, -1.0, 1.0)),
             iq4_weight(&mut r, ne, nf, d),
@@ -322,7 +333,7 @@ fn expert_swiglu_matches_its_cpu_reference_on_both_paths() {
             plan[0].clone(),
             plan[1].clone(),
         ];
-        let tol = expert_swiglu_tol(n * k, d, IQ4_WRMS, U_RMS);
+        let tol = expert_swiglu_tol(kernel, d, IQ4_WRMS, U_RMS);
         check(&gpu, &op, &ins, tol).map_err(TestCaseError::fail)?;
     });
     // Two busy experts (100 routes each): several route tiles an expert.
@@ -335,15 +346,17 @@ fn expert_swiglu_matches_its_cpu_reference_on_both_paths() {
         plan[0].clone(),
         plan[1].clone(),
     ];
+    let kernel = experts_on(&gpu, 200);
     let op = ExpertSwiGlu {
         n_expert: 2,
         n_ff: 200,
+        kernel,
     };
     check(
         &gpu,
         &op,
         &ins,
-        expert_swiglu_tol(200, 512, IQ4_WRMS, U_RMS),
+        expert_swiglu_tol(kernel, 512, IQ4_WRMS, U_RMS),
     )
     .expect("busy experts");
 }
@@ -358,13 +371,14 @@ fn expert_down_matches_its_cpu_reference_on_both_paths() {
         let (k, nf) = (k.min(ne), 256 * f256);
         let mut r = Rng::new(seed);
         let (_, plan) = plan_for(&mut r, n, ne, k);
-        let op = ExpertDown { n_expert: ne, n_embd: embd };
+        let kernel = experts_on(&gpu, n * k);
+        let op = ExpertDown { n_expert: ne, n_embd: embd, kernel };
         let ins = vec![
             HostValue::f32([n * k, nf], &r.vec(n * k * nf, -1.0, 1.0)),
             iq4_weight(&mut r, ne, embd, nf),
             plan[0].clone(),
         ];
-        let tol = expert_dot_tol(n * k, nf, IQ4_WRMS, U_RMS);
+        let tol = expert_dot_tol(kernel, nf, IQ4_WRMS, U_RMS);
         check(&gpu, &op, &ins, tol).map_err(TestCaseError::fail)?;
     });
     // Two busy experts (100 routes each): several route tiles an expert.
@@ -375,11 +389,19 @@ fn expert_down_matches_its_cpu_reference_on_both_paths() {
         iq4_weight(&mut r, 2, 150, 768),
         plan[0].clone(),
     ];
+    let kernel = experts_on(&gpu, 200);
     let op = ExpertDown {
         n_expert: 2,
         n_embd: 150,
+        kernel,
     };
-    check(&gpu, &op, &ins, expert_dot_tol(200, 768, IQ4_WRMS, U_RMS)).expect("busy experts");
+    check(
+        &gpu,
+        &op,
+        &ins,
+        expert_dot_tol(kernel, 768, IQ4_WRMS, U_RMS),
+    )
+    .expect("busy experts");
 }
 
 /// The decode GEMV finds its expert 32 ids at a time; 70 experts with routes on both sides
@@ -401,6 +423,7 @@ fn the_decode_gemv_finds_experts_past_the_first_thirty_two() {
     let swiglu = ExpertSwiGlu {
         n_expert: ne,
         n_ff: 96,
+        kernel: ExpertKernel::Gemv,
     };
     let ins = vec![
         HostValue::f32([n, d], &r.vec(n * d, -1.0, 1.0)),
@@ -414,6 +437,7 @@ fn the_decode_gemv_finds_experts_past_the_first_thirty_two() {
     let down = ExpertDown {
         n_expert: ne,
         n_embd: 200,
+        kernel: ExpertKernel::Gemv,
     };
     let ins = vec![
         HostValue::f32([n * k, nf], &r.vec(n * k * nf, -1.0, 1.0)),
@@ -446,6 +470,7 @@ fn the_decode_gemv_takes_every_route_of_a_busy_expert() {
     let swiglu = ExpertSwiGlu {
         n_expert: ne,
         n_ff: nf,
+        kernel: ExpertKernel::Gemv,
     };
     let ins = vec![
         HostValue::f32([n, d], &r.vec(n * d, -1.0, 1.0)),
@@ -459,6 +484,7 @@ fn the_decode_gemv_takes_every_route_of_a_busy_expert() {
     let down = ExpertDown {
         n_expert: ne,
         n_embd: embd,
+        kernel: ExpertKernel::Gemv,
     };
     let ins = vec![
         HostValue::f32([n * k, d], &r.vec(n * k * d, -1.0, 1.0)),
@@ -477,6 +503,7 @@ fn the_expert_kernels_refuse_widths_they_do_not_cover() {
     let op = ExpertDown {
         n_expert: 4,
         n_embd: 8,
+        kernel: experts_on(&gpu, 2),
     };
     // 96 inputs: whole IQ4_NL blocks, but not whole 256-value groups.
     let ins = vec![
@@ -523,23 +550,27 @@ fn real_weights() -> &'static RealWeights {
     })
 }
 
-fn real_router() -> Router {
+/// The model's router on the kernel a plan of `n` tokens would carry.
+fn real_router(n: usize) -> Router {
     Router {
         n_expert: NE,
         top_k: TOPK,
         gating: Gating::Sigmoid,
         norm_topk: true,
         scale: 2.0,
+        kernel: router_for(n),
     }
 }
 
-/// Every op of the chain with its inputs, each op's inputs being the CPU reference's outputs
-/// of the op before (so each op is judged on identical inputs) and the tolerance it is held to.
-fn real_chain(n: usize) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
+/// Every op of the chain for `n` tokens on the kernels a plan would carry on `gpu`, with its
+/// inputs, each op's inputs being the CPU reference's outputs of the op before (so each op is
+/// judged on identical inputs) and the tolerance it is held to.
+fn real_chain(gpu: &GpuCtx, n: usize) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
     let w = real_weights();
     let mut r = Rng::new(n as u64 + 99);
     let z = HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0));
-    let router = real_router();
+    let router = real_router(n);
+    let experts = experts_on(gpu, n * TOPK);
     let r_ins = vec![z.clone(), w.router_w.clone(), w.bias.clone()];
     let routed = cpu(&router, &r_ins);
     let plan_op = RoutePlan {
@@ -551,6 +582,7 @@ fn real_chain(n: usize) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
     let sw = ExpertSwiGlu {
         n_expert: NE,
         n_ff: NFF,
+        kernel: experts,
     };
     let s_ins = vec![
         z,
@@ -563,6 +595,7 @@ fn real_chain(n: usize) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
     let down = ExpertDown {
         n_expert: NE,
         n_embd: EMBD,
+        kernel: experts,
     };
     let d_ins = vec![act[0].clone(), w.down.clone(), plan[0].clone()];
     let routed_out = cpu(&down, &d_ins);
@@ -579,15 +612,18 @@ fn real_chain(n: usize) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
         (
             Box::new(sw),
             s_ins,
-            expert_swiglu_tol(n * TOPK, EMBD, IQ4_WRMS, U_RMS),
+            expert_swiglu_tol(experts, EMBD, IQ4_WRMS, U_RMS),
         ),
         (
             Box::new(down),
             d_ins,
-            expert_dot_tol(n * TOPK, NFF, IQ4_WRMS, act_rms),
+            expert_dot_tol(experts, NFF, IQ4_WRMS, act_rms),
         ),
         (
-            Box::new(TopKSum { top_k: TOPK }),
+            Box::new(TopKSum {
+                top_k: TOPK,
+                kernel: topk_for(n),
+            }),
             t_ins,
             Tolerance::new(0.0, 0.0),
         ),
@@ -598,7 +634,7 @@ fn real_chain(n: usize) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
 fn the_moe_chain_at_the_real_shapes_matches_for_one_and_64_tokens() {
     let Some(gpu) = test_gpu() else { return };
     for n in [1, 64] {
-        for (op, ins, tol) in real_chain(n) {
+        for (op, ins, tol) in real_chain(&gpu, n) {
             let r = check(&gpu, op.as_ref(), &ins, tol).expect("parity");
             report(&format!("{} n={n}", op.name()), &r);
         }
@@ -609,7 +645,7 @@ fn the_moe_chain_at_the_real_shapes_matches_for_one_and_64_tokens() {
 fn the_grouped_expert_path_is_bit_reproducible_at_top_four() {
     let Some(gpu) = test_gpu() else { return };
     for n in [1, 64] {
-        for (op, ins, _) in real_chain(n) {
+        for (op, ins, _) in real_chain(&gpu, n) {
             let a = run_gpu(&gpu, op.as_ref(), &ins).expect("first run");
             let b = run_gpu(&gpu, op.as_ref(), &ins).expect("second run");
             for (k, (x, y)) in a.iter().zip(&b).enumerate() {
@@ -708,7 +744,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
         out(gpu, TensorMeta::i32([rt])),
         out(gpu, TensorMeta::i32([rt])),
     ];
-    let router = real_router();
+    let router = real_router(n);
     let rs = router.cuda_scratch_bytes(&[&z.meta, &rw.meta, &bias.meta]);
     let scratch = upload(gpu, &vec![0u8; rs.max(16)]);
     let wts_o = out(gpu, TensorMeta::f32([n, TOPK]));
@@ -785,6 +821,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
     let sw = ExpertSwiGlu {
         n_expert: NE,
         n_ff: NFF,
+        kernel: experts_on(gpu, rt),
     };
     let us = time_us(gpu, reps, &|i| {
         let p = &plans[i % sets];
@@ -804,6 +841,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
     let dn = ExpertDown {
         n_expert: NE,
         n_embd: EMBD,
+        kernel: experts_on(gpu, rt),
     };
     let us = time_us(gpu, reps, &|i| {
         let p = &plans[i % sets];
@@ -820,15 +858,20 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
         experts * slice + (rt * NFF * 4 + rt * EMBD * 4) as f64,
         2.0 * (rt * NFF * EMBD) as f64,
     );
-    let ts = TopKSum { top_k: TOPK };
+    let ts = TopKSum {
+        top_k: TOPK,
+        kernel: topk_for(n),
+    };
+    // The inverse route table's scratch (none for the scan).
+    let ts_bytes = ts.cuda_scratch_bytes(&[&ro.meta, &plans[0][3].meta, &wts.meta]);
+    let ts_buf = upload(gpu, &vec![0u8; ts_bytes.max(16)]);
+    let ts_scratch = Scratch {
+        ptr: ts_buf.device_ptr(),
+        bytes: ts_bytes,
+    };
     let us = time_us(gpu, reps, &|i| {
         let p = &plans[i % sets];
-        ts.cuda(
-            gpu,
-            &[v(&ro), v(&p[3]), v(&wts)],
-            &[v(&y)],
-            Scratch::default(),
-        )
+        ts.cuda(gpu, &[v(&ro), v(&p[3]), v(&wts)], &[v(&y)], ts_scratch)
     });
     line(
         &format!("topk_sum n={n}"),
@@ -866,12 +909,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
             &[v(&ro)],
             Scratch::default(),
         )?;
-        ts.cuda(
-            gpu,
-            &[v(&ro), v(&p[3]), v(&wts)],
-            &[v(&y)],
-            Scratch::default(),
-        )
+        ts.cuda(gpu, &[v(&ro), v(&p[3]), v(&wts)], &[v(&y)], ts_scratch)
     });
     line(
         &format!("moe chain n={n} (router..topk_sum)"),
@@ -904,12 +942,16 @@ fn moe_timings_at_the_real_shapes() {
         view(&d.meta, &d.buf)
     }
     let chain = time_us(&gpu, 64, &|_| {
-        Linear.cuda(&gpu, &[v(&x), v(&wg)], &[v(&g)], Scratch::default())?;
-        Linear.cuda(&gpu, &[v(&x), v(&wu)], &[v(&u)], Scratch::default())?;
+        let one = Linear::with(linear_for(1));
+        one.cuda(&gpu, &[v(&x), v(&wg)], &[v(&g)], Scratch::default())?;
+        one.cuda(&gpu, &[v(&x), v(&wu)], &[v(&u)], Scratch::default())?;
         SwiGlu.cuda(&gpu, &[v(&g), v(&u)], &[v(&a)], Scratch::default())
     });
     let fused = time_us(&gpu, 64, &|_| {
-        GateUpSwiGlu.cuda(&gpu, &[v(&x), v(&wg), v(&wu)], &[v(&a)], Scratch::default())
+        let op = GateUpSwiGlu {
+            kernel: linear_for(1),
+        };
+        op.cuda(&gpu, &[v(&x), v(&wg), v(&wu)], &[v(&a)], Scratch::default())
     });
     let bytes = (2 * wg.buf.num_bytes()) as f64;
     line("shared gate+up+swiglu n=1, 3 launches", chain, bytes, 0.0);
@@ -918,8 +960,8 @@ fn moe_timings_at_the_real_shapes() {
     // The router alone at prefill chunk sizes (the tiled logits kernel).
     let mut r = Rng::new(11);
     let w = real_router_weights(&mut r);
-    let router = real_router();
     for n in [1024, 2048] {
+        let router = real_router(n);
         let z = dev(
             &gpu,
             &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)),

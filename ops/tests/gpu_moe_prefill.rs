@@ -19,7 +19,7 @@ use cuda::DeviceBuffer;
 use half::f16;
 use loader::GgmlType;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::moe::{ExpertDown, ExpertSwiGlu, RoutePlan};
+use ops::moe::{ExpertDown, ExpertKernel, ExpertSwiGlu, RoutePlan};
 use ops::moe_prefill::{K_TILE, TcKernel, launch_expert_gemm_tc, launch_expert_gemm_tc_with};
 use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::{DType, HostTensor, HostTensorMut, Op, OpError, TensorMeta};
@@ -171,6 +171,10 @@ fn kernels(gpu: &GpuCtx) -> Vec<TcKernel> {
     }
 }
 
+/// The kernel field of the ops the wrappers below hold: the wrappers launch the grouped GEMM
+/// themselves, so the ops give only their shapes and CPU reference (which takes no variant).
+const REFERENCE: ExpertKernel = ExpertKernel::Unlowered;
+
 /// `ExpertSwiGlu` with its CUDA side on one tensor-core kernel (`None`: the one
 /// `launch_expert_gemm_tc` picks).
 #[derive(Debug)]
@@ -285,7 +289,8 @@ fn swiglu_on_tensor_cores_matches_the_cpu_reference_on_uneven_plans() {
         let xrms = rms(&x);
         let ins = vec![HostValue::f32([n, d], &x), gate, up, p[0].clone(), p[1].clone()];
         for &kernel in &kernels {
-            let op = TcSwiGlu(ExpertSwiGlu { n_expert: ne, n_ff: nf }, Some(kernel));
+            let sw = ExpertSwiGlu { n_expert: ne, n_ff: nf, kernel: REFERENCE };
+            let op = TcSwiGlu(sw, Some(kernel));
             check(&gpu, &op, &ins, swiglu_tol(d, wg.max(wu), xrms)).map_err(TestCaseError::fail)?;
         }
     });
@@ -307,7 +312,8 @@ fn down_on_tensor_cores_matches_the_cpu_reference_on_uneven_plans() {
         let xrms = rms(&act);
         let ins = vec![HostValue::f32([n * k, nf], &act), down, p[0].clone()];
         for &kernel in &kernels {
-            let op = TcDown(ExpertDown { n_expert: ne, n_embd: embd }, Some(kernel));
+            let dn = ExpertDown { n_expert: ne, n_embd: embd, kernel: REFERENCE };
+            let op = TcDown(dn, Some(kernel));
             check(&gpu, &op, &ins, down_tol(nf, w, xrms)).map_err(TestCaseError::fail)?;
         }
     });
@@ -365,6 +371,7 @@ fn route_counts_around_the_tile_sizes_match_the_cpu_reference() {
             ExpertSwiGlu {
                 n_expert: ne,
                 n_ff: nf,
+                kernel: REFERENCE,
             },
             Some(kernel),
         );
@@ -374,6 +381,7 @@ fn route_counts_around_the_tile_sizes_match_the_cpu_reference() {
             ExpertDown {
                 n_expert: ne,
                 n_embd: embd,
+                kernel: REFERENCE,
             },
             Some(kernel),
         );
@@ -387,6 +395,7 @@ fn route_counts_around_the_tile_sizes_match_the_cpu_reference() {
             ExpertSwiGlu {
                 n_expert: ne,
                 n_ff: nf,
+                kernel: REFERENCE,
             },
             k,
         )
@@ -402,6 +411,7 @@ fn route_counts_around_the_tile_sizes_match_the_cpu_reference() {
             ExpertDown {
                 n_expert: ne,
                 n_embd: embd,
+                kernel: REFERENCE,
             },
             k,
         )
@@ -412,6 +422,33 @@ fn route_counts_around_the_tile_sizes_match_the_cpu_reference() {
         a[0].1 == b[0].1,
         "the default launcher's down differs from {chosen:?}"
     );
+    // The ops themselves on `ExpertKernel::Grouped(kernel)` launch that kernel: the same bits.
+    for kernel in kernels(&gpu) {
+        let op = ExpertSwiGlu {
+            n_expert: ne,
+            n_ff: nf,
+            kernel: ExpertKernel::Grouped(kernel),
+        };
+        let a = run_gpu(&gpu, &op, &s_ins).expect("expert_swiglu");
+        let b = run_gpu(&gpu, &sw(Some(kernel)), &s_ins).expect("launcher swiglu");
+        assert!(
+            a[0].1 == b[0].1,
+            "{}: not the launcher's bits",
+            op.describe()
+        );
+        let op = ExpertDown {
+            n_expert: ne,
+            n_embd: embd,
+            kernel: ExpertKernel::Grouped(kernel),
+        };
+        let a = run_gpu(&gpu, &op, &d_ins).expect("expert_down");
+        let b = run_gpu(&gpu, &dn(Some(kernel)), &d_ins).expect("launcher down");
+        assert!(
+            a[0].1 == b[0].1,
+            "{}: not the launcher's bits",
+            op.describe()
+        );
+    }
 }
 
 /// `silu(g)·u` crosses f16's 65504 on loud experts (seed §2); plain f16 inputs would turn
@@ -432,6 +469,7 @@ fn down_on_tensor_cores_keeps_activations_beyond_the_f16_range() {
             ExpertDown {
                 n_expert: ne,
                 n_embd: embd,
+                kernel: REFERENCE,
             },
             Some(kernel),
         );
@@ -458,6 +496,7 @@ fn the_tensor_core_launcher_refuses_widths_that_are_not_whole_k_tiles() {
             ExpertDown {
                 n_expert: ne,
                 n_embd: 8,
+                kernel: REFERENCE,
             },
             Some(kernel),
         );
@@ -525,6 +564,7 @@ fn real_op(swiglu: bool, kernel: Option<TcKernel>) -> Box<dyn Op> {
             ExpertSwiGlu {
                 n_expert: NE,
                 n_ff: NFF,
+                kernel: REFERENCE,
             },
             kernel,
         ))
@@ -533,6 +573,7 @@ fn real_op(swiglu: bool, kernel: Option<TcKernel>) -> Box<dyn Op> {
             ExpertDown {
                 n_expert: NE,
                 n_embd: EMBD,
+                kernel: REFERENCE,
             },
             kernel,
         ))

@@ -121,6 +121,7 @@ impl Mla {
             qk_rope: self.rope,
             kv_lora: self.lora,
             rope: self.p,
+            kernel: Default::default(),
         };
         let qq = run(
             &q_op,
@@ -132,12 +133,14 @@ impl Mla {
             n_head: self.h,
             kv_lora: self.lora,
             kq_scale: self.scale(),
+            kernel: Default::default(),
         };
         let o_lat = run(&att, &[&qq, cache, &posb]).unwrap().remove(0);
         let vo = MlaValueOut {
             n_head: self.h,
             kv_lora: self.lora,
             v_head: self.vh,
+            kernel: Default::default(),
         };
         run(&vo, &[&o_lat, &self.vb_buf]).unwrap().remove(0).f32s()
     }
@@ -284,6 +287,7 @@ fn cache_rows_past_a_querys_position_do_not_change_its_output() {
         n_head: nh,
         kv_lora: lora,
         kq_scale: 0.3,
+        kernel: Default::default(),
     };
     let rows = rng.vec(ctx * w);
     for p in [0usize, 3, 7, ctx - 1] {
@@ -397,6 +401,7 @@ fn attention_refuses_a_position_past_the_cache() {
         n_head: 1,
         kv_lora: 2,
         kq_scale: 1.0,
+        kernel: Default::default(),
     };
     let q = Buf::f32(&[1, 1, 3], &[0.0; 3]);
     let cache = empty_cache(4, 3);
@@ -423,6 +428,7 @@ fn a_query_of_the_wrong_width_is_a_shape_error_naming_it() {
         qk_rope: 4,
         kv_lora: 8,
         rope: m.p,
+        kernel: Default::default(),
     };
     let q = TensorMeta::f32([1, 15]);
     let pos = TensorMeta::i32([1]);
@@ -445,6 +451,7 @@ fn describe_lists_every_parameter() {
         qk_rope: 4,
         kv_lora: 8,
         rope: m.p,
+        kernel: Default::default(),
     }
     .describe();
     for want in [

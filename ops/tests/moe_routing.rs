@@ -43,6 +43,7 @@ fn sigmoid_router(n_expert: usize, top_k: usize, scale: f32) -> Router {
         gating: Gating::Sigmoid,
         norm_topk: true,
         scale,
+        kernel: Default::default(),
     }
 }
 
@@ -99,6 +100,7 @@ fn router_softmax_gating_renormalises_the_chosen_probabilities() {
         gating: Gating::Softmax,
         norm_topk: true,
         scale: 1.5,
+        kernel: Default::default(),
     };
     // softmax([0, ln 2, ln 3]) = [1/6, 2/6, 3/6]; top-2 = [2, 1]; renormalised [.6, .4]; ×1.5.
     let (ids, w) = route_one(&router, &[0.0, 2f32.ln(), 3f32.ln()], None);
@@ -151,7 +153,10 @@ fn the_route_plan_refuses_an_expert_id_out_of_range() {
 
 #[test]
 fn topk_sum_refuses_a_slot_table_that_is_not_a_permutation() {
-    let op = TopKSum { top_k: 2 };
+    let op = TopKSum {
+        top_k: 2,
+        kernel: Default::default(),
+    };
     let ro = Buf::f32(&[2, 1], &[1.0, 2.0]);
     let w = Buf::f32(&[1, 2], &[1.0, 1.0]);
     for slots in [[0, 0], [0, 2], [-1, 1]] {
@@ -168,6 +173,7 @@ fn the_expert_ops_refuse_offsets_that_do_not_cover_the_routes() {
     let op = ExpertSwiGlu {
         n_expert: 2,
         n_ff: 1,
+        kernel: Default::default(),
     };
     let z = Buf::f32(&[1, 1], &[1.0]);
     let wt = Buf::f32(&[2, 1, 1], &[1.0, 1.0]);
@@ -209,6 +215,7 @@ fn the_expert_ops_refuse_offsets_that_do_not_cover_the_routes() {
     let down = ExpertDown {
         n_expert: 2,
         n_embd: 1,
+        kernel: Default::default(),
     };
     let act = Buf::f32(&[2, 1], &[1.0, 1.0]);
     let err = run(&down, &[&act, &wt, &Buf::i32(&[3], &[0, 1, 1])]).unwrap_err();
@@ -286,6 +293,7 @@ impl Moe {
         let sw = ExpertSwiGlu {
             n_expert: ne,
             n_ff: self.n_ff,
+            kernel: Default::default(),
         };
         let act = run(&sw, &[z, &self.gate, &self.up, off, tok])
             .unwrap()
@@ -293,11 +301,13 @@ impl Moe {
         let dn = ExpertDown {
             n_expert: ne,
             n_embd: self.d,
+            kernel: Default::default(),
         };
         let ro = run(&dn, &[&act, &self.down, off]).unwrap().remove(0);
         let out = run(
             &TopKSum {
                 top_k: self.router.top_k,
+                kernel: Default::default(),
             },
             &[&ro, slot, weights],
         )
@@ -414,6 +424,7 @@ fn the_moe_chain_matches_a_dense_f64_loop_over_the_selected_experts() {
                 gating: Gating::Sigmoid,
                 norm_topk: true,
                 scale: 2.0,
+                kernel: Default::default(),
             },
             true,
         ),
@@ -424,6 +435,7 @@ fn the_moe_chain_matches_a_dense_f64_loop_over_the_selected_experts() {
                 gating: Gating::Softmax,
                 norm_topk: false,
                 scale: 1.0,
+                kernel: Default::default(),
             },
             false,
         ),

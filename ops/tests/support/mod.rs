@@ -1,9 +1,15 @@
-//! The host-side harness the CPU op tests share: tensors in 4-byte-aligned storage, ops run
-//! through the `Op` trait with NaN-poisoned outputs, and a small deterministic generator.
+//! The harness the op tests share: for the CPU tests, tensors in 4-byte-aligned storage, ops
+//! run through the `Op` trait with NaN-poisoned outputs, and a small deterministic generator;
+//! for the GPU tests, the kernel variant the graph's lowering would give an op of a given size.
 
 #![allow(dead_code)]
 
-use ops::{HostTensor, HostTensorMut, Op, OpError, TensorMeta};
+use ops::hc::{HcPre, HcPreKernel};
+use ops::linear::{GEMV_ROWS_LIMIT, LinearKernel};
+use ops::mla::{AttentionPath, HEAD_GEMV_ROWS_LIMIT, HeadKernel, MlaAttention};
+use ops::moe::{ExpertKernel, GEMV_ROUTES_LIMIT, RouterKernel, TopKKernel};
+use ops::moe_prefill::TcKernel;
+use ops::{DType, HostTensor, HostTensorMut, Op, OpError, TensorMeta};
 
 #[derive(Clone, Debug)]
 pub struct Buf {
@@ -102,5 +108,104 @@ impl Rng {
 
     pub fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.unit()).collect()
+    }
+}
+
+// ---- kernel variants ----------------------------------------------------------------------
+//
+// A test-side mirror of what `graph::lower` picks with `LoweringOptions::default()`
+// (graph/src/lower.rs): no op chooses its own CUDA kernel, so a GPU test that runs an op over a
+// range of sizes gives it the variant a lowered plan would carry at that size. `ops` cannot
+// depend on `graph`, so the rules are restated here, one function a family; keep them in step
+// with lower.rs's defaults. Tests that pin one path on purpose name the variant themselves.
+
+/// `LoweringOptions::default().router_tiled_min_rows`.
+pub const ROUTER_TILED_MIN_ROWS: usize = 64;
+/// `LoweringOptions::default().topk_inverse_min_rows`.
+pub const TOPK_INVERSE_MIN_ROWS: usize = 132;
+/// `LoweringOptions::default().hc_rows_min_rows`.
+pub const HC_ROWS_MIN_ROWS: usize = 64;
+/// `LoweringOptions::default().hc_rows_chunks_per_warp`.
+pub const HC_ROWS_CHUNKS_PER_WARP: usize = 1;
+/// `LoweringOptions::default().attention_flash_min_rows`.
+pub const ATTENTION_FLASH_MIN_ROWS: usize = 256;
+
+/// `Linear`, `LinearPair`, `NormLinear` and `GateUpSwiGlu` over `rows` rows: the GEMV (weights
+/// first) up to [`GEMV_ROWS_LIMIT`] rows, the tensor cores beyond.
+pub fn linear_for(rows: usize) -> LinearKernel {
+    if rows <= GEMV_ROWS_LIMIT {
+        LinearKernel::Gemv {
+            weights_first: true,
+        }
+    } else {
+        LinearKernel::TensorCore
+    }
+}
+
+/// `MlaQuery`'s and `MlaValueOut`'s per-head products over `tokens` tokens: the GEMV up to
+/// [`HEAD_GEMV_ROWS_LIMIT`], the tensor cores beyond.
+pub fn head_for(tokens: usize) -> HeadKernel {
+    if tokens <= HEAD_GEMV_ROWS_LIMIT {
+        HeadKernel::Gemv
+    } else {
+        HeadKernel::TensorCore
+    }
+}
+
+/// `ExpertSwiGlu` and `ExpertDown` over `routes` routes on a device of `compute_capability`: the
+/// GEMV up to [`GEMV_ROUTES_LIMIT`], beyond it the grouped GEMM (warpgroup MMAs on 9.0,
+/// `mma.sync` elsewhere).
+pub fn expert_for(routes: usize, compute_capability: (u32, u32)) -> ExpertKernel {
+    if routes <= GEMV_ROUTES_LIMIT {
+        return ExpertKernel::Gemv;
+    }
+    ExpertKernel::Grouped(if compute_capability == (9, 0) {
+        TcKernel::Wgmma
+    } else {
+        TcKernel::MmaSync
+    })
+}
+
+/// `Router` over `tokens` tokens: the tiled logits from [`ROUTER_TILED_MIN_ROWS`], the split-K
+/// slices below.
+pub fn router_for(tokens: usize) -> RouterKernel {
+    if tokens >= ROUTER_TILED_MIN_ROWS {
+        RouterKernel::Tiled
+    } else {
+        RouterKernel::Slices
+    }
+}
+
+/// `TopKSum` over `tokens` tokens: the inverse route table from [`TOPK_INVERSE_MIN_ROWS`], the
+/// scan below.
+pub fn topk_for(tokens: usize) -> TopKKernel {
+    if tokens >= TOPK_INVERSE_MIN_ROWS {
+        TopKKernel::InverseTable
+    } else {
+        TopKKernel::Scan
+    }
+}
+
+/// `pre`'s partial pass (alone or inside `HcPreNorm` / `HcPostPreNorm`) over `tokens` tokens
+/// of streams `d` wide and an `fn` of `fn_dtype`: the tensor-core rows pass from
+/// [`HC_ROWS_MIN_ROWS`] where [`HcPre::rows_supports`] the shape, split-K otherwise.
+pub fn hc_pre_for(pre: &HcPre, tokens: usize, d: usize, fn_dtype: DType) -> HcPreKernel {
+    if tokens >= HC_ROWS_MIN_ROWS && pre.rows_supports(d, fn_dtype) {
+        HcPreKernel::Rows {
+            chunks_per_warp: HC_ROWS_CHUNKS_PER_WARP,
+        }
+    } else {
+        HcPreKernel::SplitK
+    }
+}
+
+/// `att` over `tokens` tokens and cache rows `width` wide: the flash kernel from
+/// [`ATTENTION_FLASH_MIN_ROWS`] where [`MlaAttention::flash_supports`] the width, split-K
+/// otherwise.
+pub fn attention_for(att: &MlaAttention, tokens: usize, width: usize) -> AttentionPath {
+    if tokens >= ATTENTION_FLASH_MIN_ROWS && att.flash_supports(width) {
+        AttentionPath::Flash
+    } else {
+        AttentionPath::SplitK
     }
 }
