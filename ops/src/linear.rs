@@ -388,8 +388,8 @@ impl Op for Linear {
         format!("linear{}", self.kernel.label())
     }
 
-    /// n ≤ 8: f32 GEMV streaming the weight once (F32 tolerance, reordered sums);
-    /// n > 8: x narrowed to bf16 into the scratch, then a cuBLAS GEMM (BF16 weights, cuBLAS's
+    /// [`LinearKernel::Gemv`]: f32 GEMV streaming the weight once (F32 tolerance, reordered
+    /// sums); [`LinearKernel::TensorCore`]: x narrowed to bf16 into the scratch, then a cuBLAS GEMM (BF16 weights, cuBLAS's
     /// workspace in the scratch too) or bf16 tensor-core tiles decoding the weight in place
     /// (f32 accumulation either way: BF16 tolerance). Deterministic on every path.
     fn cuda(
