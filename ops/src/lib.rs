@@ -1,7 +1,12 @@
-//! Typed operators: each one's parameters, shape rule, CPU reference (and, on
-//! the GPU path, its CUDA kernel) and parity tests live side by side, one op a module.
+//! Typed operators, one folder per family (`hc/`, `mla/`, `moe/`, `linear/`, `norm/`, `head/`,
+//! `elementwise/`, `embedding/`, `rope/`): in each, the ops' parameters and shape rules
+//! (`mod.rs` or a file per op), the CPU reference (`cpu.rs`), the CUDA launches (`cuda.rs`),
+//! the CUDA sources (`*.cu`) and the family's unit tests (`tests.rs`). Shared validation is in
+//! `check`, the dequantizing device header every weight-reading kernel includes in `dequant/`.
 
+mod check;
 pub mod cpu;
+mod dequant;
 pub mod elementwise;
 pub mod embedding;
 pub mod gpu;
@@ -9,14 +14,16 @@ pub mod hc;
 pub mod head;
 pub mod linear;
 pub mod mla;
-pub mod mla_prefill;
+
 pub mod moe;
-pub mod moe_prefill;
+
 pub mod norm;
 mod op;
 pub mod parity;
 pub mod rope;
 pub mod tensor;
+#[cfg(test)]
+mod testkit;
 
 pub use op::{Op, OpError};
 pub use tensor::{AlignedBuf, DType, HostTensor, HostTensorMut, TensorMeta};
@@ -37,3 +44,8 @@ pub fn kernel_sources() -> [(&'static str, &'static str); 10] {
         ("norm.cu", norm::NORM_CU),
     ]
 }
+
+/// The tensor-core MLA attention for prefill chunks (`mla/prefill.rs`), at its former path.
+pub use mla::prefill as mla_prefill;
+/// The tensor-core expert GEMMs for prefill (`moe/prefill.rs`), at their former path.
+pub use moe::prefill as moe_prefill;

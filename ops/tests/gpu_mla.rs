@@ -630,7 +630,10 @@ fn the_cuda_kernels_refuse_shapes_they_do_not_cover() {
 // ---- timings ----------------------------------------------------------------------------
 
 /// The attention kernels' source, to time the merge kernel on its own.
-const MLA_SOURCE: &str = include_str!("../kernels/mla.cu");
+const MLA_SOURCE: &str = concat!(
+    include_str!("../src/mla/mla.cu"),
+    include_str!("../src/mla/mla_attention.cu")
+);
 
 fn upload(gpu: &GpuCtx, bytes: &[u8]) -> DeviceBuffer<u8> {
     gpu.device.upload(bytes).expect("upload")

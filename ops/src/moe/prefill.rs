@@ -3,7 +3,7 @@
 //! The same contract as the grouped expert products of [`crate::moe`] (`ExpertSwiGlu`,
 //! `ExpertDown`): one output row per route, one writer per element, a fixed summation order
 //! (the same bits on every run), a grid sized from static shapes only. The kernels
-//! (`kernels/moe_prefill.cu`) narrow weights and inputs to f16 for the tensor cores with f32
+//! (`moe/moe_prefill.cu`) narrow weights and inputs to f16 for the tensor cores with f32
 //! accumulation; the file's header says how f16's range is kept (exact power-of-two scalings)
 //! and why f16 rather than bf16. Parity against the f32 CPU reference is therefore at f16
 //! tolerance. Two kernels compute the same function: `mma.sync` (any sm_80+ card, 64-route
@@ -13,7 +13,7 @@
 use crate::OpError;
 use crate::gpu::{GpuCtx, dev_err};
 
-pub(crate) const MOE_PREFILL_CU: &str = include_str!("../kernels/moe_prefill.cu");
+pub(crate) const MOE_PREFILL_CU: &str = include_str!("moe_prefill.cu");
 
 const OP: &str = "expert_gemm_tc";
 /// Routes a block of the `mma.sync` kernel covers (`TC_BM`).

@@ -1,4 +1,4 @@
-//! MLA attention for prefill chunks on the tensor cores (`kernels/mla_prefill.cu`).
+//! MLA attention for prefill chunks on the tensor cores (`mla/mla_prefill.cu`).
 //!
 //! The same function as [`crate::mla::MlaAttention`] (absorbed form, causal over the latent
 //! cache, the value the first `kv_lora` columns of each row), computed flash-attention style
@@ -13,7 +13,7 @@
 use crate::OpError;
 use crate::gpu::{GpuCtx, Scratch, dev_err};
 
-pub(crate) const MLA_PREFILL_CU: &str = include_str!("../kernels/mla_prefill.cu");
+pub(crate) const MLA_PREFILL_CU: &str = include_str!("mla_prefill.cu");
 
 const OP: &str = "mla_prefill";
 /// Query rows (token, head pairs) a block of `mla_prefill_attn` takes.

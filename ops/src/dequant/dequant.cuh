@@ -1,5 +1,5 @@
 // Stored-weight decoding shared by the embedding and linear kernels (spec §6.2).
-// Weight type codes match `wt_code` in ops/src/linear.rs.
+// Weight type codes match `wt_code` in ops/src/dequant/mod.rs.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 

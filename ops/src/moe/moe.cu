@@ -1,7 +1,7 @@
 // Routed experts, spec §3.7 / seed §4: router, the device-side route plan, the grouped
 // IQ4_NL expert products and the slot-order top-k sum. Every output element has one writer
 // and every sum a fixed order, so two runs give the same bits. The CPU references in
-// ops/src/moe.rs are the spec; where their rounding can be reproduced exactly (sigmoid,
+// ops/src/moe/cpu.rs are the spec; where their rounding can be reproduced exactly (sigmoid,
 // weight normalisation, the top-k sum) the explicit-rounding intrinsics keep NVRTC from
 // contracting a*b+c into an fma. Prepended with dequant.cuh, whose iq4g_tile is the decode
 // GEMV the expert products share with the linear op.

@@ -1,6 +1,6 @@
 // MLA attention (absorbed form) for prefill chunks on the tensor cores: f16 operands, f32
 // accumulation and f32 online softmax, flash-attention-2 style. Contract as MlaAttention's
-// (ops/src/mla.rs): q f32 [n_tok][n_head][w], cache f32 [ctx][w] with w = lora + 64, token t
+// (ops/src/mla/cpu.rs): q f32 [n_tok][n_head][w], cache f32 [ctx][w] with w = lora + 64, token t
 // attends rows 0..=positions[t], the value is the first `lora` columns of the same row; a
 // position outside [0, ctx) gives zeros.
 //

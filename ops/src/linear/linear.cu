@@ -1,7 +1,7 @@
 // y[n, O] = x[n, K] · W[O, K]ᵀ, W stored as F32/F16/BF16/Q8_0/Q6_K/IQ4_NL, x and y f32.
 // Prepended with dequant.cuh.
 //
-// Three paths, chosen on the host (ops/src/linear.rs), plus two decode kernels described
+// Three paths, chosen on the host (ops/src/linear/plan.rs), plus two decode kernels described
 // where they are defined (gemv_iq4_nl_rows_* for IQ4_NL, gemv_bf16_dec_* for one BF16 token):
 // * gemv_<type>_<NT> (n ≤ 8): each warp owns whole weight rows (grid-strided over the
 //   rows so a small matrix still covers the chip and a large one pipelines). A row is
@@ -435,7 +435,7 @@ GEMV_BF16_DEC(1, 4)
 
 // ---------------------------------------------------------------------------------------------
 // Prefill (n > 8, K % 32 == 0). linear_x_bf16 first narrows x to bf16 once, into the op's
-// scratch; BF16 weights then go to cuBLAS (ops/src/linear.rs), every other type to
+// scratch; BF16 weights then go to cuBLAS (ops/src/linear/cuda.rs), every other type to
 // linear_tq_<type>_<fit> below.
 //
 // linear_tq: BM tokens × BN weight rows a block (128 × 128 as instantiated), 8 warps of
@@ -778,7 +778,7 @@ __device__ __forceinline__ void tq_body(const unsigned char* __restrict__ W, con
 // 128 tokens × 128 rows a block (warps 2×4 of 64×32). x2: two blocks a multiprocessor (128
 // registers a thread), for grids of more blocks than multiprocessors; x1: one block a
 // multiprocessor without the register cap, faster where each would be alone anyway (chosen in
-// ops/src/linear.rs `TqFit`).
+// ops/src/linear/plan.rs `TqFit`).
 #define TQ(NAME, WT, FIT, MINB)                                                                    \
     extern "C" __global__ void __launch_bounds__(256, MINB) linear_tq_##NAME##_##FIT(             \
         const unsigned char* W, const float* x, float* y, int n, int K, int O, long long RB,     \

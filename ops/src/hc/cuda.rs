@@ -1,0 +1,559 @@
+//! CUDA launches of the hyper-connection ops.
+
+use super::{
+    HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, ROWS_CHUNKS_PER_WARP_LIMIT,
+    StreamMean, pre_dims, pre_segment,
+};
+use crate::check::{as_i32, unlowered};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
+use crate::norm::launch_rms_norm;
+use crate::op::check_device;
+use crate::tensor::{DType, TensorMeta};
+use crate::{Op, OpError};
+
+pub(crate) const HC_CU: &str = include_str!("hc.cu");
+
+/// Suffix of the kernels specialised on the stream count (loops over streams unrolled,
+/// so a thread's stream loads are in flight together); 0 is the run-time-hc variant.
+pub(super) fn hc_variant(hc: usize) -> usize {
+    if matches!(hc, 1 | 2 | 4) { hc } else { 0 }
+}
+
+/// Grid of a grid-stride element-wise kernel over `total` items.
+pub(super) fn stride_grid(total: usize) -> u32 {
+    blocks_for(total, 256).min(32768)
+}
+
+/// Threads of an `hc_pre_finish` block (its `__launch_bounds__`): a warp per mix total.
+pub(super) const PRE_FINISH_THREADS: usize = 1024;
+
+impl HcExpand {
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let total = outputs[0].meta.numel();
+        if total == 0 {
+            return Ok(());
+        }
+        let k = ctx.kernel("hc.cu", HC_CU, "hc_expand")?;
+        // SAFETY: hc_expand(x, out, hc, D, total); check_device checked x is n×D and out
+        // n×hc×D f32 = total elements.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(stride_grid(total))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "hc", self.hc)?)
+                .arg(as_i32(op, "D", inputs[0].meta.shape[1])?)
+                .arg(total as i64)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+impl HcPre {
+    /// Two launches: ~128 blocks each take a column segment of `fn` (and up to 8
+    /// tokens) and write partial dots and sums of squares to scratch; then per token
+    /// one block runs the gates and the Sinkhorn chain (one warp, fast reciprocal
+    /// divisions) while another collapses D with 16-byte loads. Partials are summed in
+    /// a fixed order (deterministic). The mixes are `(Σ fn·f)·r` rather than the
+    /// reference's `Σ fn·(f·r)`, and the dot order differs, so this is the reference up
+    /// to f32 rounding (not bit-identical).
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let [x, post, comb] = outputs else {
+            return Err(OpError::shape(self.name(), "expects 3 outputs"));
+        };
+        // SAFETY: check_device checked every input and output against the op's shapes.
+        unsafe {
+            self.enqueue(
+                ctx,
+                inputs,
+                [x.ptr, post.ptr, comb.ptr],
+                scratch,
+                None,
+                None,
+            )
+        }
+    }
+}
+
+impl HcPre {
+    /// The two launches of `hc_pre` over `inputs` (H, fn, base, scale), writing x, post and
+    /// comb at `outs`. With `norm = Some((w, eps))` the collapse block also applies the
+    /// sub-layer's RMSNorm to x (only when [`HcPre::norm_fuses`] said so).
+    ///
+    /// # Safety
+    /// `inputs` must be checked against [`Op::infer`] and `outs` must address buffers of the
+    /// inferred output sizes; `norm`'s weight must hold D f32.
+    pub(super) unsafe fn enqueue(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outs: [u64; 3],
+        scratch: Scratch,
+        norm: Option<(u64, f32)>,
+        post: Option<[u64; 4]>,
+    ) -> Result<(), OpError> {
+        let op = self.name();
+        let metas: Vec<&TensorMeta> = inputs.iter().take(4).map(|t| t.meta).collect();
+        let (n, w, k, splits) =
+            pre_dims(self, &metas).ok_or_else(|| OpError::shape(op, "inputs refused"))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let need = self.cuda_scratch_bytes(&metas);
+        scratch.require("hc_pre", need)?;
+        let (h, f) = (&inputs[0], &inputs[1]);
+        let d = w / self.hc;
+        let tb = if n >= 8 { 8 } else { 1 };
+        let groups = n.div_ceil(tb);
+        if groups > 65535 {
+            return Err(OpError::shape(op, format!("{n} tokens in one launch")));
+        }
+        let vec = w.is_multiple_of(8) && f.ptr.is_multiple_of(16) && h.ptr.is_multiple_of(16);
+        let seg = pre_segment(w);
+        let fn_ty = if f.meta.dtype == DType::BF16 {
+            "bf16"
+        } else {
+            "f32"
+        };
+        // The pair kernel keeps every (mix, 8-column) product of its tokens in shared memory;
+        // fused with hc_post, also the segment of H' it forms.
+        let pair_smem = tb * (k + 1) * (seg / 8) * 4;
+        let fused_smem = pair_smem.next_multiple_of(16) + tb * seg * 4;
+        let pairs = vec && fused_smem <= 48 << 10;
+        let part = scratch.ptr;
+        let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
+        let cpw = match self.kernel {
+            HcPreKernel::Unlowered => return Err(unlowered(op)),
+            HcPreKernel::SplitK => 0,
+            HcPreKernel::Rows { chunks_per_warp } => {
+                chunks_per_warp.clamp(1, ROWS_CHUNKS_PER_WARP_LIMIT)
+            }
+        };
+        let rows = cpw > 0
+            && self.rows_supports(d, f.meta.dtype)
+            && [h.ptr, f.ptr].iter().all(|p| p.is_multiple_of(16));
+        let mut post = post;
+        if let Some(p) = post {
+            let fuses = if rows {
+                p[..2].iter().all(|a| a.is_multiple_of(16))
+            } else {
+                pairs
+            };
+            if !fuses {
+                // SAFETY: the caller's hc_post inputs and H' (inputs[0]) are n×… as checked.
+                unsafe { launch_hc_post(ctx, self.hc, p, h.ptr, n, d)? };
+                post = None;
+            }
+        }
+        if rows {
+            let splits = (d / 32).div_ceil(8 * cpw);
+            let tiles = n.div_ceil(16);
+            if tiles > 65535 {
+                return Err(OpError::shape(op, format!("{n} tokens in one launch")));
+            }
+            let (ni, di, ci) = (
+                as_i32(op, "n", n)?,
+                as_i32(op, "D", d)?,
+                as_i32(op, "chunks", cpw)?,
+            );
+            let grid = (splits as u32, tiles as u32);
+            // SAFETY: the row kernels read H (or hc_post's y, H, post, comb) for n tokens of
+            // W = 4·D f32 and fn (24×W bf16), write H' (with hc_post) and part[n][25][splits],
+            // splits ≤ pre_dims' count, inside the scratch checked above.
+            unsafe {
+                if let Some(p) = post {
+                    let kp = ctx.kernel("hc.cu", HC_CU, "hc_post_pre_rows")?;
+                    ctx.device
+                        .launch(&kp)
+                        .grid(grid)
+                        .block(256)
+                        .arg(p[0])
+                        .arg(p[1])
+                        .arg(p[2])
+                        .arg(p[3])
+                        .arg(h.ptr)
+                        .arg(f.ptr)
+                        .arg(part)
+                        .arg(ni)
+                        .arg(di)
+                        .arg(ci)
+                        .enqueue()
+                        .map_err(dev_err)?;
+                } else {
+                    let kp = ctx.kernel("hc.cu", HC_CU, "hc_pre_rows")?;
+                    ctx.device
+                        .launch(&kp)
+                        .grid(grid)
+                        .block(256)
+                        .arg(h.ptr)
+                        .arg(f.ptr)
+                        .arg(part)
+                        .arg(ni)
+                        .arg(di)
+                        .arg(ci)
+                        .enqueue()
+                        .map_err(dev_err)?;
+                }
+                return self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits);
+            }
+        }
+        if let Some(p) = post {
+            let kp = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_pre_pairs_{fn_ty}_{tb}"))?;
+            // SAFETY: the fused partial kernel reads y, H, post, comb (the caller's hc_post
+            // inputs), writes H' (n×W) at inputs[0] and part[n][K+1][splits] in scratch.
+            unsafe {
+                ctx.device
+                    .launch(&kp)
+                    .grid((splits as u32, groups as u32))
+                    .block(256)
+                    .shared_mem(fused_smem as u32)
+                    .arg(p[0])
+                    .arg(p[1])
+                    .arg(p[2])
+                    .arg(p[3])
+                    .arg(h.ptr)
+                    .arg(f.ptr)
+                    .arg(part)
+                    .arg(as_i32(op, "n", n)?)
+                    .arg(wi)
+                    .arg(ki)
+                    .arg(as_i32(op, "segment", seg)?)
+                    .arg(as_i32(op, "hc", self.hc)?)
+                    .arg(as_i32(op, "D", d)?)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            // SAFETY: as for the partial kernel below.
+            return unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits) };
+        }
+        let (name, smem) = if vec && pair_smem <= 48 << 10 {
+            (format!("hc_pre_pairs_{fn_ty}_{tb}"), pair_smem as u32)
+        } else {
+            let v = if vec { "vec" } else { "any" };
+            (format!("hc_pre_partial_{fn_ty}_{v}_{tb}"), 0)
+        };
+        let kp = ctx.kernel("hc.cu", HC_CU, &name)?;
+        // SAFETY: the partial kernel reads H (n×W f32) and fn (K×W) and writes
+        // part[n][K+1][splits] inside the scratch checked above.
+        unsafe {
+            ctx.device
+                .launch(&kp)
+                .grid((splits as u32, groups as u32))
+                .block(256)
+                .shared_mem(smem)
+                .arg(h.ptr)
+                .arg(f.ptr)
+                .arg(part)
+                .arg(as_i32(op, "n", n)?)
+                .arg(wi)
+                .arg(ki)
+                .arg(as_i32(op, "segment", seg)?)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
+        // SAFETY: the partials are in scratch; the caller's contract covers the rest.
+        unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits) }
+    }
+
+    /// The finishing launch of `hc_pre` (totals, gates, Sinkhorn, collapse and the optional
+    /// fused norm), once the partials are in `scratch`.
+    ///
+    /// # Safety
+    /// As [`HcPre::enqueue`], with the partial pass already enqueued.
+    pub(super) unsafe fn enqueue_finish(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outs: [u64; 3],
+        scratch: Scratch,
+        norm: Option<(u64, f32)>,
+        splits: usize,
+    ) -> Result<(), OpError> {
+        let op = self.name();
+        let metas: Vec<&TensorMeta> = inputs.iter().take(4).map(|t| t.meta).collect();
+        let (n, w, k, _) =
+            pre_dims(self, &metas).ok_or_else(|| OpError::shape(op, "inputs refused"))?;
+        let (h, d, part) = (&inputs[0], w / self.hc, scratch.ptr);
+        let ki = as_i32(op, "mixes", k)?;
+        // Four collapse columns per thread (one 16-byte load a stream), all in flight at once.
+        let cb = d.div_ceil(4 * PRE_FINISH_THREADS).max(1);
+        let smem = (k + 1 + self.hc * self.hc) * 4;
+        if smem > 48 << 10 {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "hc = {}: the finishing kernel's {smem} bytes of totals exceed shared memory",
+                    self.hc
+                ),
+            ));
+        }
+        let kf = ctx.kernel(
+            "hc.cu",
+            HC_CU,
+            &format!("hc_pre_finish_{}", hc_variant(self.hc)),
+        )?;
+        let n32 = u32::try_from(n).map_err(|_| OpError::shape(op, format!("{n} tokens")))?;
+        // SAFETY: hc_pre_finish reads the partials written above, base (K) and scale (3),
+        // and writes x (n×D), post (n×hc) and comb (n×hc×hc), all checked by check_device.
+        unsafe {
+            ctx.device
+                .launch(&kf)
+                .grid((n32, (cb + 1) as u32))
+                .block(PRE_FINISH_THREADS as u32)
+                .shared_mem(smem as u32)
+                .arg(h.ptr)
+                .arg(part)
+                .arg(inputs[2].ptr)
+                .arg(inputs[3].ptr)
+                .arg(outs[0])
+                .arg(outs[1])
+                .arg(outs[2])
+                .arg(as_i32(op, "hc", self.hc)?)
+                .arg(as_i32(op, "D", d)?)
+                .arg(ki)
+                .arg(as_i32(op, "splits", splits)?)
+                .arg(self.rms_eps)
+                .arg(self.hc_eps)
+                .arg(self.clamp)
+                .arg(as_i32(op, "iters", self.sinkhorn_iters)?)
+                .arg(cb as i32)
+                .arg(norm.map_or(0, |(w, _)| w))
+                .arg(norm.map_or(0.0, |(_, eps)| eps))
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+
+    /// Whether the finishing kernel can apply the RMSNorm itself: one collapse block holding
+    /// all of x, one float4 a thread, 16-byte aligned streams, output and weight.
+    pub(super) fn norm_fuses(d: usize, ptrs: &[u64]) -> bool {
+        d.is_multiple_of(4)
+            && d / 4 <= PRE_FINISH_THREADS
+            && ptrs.iter().all(|p| p.is_multiple_of(16))
+    }
+}
+
+impl HcPreNorm {
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let [x, post, comb] = outputs else {
+            return Err(OpError::shape(self.name(), "expects 3 outputs"));
+        };
+        // SAFETY: check_device checked every input and output.
+        unsafe { self.enqueue(ctx, inputs, [x.ptr, post.ptr, comb.ptr], scratch, None) }
+    }
+}
+
+impl HcPreNorm {
+    /// `inputs`: H (or, with `hc_post`, the H' it is to write), fn, base, scale, norm weight.
+    ///
+    /// # Safety
+    /// `inputs` checked against [`Op::infer`], `outs` addressing the outputs' sizes, and
+    /// `hc_post`'s y, H, post and comb (when given) of the shapes `HcPost` checks.
+    pub(super) unsafe fn enqueue(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        [x, post, comb]: [u64; 3],
+        scratch: Scratch,
+        hc_post: Option<[u64; 4]>,
+    ) -> Result<(), OpError> {
+        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[2]);
+        if n == 0 {
+            return Ok(());
+        }
+        let w = inputs[4].ptr;
+        if HcPre::norm_fuses(d, &[inputs[0].ptr, x, w]) {
+            // SAFETY: the caller's contract; w holds D f32.
+            return unsafe {
+                self.pre.enqueue(
+                    ctx,
+                    inputs,
+                    [x, post, comb],
+                    scratch,
+                    Some((w, self.norm_eps)),
+                    hc_post,
+                )
+            };
+        }
+        let metas: Vec<&TensorMeta> = inputs.iter().take(5).map(|t| t.meta).collect();
+        let need = self.cuda_scratch_bytes(&metas);
+        scratch.require("hc_pre_norm", need)?;
+        let partials = self
+            .pre
+            .cuda_scratch_bytes(&metas[..4])
+            .next_multiple_of(16);
+        let collapsed = scratch.ptr + partials as u64;
+        // SAFETY: as above; the collapsed x goes to the scratch past the partials (n·D f32,
+        // checked against `need`), then the norm reads it into the output.
+        unsafe {
+            self.pre
+                .enqueue(ctx, inputs, [collapsed, post, comb], scratch, None, hc_post)?;
+            launch_rms_norm(ctx, collapsed, Some(w), x, n, d, self.norm_eps)
+        }
+    }
+}
+
+impl HcPostPreNorm {
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let [streams, x, post, comb] = outputs else {
+            return Err(OpError::shape(self.name(), "expects 4 outputs"));
+        };
+        let pre_inputs: Vec<DeviceTensor<'_>> = std::iter::once(DeviceTensor {
+            meta: streams.meta,
+            ptr: streams.ptr,
+            bytes: streams.bytes,
+        })
+        .chain(inputs[4..].iter().map(|t| DeviceTensor {
+            meta: t.meta,
+            ptr: t.ptr,
+            bytes: t.bytes,
+        }))
+        .collect();
+        let hc_post = [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, inputs[3].ptr];
+        // SAFETY: check_device checked all eight inputs and four outputs; H' is an output.
+        unsafe {
+            self.pre_norm.enqueue(
+                ctx,
+                &pre_inputs,
+                [x.ptr, post.ptr, comb.ptr],
+                scratch,
+                Some(hc_post),
+            )
+        }
+    }
+}
+
+impl HcPost {
+    /// One thread per (token, column) writing all hc destinations; bit-identical to
+    /// the reference (separately rounded products and sums, in its order).
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        // SAFETY: check_device checked every view against the shape rule (y n×D, H and out
+        // n×hc×D, post n×hc, comb n×hc×hc).
+        unsafe {
+            launch_hc_post(
+                ctx,
+                self.hc,
+                [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, inputs[3].ptr],
+                outputs[0].ptr,
+                n,
+                d,
+            )
+        }
+    }
+}
+
+/// Enqueues `hc_post` over `[y, H, post, comb]` into `out` for n tokens of width D.
+///
+/// # Safety
+/// The addresses must hold y n×D, H n×hc×D, post n×hc, comb n×hc×hc and out n×hc×D f32,
+/// alive until the kernel has run.
+pub(super) unsafe fn launch_hc_post(
+    ctx: &GpuCtx,
+    hc: usize,
+    [y, h, post, comb]: [u64; 4],
+    out: u64,
+    n: usize,
+    d: usize,
+) -> Result<(), OpError> {
+    let op = "hc_post";
+    let total = n * d;
+    if total == 0 {
+        return Ok(());
+    }
+    let k = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_{}", hc_variant(hc)))?;
+    // SAFETY: hc_post(y, h, post, comb, out, hc, D, n·D) over the caller's buffers.
+    unsafe {
+        ctx.device
+            .launch(&k)
+            .grid(stride_grid(total))
+            .block(256)
+            .arg(y)
+            .arg(h)
+            .arg(post)
+            .arg(comb)
+            .arg(out)
+            .arg(as_i32(op, "hc", hc)?)
+            .arg(as_i32(op, "D", d)?)
+            .arg(total as i64)
+            .enqueue()
+            .map_err(dev_err)
+    }
+}
+
+impl StreamMean {
+    /// Bit-identical to the reference: adds in stream order, then the 1/hc scale.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let total = outputs[0].meta.numel();
+        if total == 0 {
+            return Ok(());
+        }
+        let k = ctx.kernel(
+            "hc.cu",
+            HC_CU,
+            &format!("stream_mean_{}", hc_variant(self.hc)),
+        )?;
+        // SAFETY: stream_mean(h, out, hc, D, n·D); check_device checked H is n×hc×D and
+        // out n×D f32.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(stride_grid(total))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "hc", self.hc)?)
+                .arg(as_i32(op, "D", inputs[0].meta.shape[2])?)
+                .arg(total as i64)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}

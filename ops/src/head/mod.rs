@@ -1,0 +1,126 @@
+//! The head's plumbing: greedy token choice and the row slice that keeps only
+//! the rows needing logits (spec §3.8). The ops and their shape rules are here, the CPU
+//! references in `cpu.rs`, the CUDA launches in `cuda.rs` (kernels in `head.cu`).
+
+mod cpu;
+mod cuda;
+#[cfg(test)]
+mod tests;
+
+use crate::check::{arity, want_dtype};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch};
+use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
+use crate::{Op, OpError};
+
+pub use cpu::argmax_row;
+pub(crate) use cuda::HEAD_CU;
+
+/// F32 `[n, V]` → I32 `[n]`: per row the index of the first maximum. A row
+/// holding a NaN is `OpError::Data` (a broken forward pass, not a choice).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Argmax;
+
+impl Op for Argmax {
+    fn name(&self) -> &'static str {
+        "argmax"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        arity(op, inputs, 1)?;
+        let x = inputs[0];
+        want_dtype(op, "logits", x, DType::F32)?;
+        if x.shape.len() != 2 || x.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("logits must be [n, V] with V > 0, found {x}"),
+            ));
+        }
+        if i32::try_from(x.shape[1]).is_err() {
+            return Err(OpError::shape(
+                op,
+                format!("V = {} does not fit an I32 index", x.shape[1]),
+            ));
+        }
+        Ok(vec![TensorMeta::i32([x.shape[0]])])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        "argmax".to_string()
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+/// F32 `[n, ..]` → F32 `[len, ..]`: rows `start..start+len` (copied).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SliceRows {
+    pub start: usize,
+    pub len: usize,
+}
+
+impl Op for SliceRows {
+    fn name(&self) -> &'static str {
+        "slice_rows"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        arity(op, inputs, 1)?;
+        let x = inputs[0];
+        want_dtype(op, "x", x, DType::F32)?;
+        let Some(&n) = x.shape.first() else {
+            return Err(OpError::shape(op, "x must have a row dimension"));
+        };
+        if self.len == 0 || self.start.checked_add(self.len).is_none_or(|end| end > n) {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "rows {}..{}+{} are not a non-empty range inside the {n} rows of {x}",
+                    self.start, self.start, self.len
+                ),
+            ));
+        }
+        let mut shape = x.shape.clone();
+        shape[0] = self.len;
+        Ok(vec![TensorMeta::f32(shape)])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!("slice_rows(start={}, len={})", self.start, self.len)
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}

@@ -1,0 +1,206 @@
+//! Which CUDA path a linear takes for its shape, weight type and addresses, with the tile
+//! plans and scratch those paths need.
+
+use super::GEMV_ROWS_LIMIT;
+use super::LinearKernel;
+use crate::tensor::DType;
+
+/// How `iq4g_tile` (dequant/dequant.cuh) splits an IQ4_NL product of 256·`nch` inputs: `rt`
+/// row slots a block (for SwiGLU half gate rows, half the same up rows), `kp` K parts of
+/// whole 256-value chunks (at most `cw` each), one thread a (row, part): `threads` = rt·kp
+/// rounded up to whole warps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RowsPlan {
+    pub rt: usize,
+    pub kp: usize,
+    pub threads: usize,
+    pub(super) cw: usize,
+}
+
+impl RowsPlan {
+    /// The split that spreads `slots` matrices of `n_out` rows best over `sms` multiprocessors.
+    /// Cost model: the busiest multiprocessor's thread-chunks, ⌈blocks/sms⌉·threads·cw (the
+    /// products are bandwidth- and issue-bound, so that is its time); ties go to more resident
+    /// warps up to 12 a multiprocessor (latency hiding), then to two chunks a thread (the
+    /// second lands while the first is decoded), then to smaller blocks. None when the K
+    /// parts would not fit a block (more than 256 threads or ~110 KB of shared memory).
+    pub(crate) fn choose(
+        nch: usize,
+        n_out: usize,
+        slots: usize,
+        swiglu: bool,
+        sms: usize,
+    ) -> Option<RowsPlan> {
+        let sms = sms.max(1);
+        let mut best: Option<((usize, usize, usize, usize), RowsPlan)> = None;
+        for rt in [32usize, 16, 8, 4] {
+            let outs = if swiglu { rt / 2 } else { rt };
+            let blocks = n_out.div_ceil(outs) * slots;
+            for kp in 1..=nch {
+                let cw = nch.div_ceil(kp);
+                let threads = (rt * kp).next_multiple_of(32);
+                let plan = RowsPlan {
+                    rt,
+                    kp,
+                    threads,
+                    cw,
+                };
+                if threads > 256 || plan.smem_bytes(8) > 110 * 1024 {
+                    continue;
+                }
+                let per_sm = blocks.div_ceil(sms);
+                let cost = per_sm * threads * cw;
+                let warps = (per_sm * threads / 32).min(12);
+                let key = (cost, 12 - warps, cw.abs_diff(2), threads);
+                if best.as_ref().is_none_or(|(k, _)| key < *k) {
+                    best = Some((key, plan));
+                }
+            }
+        }
+        best.map(|(_, p)| p)
+    }
+
+    /// Dynamic shared memory for `nr` inputs at once: each thread's chunks (an odd number of
+    /// 16-byte units, so a quarter-warp's reads hit distinct banks), then the K parts' sums.
+    pub(crate) fn smem_bytes(&self, nr: usize) -> usize {
+        let units = 9 * self.cw + usize::from(self.cw.is_multiple_of(2));
+        self.threads * (units * 16 + nr * 4)
+    }
+}
+
+/// (units a lane, rows a block, warps a block) of `gemv_bf16_dec_<JU>_<R>` for one token of a
+/// BF16 weight with K = 8·u: short rows take four at a time; long ones are split over up to 8
+/// warps until about 16 warps a multiprocessor are in flight (the small attention projections
+/// are latency-bound), keeping at least 4 loads a lane. None past 32768 inputs.
+pub(super) fn bf16_dec_plan(k: usize, o: usize, sms: usize) -> Option<(usize, usize, usize)> {
+    let u = k / 8;
+    let per_lane = u.div_ceil(32);
+    if per_lane <= 4 {
+        return Some((per_lane.next_power_of_two(), 4, 1));
+    }
+    let mut s = 1;
+    while u.div_ceil(32 * s) > 16 {
+        s *= 2;
+        if s > 8 {
+            return None;
+        }
+    }
+    while s < 8 && o * s < sms * 16 && u.div_ceil(64 * s) >= 4 {
+        s *= 2;
+    }
+    Some((u.div_ceil(32 * s).next_power_of_two().max(4), 1, s))
+}
+
+/// cuBLAS's workspace for the BF16 prefill GEMM, inside the op's scratch (NVIDIA's
+/// recommendation for Hopper). Handing it over keeps a captured graph free of allocations.
+pub(super) const CUBLAS_WORKSPACE: usize = 32 << 20;
+
+/// Scratch of the prefill paths (n > 8, K % 32 == 0): x narrowed to bf16, then for BF16
+/// weights cuBLAS's workspace, each at a 256-byte boundary (256 spare bytes align the start).
+pub(super) fn prefill_scratch(dtype: DType, n: usize, k: usize) -> usize {
+    let ws = if dtype == DType::BF16 {
+        CUBLAS_WORKSPACE
+    } else {
+        0
+    };
+    256 + (n * k * 2).next_multiple_of(256) + ws
+}
+
+/// How `linear_tq_<type>_<fit>` (linear/linear.cu, 128 tokens × 128 rows a block) sits on
+/// the multiprocessors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum TqFit {
+    /// Two blocks a multiprocessor (128 registers a thread).
+    Two,
+    /// One block a multiprocessor, no register cap.
+    One,
+}
+
+impl TqFit {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            TqFit::Two => "x2",
+            TqFit::One => "x1",
+        }
+    }
+
+    /// Three x stages and two decoded weight tiles of 128 rows, 72 bf16 a row.
+    pub(super) const SMEM_BYTES: u32 = (5 * 128 * 72 * 2) as u32;
+
+    /// One block a multiprocessor when the grid gives each at most one anyway (measured on
+    /// the H200: the shared expert's 3584->1024 at 1024 tokens 71 µs against 111 µs for
+    /// two-a-multiprocessor blocks), and for F32 weights, whose raw registers do not fit
+    /// 128; two otherwise (IQ4_NL 3584->9216, 1024 tokens: 287 µs against 353 µs).
+    pub(super) fn choose(dtype: DType, n: usize, o: usize, sms: usize) -> TqFit {
+        if dtype == DType::F32 || o.div_ceil(128) * n.div_ceil(128) <= sms {
+            TqFit::One
+        } else {
+            TqFit::Two
+        }
+    }
+}
+
+pub(super) enum LinearPath {
+    /// IQ4_NL, n ≤ 8, K a multiple of 256: `gemv_iq4_nl_rows_<nr>` split as planned.
+    Iq4Rows(usize, RowsPlan),
+    /// BF16, n = 1: `gemv_bf16_dec_<JU>_<R>` with S warps a block.
+    Bf16Dec(usize, usize, usize),
+    Gemv(usize),
+    /// BF16, n > 8: x narrowed to bf16, then one cuBLAS GEMM.
+    Cublas,
+    /// Other types, n > 8: x narrowed to bf16, then `linear_tq_<type>_<fit>`.
+    Tiles(TqFit),
+    Generic,
+}
+
+/// Which kernel a call takes within its family. GEMV: the IQ4_NL row GEMV when K is whole
+/// 256-value chunks, the BF16 decode GEMV for one token, otherwise the GEMV when K is whole
+/// units of the weight's 16-byte decode group (4 F32, 8 F16/BF16, 32 Q8_0/IQ4_NL, 256 Q6_K).
+/// Tensor cores: when K % 32 == 0, cuBLAS for BF16 and the bf16 tiles for the other types.
+/// Otherwise (and for views not 16-byte aligned) the element-wise fallback.
+pub(super) fn linear_path(
+    kernel: LinearKernel,
+    dtype: DType,
+    (n, k, o): (usize, usize, usize),
+    x_ptr: u64,
+    w_ptr: u64,
+    sms: usize,
+) -> LinearPath {
+    let unit = match dtype {
+        DType::F32 => 4,
+        DType::F16 | DType::BF16 => 8,
+        DType::Q8_0 | DType::IQ4_NL => 32,
+        DType::Q6_K => 256,
+        DType::I32 => return LinearPath::Generic,
+    };
+    if k == 0 || !x_ptr.is_multiple_of(16) || !w_ptr.is_multiple_of(16) {
+        return LinearPath::Generic;
+    }
+    let gemv = matches!(kernel, LinearKernel::Gemv { .. }) && n <= GEMV_ROWS_LIMIT;
+    if gemv
+        && dtype == DType::IQ4_NL
+        && k.is_multiple_of(256)
+        && let Some(plan) = RowsPlan::choose(k / 256, o, 1, false, sms)
+    {
+        return LinearPath::Iq4Rows(n.next_power_of_two(), plan);
+    }
+    if gemv
+        && n == 1
+        && dtype == DType::BF16
+        && k.is_multiple_of(8)
+        && let Some((ju, r, s)) = bf16_dec_plan(k, o, sms)
+    {
+        return LinearPath::Bf16Dec(ju, r, s);
+    }
+    if gemv && k.is_multiple_of(unit) {
+        LinearPath::Gemv(n.next_power_of_two())
+    } else if kernel == LinearKernel::TensorCore && k.is_multiple_of(32) {
+        if dtype == DType::BF16 {
+            LinearPath::Cublas
+        } else {
+            LinearPath::Tiles(TqFit::choose(dtype, n, o, sms))
+        }
+    } else {
+        LinearPath::Generic
+    }
+}

@@ -1,0 +1,239 @@
+use half::{bf16, f16};
+
+use super::plan::*;
+use super::*;
+use crate::testkit::*;
+use loader::GgmlType;
+
+/// Weight bytes of `rows × cols` values for `dtype`: float types from random
+/// values, block types from random bytes with a finite random f16 scale.
+fn random_weight(r: &mut Lcg, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+    let n = rows * cols;
+    match dtype {
+        DType::F32 => r
+            .vec(n, -1.0, 1.0)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => r
+            .vec(n, -1.0, 1.0)
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        DType::BF16 => r
+            .vec(n, -1.0, 1.0)
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        DType::Q8_0 | DType::Q6_K | DType::IQ4_NL => {
+            let ty = dtype.ggml().unwrap();
+            let mut bytes: Vec<u8> = (0..ty.row_bytes(n).unwrap())
+                .map(|_| r.next_u32() as u8)
+                .collect();
+            // Where each block keeps its f16 scale.
+            let at = if ty == GgmlType::Q6_K { 208 } else { 0 };
+            for b in bytes.chunks_exact_mut(ty.block_bytes()) {
+                let d = f16::from_f32(r.uniform(-0.02, 0.02));
+                b[at..at + 2].copy_from_slice(&d.to_le_bytes());
+            }
+            bytes
+        }
+        DType::I32 => unreachable!("not a weight type"),
+    }
+}
+
+#[test]
+fn linear_matches_the_f64_product_of_the_dequantized_weight_for_every_weight_type() {
+    let mut r = Lcg(11);
+    let types = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q6_K,
+        DType::IQ4_NL,
+    ];
+    for dtype in types {
+        let (n, n_in, n_out) = (3, 512, 37);
+        let wb = random_weight(&mut r, dtype, n_out, n_in);
+        let mut wf = vec![0f32; n_out * n_in];
+        loader::quant::dequantize(dtype.ggml().unwrap(), &wb, &mut wf).unwrap();
+        let x = r.vec(n * n_in, -4.0, 4.0);
+        let w = Owned::from_bytes(TensorMeta::new([n_out, n_in], dtype), &wb);
+        let y = run(&Linear::default(), &[&Owned::f32([n, n_in], &x), &w]).unwrap()[0].to_f32();
+        // f32 dot of n_in terms: |error| ≤ γ_n · Σ|w·x| with γ_n = n·u/(1 − n·u).
+        let u = f32::EPSILON as f64 / 2.0;
+        let gamma = n_in as f64 * u / (1.0 - n_in as f64 * u);
+        for t in 0..n {
+            for o in 0..n_out {
+                let terms = (0..n_in).map(|i| wf[o * n_in + i] as f64 * x[t * n_in + i] as f64);
+                let want: f64 = terms.clone().sum();
+                let abs: f64 = terms.map(f64::abs).sum();
+                let got = y[t * n_out + o] as f64;
+                assert!(
+                    (got - want).abs() <= gamma * abs + 1e-30,
+                    "{dtype} y[{t}][{o}] = {got}, f64 {want}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_refuses_a_mismatched_input_width_a_partial_block_and_a_non_f32_input() {
+    let e = infer(
+        &Linear::default(),
+        &[
+            TensorMeta::f32([2, 64]),
+            TensorMeta::new([8, 32], DType::BF16),
+        ],
+    )
+    .unwrap_err();
+    assert!(matches!(e, OpError::Shape { op: "linear", .. }), "{e}");
+    let e = infer(
+        &Linear::default(),
+        &[
+            TensorMeta::f32([2, 48]),
+            TensorMeta::new([8, 48], DType::Q8_0),
+        ],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, OpError::Shape { .. }) && e.to_string().contains("Q8_0"),
+        "{e}"
+    );
+    let e = infer(
+        &Linear::default(),
+        &[
+            TensorMeta::new([2, 32], DType::BF16),
+            TensorMeta::f32([8, 32]),
+        ],
+    )
+    .unwrap_err();
+    assert!(matches!(e, OpError::Shape { .. }), "{e}");
+    let e = infer(
+        &Linear::default(),
+        &[TensorMeta::f32([2, 32]), TensorMeta::i32([8, 32])],
+    )
+    .unwrap_err();
+    assert!(matches!(e, OpError::Shape { .. }), "{e}");
+    assert_eq!(
+        infer(
+            &Linear::default(),
+            &[
+                TensorMeta::f32([2, 256]),
+                TensorMeta::new([8, 256], DType::Q6_K)
+            ]
+        ),
+        Ok(vec![TensorMeta::f32([2, 8])])
+    );
+}
+
+#[test]
+fn rows_plans_fit_one_block_and_give_every_chunk_to_one_k_part() {
+    for nch in 1..=96 {
+        for n_out in [1, 7, 100, 1024, 3584, 9216] {
+            for (slots, swiglu) in [(1, false), (4, false), (4, true), (32, true)] {
+                let p = RowsPlan::choose(nch, n_out, slots, swiglu, 132)
+                    .unwrap_or_else(|| panic!("no plan for {nch} chunks, {n_out} rows"));
+                let at = format!("{nch} chunks, {n_out} rows, {slots} slots: {p:?}");
+                assert!(p.threads <= 256 && p.threads.is_multiple_of(32), "{at}");
+                assert!(
+                    p.rt * p.kp <= p.threads && p.threads < p.rt * p.kp + 32,
+                    "{at}"
+                );
+                assert!(p.kp <= nch && p.cw == nch.div_ceil(p.kp), "{at}");
+                // The kernel gives part q the chunks [q·nch/kp, (q+1)·nch/kp).
+                let covered: usize = (0..p.kp)
+                    .map(|q| (q + 1) * nch / p.kp - q * nch / p.kp)
+                    .inspect(|&c| assert!(c <= p.cw, "{at}"))
+                    .sum();
+                assert_eq!(covered, nch, "{at}");
+                assert!(p.smem_bytes(8) <= 110 * 1024, "{at}");
+                assert!(!swiglu || p.rt.is_multiple_of(2), "{at}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_decode_expert_shapes_keep_every_multiprocessor_within_five_percent_of_an_even_share() {
+    // (chunks, rows per expert, experts, SwiGLU): Xing4.0's gate+up and down at top-4.
+    for (nch, n_out, slots, swiglu) in [(14, 1024, 4, true), (4, 3584, 4, false)] {
+        let p = RowsPlan::choose(nch, n_out, slots, swiglu, 132).unwrap();
+        let outs = if swiglu { p.rt / 2 } else { p.rt };
+        let blocks = n_out.div_ceil(outs) * slots;
+        let busiest = blocks.div_ceil(132) * p.threads * p.cw;
+        let rows = n_out * slots * if swiglu { 2 } else { 1 };
+        let even = (rows * nch) as f64 / 132.0;
+        assert!(busiest as f64 <= 1.05 * even, "{p:?}: {busiest} vs {even}");
+    }
+}
+
+#[test]
+fn bf16_decode_plans_cover_the_row_with_an_instantiated_kernel() {
+    for units in 1..=4096 {
+        for o in [1, 576, 6144] {
+            let (ju, r, s) = bf16_dec_plan(8 * units, o, 132).unwrap();
+            assert!(32 * s * ju >= units, "{units} units: {ju} x {s} warps");
+            assert!(s.is_power_of_two() && s <= 8, "{units} units: {s} warps");
+            assert!(
+                [(16, 1), (8, 1), (4, 1), (4, 4), (2, 4), (1, 4)].contains(&(ju, r)),
+                "{units} units: no gemv_bf16_dec_{ju}_{r}"
+            );
+        }
+    }
+    assert_eq!(bf16_dec_plan(8 * 4097, 10, 132), None);
+}
+
+#[test]
+fn prefill_tiles_run_alone_on_a_multiprocessor_only_when_the_grid_leaves_them_alone() {
+    // (n, out) at 132 multiprocessors: the shared expert's 1024 rows make 64 and 128
+    // blocks at 1024 and 2048 tokens; its down projection and the dense FFN make 224+.
+    let fit = |n, o| TqFit::choose(DType::IQ4_NL, n, o, 132);
+    assert_eq!(fit(1024, 1024), TqFit::One);
+    assert_eq!(fit(2048, 1024), TqFit::One);
+    for (n, o) in [(1024, 3584), (2048, 3584), (1024, 9216), (2048, 9216)] {
+        assert_eq!(fit(n, o), TqFit::Two, "n={n} out={o}");
+    }
+    // gpu_linear.rs's test of two-a-multiprocessor blocks relies on this grid taking them.
+    assert_eq!(fit(150, 8500), TqFit::Two);
+    assert_eq!(fit(256, 66 * 128), TqFit::One);
+    assert_eq!(TqFit::choose(DType::F32, 2048, 9216, 132), TqFit::One);
+}
+
+#[test]
+fn prefill_scratch_holds_x_as_bf16_and_for_bf16_weights_the_cublas_workspace() {
+    let metas = |dtype| {
+        [
+            TensorMeta::f32([100, 512]),
+            TensorMeta::new([7, 512], dtype),
+        ]
+    };
+    let [x, w] = metas(DType::IQ4_NL);
+    let tc = Linear::with(LinearKernel::TensorCore);
+    assert_eq!(tc.cuda_scratch_bytes(&[&x, &w]), 256 + 100 * 512 * 2);
+    let [x, w] = metas(DType::BF16);
+    assert_eq!(
+        tc.cuda_scratch_bytes(&[&x, &w]),
+        256 + 100 * 512 * 2 + CUBLAS_WORKSPACE
+    );
+    // The GEMV and widths that take the fallback need none.
+    let gemv = Linear::with(LinearKernel::Gemv {
+        weights_first: true,
+    });
+    let w = TensorMeta::new([7, 512], DType::BF16);
+    assert_eq!(
+        gemv.cuda_scratch_bytes(&[&TensorMeta::f32([8, 512]), &w]),
+        0
+    );
+    let w = TensorMeta::new([7, 48], DType::F32);
+    assert_eq!(tc.cuda_scratch_bytes(&[&TensorMeta::f32([100, 48]), &w]), 0);
+}
+
+#[test]
+fn a_weight_buffer_shorter_than_its_shape_is_an_error_not_a_panic() {
+    let x = Owned::f32([1, 32], &[1.0; 32]);
+    let w = Owned::from_bytes(TensorMeta::new([2, 32], DType::IQ4_NL), &[0u8; 18]);
+    assert!(run(&Linear::default(), &[&x, &w]).is_err());
+}

@@ -1,0 +1,653 @@
+//! CUDA launches of the MLA ops.
+
+use super::prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
+use super::*;
+use crate::check::{aligned16, dim_i32, unlowered};
+use crate::gpu::{blocks_for, dev_err};
+use crate::op::check_device;
+use crate::rope::RopeConsts;
+
+impl MlaQuery {
+    /// One launch: the `Kb` product per head plus one extra column of blocks that ropes `q_pe`
+    /// from the device positions. Up to 8 tokens a GEMV (BF16 weight rows in registers, tokens
+    /// staged in shared memory); more, bf16 tensor-core tiles with x split into two bf16 parts
+    /// (f32-class products, see `head_gemv`).
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let n = inputs[2].meta.shape[0];
+        let (qk, w, nh) = (
+            self.qk_nope + self.qk_rope,
+            self.kv_lora + self.qk_rope,
+            self.n_head,
+        );
+        head_gemv(
+            ctx,
+            self.name(),
+            self.kernel,
+            &HeadGemv {
+                w: &inputs[1],
+                n_head: nh,
+                n_out: self.kv_lora,
+                n_in: self.qk_nope,
+                x: inputs[0].ptr,
+                x_tok: nh * qk,
+                x_head: qk,
+                y: outputs[0].ptr,
+                y_tok: nh * w,
+                y_head: w,
+                n_tok: n,
+                rope: Some(HeadRope {
+                    positions: inputs[2].ptr,
+                    n_rot: self.qk_rope,
+                    src: self.qk_nope,
+                    dst: self.kv_lora,
+                    k: self.rope.consts(),
+                }),
+            },
+        )
+    }
+}
+
+/// `mla.cu` as NVRTC compiles it: the rope, head-product, `MlaKv` and cache-write kernels,
+/// then the decode attention (`mla_attention.cu`, which uses the first part's helpers).
+pub(crate) const MLA_CU: &str = concat!(include_str!("mla.cu"), include_str!("mla_attention.cu"));
+
+/// Weight segments of 8 BF16 values one lane of `head_gemv_bf16` holds (`HG_SEGS` there).
+pub(super) const HG_SEGS: usize = 4;
+
+/// `head_mma`'s k slice and pipeline depth (`HT_BK`, `HT_STAGES` in mla.cu), and its shared
+/// memory rows' padding in elements.
+pub(super) const HT_BK: usize = 32;
+
+pub(super) const HT_STAGES: usize = 3;
+
+pub(super) const HT_PAD: usize = 8;
+
+/// Tokens beyond which `head_mma` takes its 128-token tile.
+pub(super) const HT_LARGE_TILE_FROM: usize = 512;
+
+/// `head_mma` blocks resident on an SM (its `__launch_bounds__`; shared memory allows it).
+pub(super) const HT_BLOCKS_PER_SM: usize = 2;
+
+/// The rope part of a [`head_gemv`] launch.
+pub(super) struct HeadRope {
+    positions: u64,
+    n_rot: usize,
+    /// Offset of the pairs in each (token, head) input row, and of their output.
+    src: usize,
+    dst: usize,
+    k: RopeConsts,
+}
+
+/// `y[t][h][o] = Σ_i W[h][o][i]·x[t][h][i]` with `x` and `y` addressed by strides (in f32
+/// elements) per token and per head.
+pub(super) struct HeadGemv<'a> {
+    w: &'a DeviceTensor<'a>,
+    n_head: usize,
+    n_out: usize,
+    n_in: usize,
+    x: u64,
+    x_tok: usize,
+    x_head: usize,
+    y: u64,
+    y_tok: usize,
+    y_head: usize,
+    n_tok: usize,
+    rope: Option<HeadRope>,
+}
+
+pub(super) fn head_gemv(
+    ctx: &GpuCtx,
+    op: &'static str,
+    kernel: HeadKernel,
+    a: &HeadGemv<'_>,
+) -> Result<(), OpError> {
+    if a.n_tok == 0 {
+        return Ok(());
+    }
+    let tiles = match kernel {
+        HeadKernel::Unlowered => return Err(unlowered(op)),
+        HeadKernel::Gemv if a.n_tok > HEAD_GEMV_ROWS_LIMIT => {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the per-head GEMV takes at most {HEAD_GEMV_ROWS_LIMIT} tokens, found {}",
+                    a.n_tok
+                ),
+            ));
+        }
+        HeadKernel::Gemv => false,
+        HeadKernel::TensorCore => true,
+    };
+    if a.w.meta.dtype != DType::BF16 {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the CUDA kernel reads the per-head weight as BF16, found {}",
+                a.w.meta
+            ),
+        ));
+    }
+    let nseg = a.n_in / 8;
+    if !a.n_in.is_multiple_of(8) || nseg > 32 * HG_SEGS {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the CUDA kernel needs a per-head input width that is a multiple of 8 and at \
+                 most {}, found {}",
+                8 * 32 * HG_SEGS,
+                a.n_in
+            ),
+        ));
+    }
+    aligned16(op, "the per-head weight", a.w)?;
+    if a.n_head > 65535 {
+        return Err(OpError::shape(
+            op,
+            format!("{} heads exceed a grid dimension", a.n_head),
+        ));
+    }
+    let (pos, rope_n, src, dst, k) = match &a.rope {
+        Some(r) => (r.positions, r.n_rot, r.src, r.dst, r.k),
+        None => (
+            0,
+            0,
+            0,
+            0,
+            RopeConsts {
+                theta_scale: 0.0,
+                freq_scale: 0.0,
+                ext_factor: 0.0,
+                corr: [0.0; 2],
+                mscale: 0.0,
+            },
+        ),
+    };
+    let i = |what, v| dim_i32(op, what, v);
+    let rope_col = usize::from(rope_n > 0);
+    if tiles {
+        // Tile (tokens, outputs), the larger one where there are enough tokens to fill the
+        // card (on the H200 64x128 is faster up to 256 tokens, 128x128 from 1024; at 512
+        // they are within 10%).
+        let (name, bm, bn) = if a.n_tok > HT_LARGE_TILE_FROM {
+            ("head_mma_bf16_128x128", 128, 128)
+        } else {
+            ("head_mma_bf16_64x128", 64, 128)
+        };
+        let col_tiles = a.n_out.div_ceil(bn);
+        let tok_tiles = a.n_tok.div_ceil(bm);
+        if tok_tiles > 65535 {
+            return Err(OpError::shape(
+                op,
+                format!("{} tokens exceed the grid", a.n_tok),
+            ));
+        }
+        // Each block runs a group of column tiles in one pipeline: as few groups as still
+        // make two waves of HT_BLOCKS_PER_SM blocks an SM (on the H200, 2 groups of the
+        // query's 4 tiles from 512 tokens on beat 1 and 4 by 5-15%; every grouping gives
+        // the same bits).
+        let rows = a.n_head * tok_tiles;
+        let slots = 2 * HT_BLOCKS_PER_SM * ctx.device.sm_count() as usize;
+        let groups = slots.div_ceil(rows).clamp(1, col_tiles);
+        let col_per_block = col_tiles.div_ceil(groups);
+        let groups = col_tiles.div_ceil(col_per_block);
+        let x_vec =
+            a.x.is_multiple_of(16) && a.x_tok.is_multiple_of(4) && a.x_head.is_multiple_of(4);
+        let y_vec =
+            a.y.is_multiple_of(8) && a.y_tok.is_multiple_of(2) && a.y_head.is_multiple_of(2);
+        let smem = HT_STAGES * (bm * (HT_BK + HT_PAD) * 4 + bn * (HT_BK + HT_PAD) * 2);
+        let kern = ctx.kernel("mla.cu", MLA_CU, name)?;
+        // SAFETY: argument list matches HEAD_MMA_KERNEL's; as for head_gemv_bf16 below (the
+        // 16-byte copies and 8-byte stores only where x_vec / y_vec say they are aligned).
+        return unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid((
+                    i("column groups", groups + rope_col)? as u32,
+                    a.n_head as u32,
+                    tok_tiles as u32,
+                ))
+                .block(256)
+                .shared_mem(smem as u32)
+                .arg(a.w.ptr)
+                .arg(a.x)
+                .arg(a.x_tok as i64)
+                .arg(a.x_head as i64)
+                .arg(a.y)
+                .arg(a.y_tok as i64)
+                .arg(a.y_head as i64)
+                .arg(i("tokens", a.n_tok)?)
+                .arg(i("rows", a.n_out)?)
+                .arg(i("input width", a.n_in)?)
+                .arg(col_tiles as i32)
+                .arg(col_per_block as i32)
+                .arg(i32::from(x_vec))
+                .arg(i32::from(y_vec))
+                .arg(pos)
+                .arg(i("rope width", rope_n)?)
+                .arg(i("rope source", src)?)
+                .arg(i("rope destination", dst)?)
+                .arg(k.theta_scale)
+                .arg(k.freq_scale)
+                .arg(k.ext_factor)
+                .arg(k.corr[0])
+                .arg(k.corr[1])
+                .arg(k.mscale)
+                .enqueue()
+                .map_err(dev_err)
+        };
+    }
+    // A group of `lpr` lanes owns a row: as many as its 16-byte segments, up to a warp; one
+    // row per group, so a decode token's 4 MB weight is spread over many blocks.
+    let lpr = nseg.next_power_of_two().min(32);
+    let groups = 32 / lpr;
+    let passes = 1;
+    let row_blocks = a.n_out.div_ceil(passes * 8 * groups);
+    let tok_tile = (8192 / a.n_in).clamp(1, a.n_tok);
+    let grid_x = row_blocks + rope_col;
+    let kern = ctx.kernel("mla.cu", MLA_CU, "head_gemv_bf16")?;
+    // SAFETY: argument list matches head_gemv_bf16; the shape rule (checked by the caller)
+    // makes every strided access fall inside the views, whose sizes check_device verified.
+    unsafe {
+        ctx.device
+            .launch(&kern)
+            .grid((dim_i32(op, "row blocks", grid_x)? as u32, a.n_head as u32))
+            .block(256)
+            .shared_mem((tok_tile * a.n_in * 4) as u32)
+            .arg(a.w.ptr)
+            .arg(a.x)
+            .arg(a.x_tok as i64)
+            .arg(a.x_head as i64)
+            .arg(a.y)
+            .arg(a.y_tok as i64)
+            .arg(a.y_head as i64)
+            .arg(i("tokens", a.n_tok)?)
+            .arg(i("rows", a.n_out)?)
+            .arg(i("input width", a.n_in)?)
+            .arg(lpr.trailing_zeros() as i32)
+            .arg(passes as i32)
+            .arg(row_blocks as i32)
+            .arg(tok_tile as i32)
+            .arg(pos)
+            .arg(i("rope width", rope_n)?)
+            .arg(i("rope source", src)?)
+            .arg(i("rope destination", dst)?)
+            .arg(k.theta_scale)
+            .arg(k.freq_scale)
+            .arg(k.ext_factor)
+            .arg(k.corr[0])
+            .arg(k.corr[1])
+            .arg(k.mscale)
+            .enqueue()
+            .map_err(dev_err)
+    }
+}
+
+impl MlaKv {
+    /// One block a token: the f64 sum of squares, then the scaled latent and the roped key.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let n = inputs[2].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: check_device verified kv (n×W), norm_w, positions and the n×W output.
+        unsafe {
+            self.launch(
+                ctx,
+                op,
+                [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr],
+                outputs[0].ptr,
+                n,
+                None,
+            )
+        }
+    }
+}
+
+impl MlaKv {
+    /// The `mla_kv` kernel over `[kv, norm_w, positions]` of n tokens: rows to `out[t]`, or with
+    /// `cache_rows` to `out[positions[t]]` of a cache of that many rows (skipping positions
+    /// outside it and all but the last token naming a row).
+    ///
+    /// # Safety
+    /// The buffers hold what [`MlaKv::infer`] describes for n tokens; `out` holds n rows, or
+    /// `cache_rows` rows, of `kv_lora + qk_rope` f32.
+    pub(super) unsafe fn launch(
+        &self,
+        ctx: &GpuCtx,
+        op: &'static str,
+        [kv, norm_w, positions]: [u64; 3],
+        out: u64,
+        n: usize,
+        cache_rows: Option<usize>,
+    ) -> Result<(), OpError> {
+        let k = self.rope.consts();
+        let kern = ctx.kernel("mla.cu", MLA_CU, "mla_kv")?;
+        // SAFETY: argument list matches mla_kv; the caller vouches for the buffers.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(dim_i32(op, "tokens", n)? as u32)
+                .block(256)
+                .arg(kv)
+                .arg(norm_w)
+                .arg(positions)
+                .arg(out)
+                .arg(dim_i32(op, "kv_lora", self.kv_lora)?)
+                .arg(dim_i32(op, "qk_rope", self.qk_rope)?)
+                .arg(self.eps)
+                .arg(k.theta_scale)
+                .arg(k.freq_scale)
+                .arg(k.ext_factor)
+                .arg(k.corr[0])
+                .arg(k.corr[1])
+                .arg(k.mscale)
+                .arg(i32::from(cache_rows.is_some()))
+                .arg(n as i32)
+                .arg(dim_i32(op, "cache rows", cache_rows.unwrap_or(0))?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+impl MlaKvCacheWrite {
+    /// `mla_kv`'s kernel with the cache as its output: one block a token writes its row at
+    /// its position.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let n = inputs[3].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        let rows = outputs[0].meta.shape[0];
+        let ins = [inputs[1].ptr, inputs[2].ptr, inputs[3].ptr];
+        // SAFETY: check_device verified the token inputs and the rows×W cache.
+        unsafe { self.kv.launch(ctx, op, ins, outputs[0].ptr, n, Some(rows)) }
+    }
+}
+
+impl KvCacheWrite {
+    /// One block a token. The kernel skips a position outside the cache instead of
+    /// failing (it cannot report); the engine refuses such positions on the host.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let n = inputs[2].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        let (rows, w) = (outputs[0].meta.shape[0], outputs[0].meta.shape[1]);
+        let kern = ctx.kernel("mla.cu", MLA_CU, "kv_cache_write")?;
+        // SAFETY: argument list matches kv_cache_write; the kernel writes only rows in [0, rows).
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(dim_i32(op, "tokens", n)? as u32)
+                .block(256)
+                .arg(outputs[0].ptr)
+                .arg(inputs[1].ptr)
+                .arg(inputs[2].ptr)
+                .arg(n as i32)
+                .arg(dim_i32(op, "W", w)?)
+                .arg(dim_i32(op, "cache rows", rows)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+impl MlaAttention {
+    /// [`AttentionPath::Flash`]: the f16 tensor-core flash kernel of [`crate::mla_prefill`].
+    /// [`AttentionPath::SplitK`]: split-K flash attention on the tensor cores with
+    /// f32-class corrections (`mla_attn_split_t*`, then `mla_attn_combine` when a token's rows
+    /// are split over several chunks); see [`attention_chunks`] for the split and
+    /// [`attention_tile`] for the tile. A position at or past the cache end (which the CPU
+    /// reference and the engine refuse) gets zeros from the prefill kernel and all rows from
+    /// the split kernel.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        let rows = inputs
+            .get(1)
+            .map_or(0, |c| c.meta.shape.first().copied().unwrap_or(0));
+        let n = inputs
+            .get(2)
+            .map_or(0, |p| p.meta.shape.first().copied().unwrap_or(0));
+        let w = inputs
+            .get(1)
+            .map_or(0, |c| c.meta.shape.get(1).copied().unwrap_or(0));
+        let flash = match self.kernel {
+            AttentionPath::Unlowered => return Err(unlowered(self.name())),
+            AttentionPath::SplitK => false,
+            AttentionPath::Flash if !self.flash_supports(w) => {
+                return Err(OpError::shape(
+                    self.name(),
+                    format!(
+                        "the flash kernel needs rows of kv_lora + 64 with kv_lora a multiple \
+                         of 64 up to 512, found rows of {w} with kv_lora {}",
+                        self.kv_lora
+                    ),
+                ));
+            }
+            AttentionPath::Flash => true,
+        };
+        if flash {
+            check_device(self, inputs, outputs)?;
+            let need = mla_prefill_scratch_bytes(rows, w);
+            scratch.require("mla_attention", need)?;
+            // SAFETY: check_device checked q (n×heads×W), the cache (rows×W), positions (n)
+            // and out (n×heads×kv_lora); the scratch holds the f16 copy of the cache.
+            return unsafe {
+                launch_mla_prefill(
+                    ctx,
+                    inputs[0].ptr,
+                    inputs[1].ptr,
+                    inputs[2].ptr,
+                    outputs[0].ptr,
+                    n,
+                    self.n_head,
+                    w,
+                    self.kv_lora,
+                    rows,
+                    self.kq_scale,
+                    scratch,
+                )
+            };
+        }
+        let kernel = AttentionKernel {
+            tile: attention_tile(n, rows, self.n_head),
+            bf16_corrections: ATT_BF16_CORRECTIONS,
+        };
+        self.cuda_with(ctx, inputs, outputs, scratch, kernel)
+    }
+}
+
+impl MlaAttention {
+    /// Whether the flash kernel takes cache rows of width `w`.
+    pub fn flash_supports(&self, w: usize) -> bool {
+        w == self.kv_lora + 64 && self.kv_lora.is_multiple_of(64) && self.kv_lora <= 512
+    }
+
+    /// [`Op::cuda`] with the split kernel chosen by the caller, so tests can check and time
+    /// every variant; the scratch is the same for all.
+    #[doc(hidden)]
+    pub fn cuda_with(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+        kernel: AttentionKernel,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (q, cache, pos, out) = (&inputs[0], &inputs[1], &inputs[2], &outputs[0]);
+        let n = pos.meta.shape[0];
+        let (rows, w) = (cache.meta.shape[0], cache.meta.shape[1]);
+        let (nh, lora) = (self.n_head, self.kv_lora);
+        if n == 0 {
+            return Ok(());
+        }
+        if !w.is_multiple_of(4) || !lora.is_multiple_of(4) || w > ATT_MAX_W || lora > ATT_MAX_LORA {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the CUDA kernel needs W (found {w}) and kv_lora (found {lora}) to be \
+                     multiples of 4, at most {ATT_MAX_W} and {ATT_MAX_LORA}"
+                ),
+            ));
+        }
+        let tile = kernel.tile;
+        let name = match (tile, kernel.bf16_corrections) {
+            (16, false) => "mla_attn_split_t16",
+            (32, false) => "mla_attn_split_t32",
+            (16, true) => "mla_attn_split_t16_bf",
+            (32, true) => "mla_attn_split_t32_bf",
+            _ => {
+                return Err(OpError::shape(
+                    op,
+                    format!("the CUDA kernel has tiles of 16 or 32 rows, not {tile}"),
+                ));
+            }
+        };
+        for (what, t) in [("Q", q), ("cache", cache), ("o_lat", out)] {
+            aligned16(op, what, t)?;
+        }
+        let groups = nh.div_ceil(32);
+        if n > 65535 || groups > 65535 {
+            return Err(OpError::shape(
+                op,
+                format!("{n} tokens × {groups} head groups exceed the grid"),
+            ));
+        }
+        let chunks = attention_chunks(n, rows, nh);
+        if chunks > ATT_MAX_CHUNKS {
+            return Err(OpError::shape(
+                op,
+                format!("{chunks} chunks exceed the merge kernel's {ATT_MAX_CHUNKS}"),
+            ));
+        }
+        let need = attention_scratch(n, rows, nh, lora);
+        if scratch.bytes < need || (need > 0 && !scratch.ptr.is_multiple_of(16)) {
+            return Err(OpError::Type(format!(
+                "{op}: scratch of {} bytes at {:#x}, {need} 16-byte aligned bytes needed",
+                scratch.bytes, scratch.ptr
+            )));
+        }
+        let part_o = scratch.ptr;
+        let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
+        let split = ctx.kernel("mla.cu", MLA_CU, name)?;
+        let i = |what, v| dim_i32(op, what, v);
+        // SAFETY: argument list matches mla_attn_split_t*; rows read are clamped to the
+        // cache, partials written only when chunks > 1, into the scratch checked above.
+        unsafe {
+            ctx.device
+                .launch(&split)
+                .grid((chunks as u32, n as u32, groups as u32))
+                .block(256)
+                .shared_mem(attention_smem(tile) as u32)
+                .arg(q.ptr)
+                .arg(cache.ptr)
+                .arg(pos.ptr)
+                .arg(out.ptr)
+                .arg(part_o)
+                .arg(part_ml)
+                .arg(i("n_head", nh)?)
+                .arg(w as i32)
+                .arg(lora as i32)
+                .arg(i("cache rows", rows)?)
+                .arg(chunks as i32)
+                .arg(self.kq_scale)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
+        if chunks == 1 {
+            return Ok(());
+        }
+        let combine = ctx.kernel("mla.cu", MLA_CU, "mla_attn_combine")?;
+        // SAFETY: argument list matches mla_attn_combine; it reads the partials the split
+        // kernel wrote for the chunks the position makes valid (same tile, same division).
+        unsafe {
+            ctx.device
+                .launch(&combine)
+                .grid((blocks_for(lora, 128), nh as u32, n as u32))
+                .block(256)
+                .arg(part_o)
+                .arg(part_ml)
+                .arg(pos.ptr)
+                .arg(out.ptr)
+                .arg(nh as i32)
+                .arg(lora as i32)
+                .arg(rows as i32)
+                .arg(chunks as i32)
+                .arg(tile as i32)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+impl MlaValueOut {
+    /// The same per-head BF16 product as `MlaQuery`'s, without the rope.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let (nh, lora, vh) = (self.n_head, self.kv_lora, self.v_head);
+        head_gemv(
+            ctx,
+            self.name(),
+            self.kernel,
+            &HeadGemv {
+                w: &inputs[1],
+                n_head: nh,
+                n_out: vh,
+                n_in: lora,
+                x: inputs[0].ptr,
+                x_tok: nh * lora,
+                x_head: lora,
+                y: outputs[0].ptr,
+                y_tok: nh * vh,
+                y_head: vh,
+                n_tok: inputs[0].meta.shape[0],
+                rope: None,
+            },
+        )
+    }
+}

@@ -1,0 +1,577 @@
+// ---- MlaAttention: split-K flash decoding over the shared latent rows --------------------
+//
+// Block (chunk, token, head group of 32), 8 warps. Rows 0..=pos are split into n_chunks chunks
+// (whole T-row tiles) at run time from the position, so a fixed grid serves every position of
+// the bucket; chunks past the position exit. Tiles of T rows stream through NBUF shared-memory
+// buffers (cp.async, zero-filled past the chunk's rows and past W).
+//
+// Both products run on the tensor cores with split operands: x = big + small, big = tf32(x),
+// and a·b ≈ a_big·b_big + (a_big·b_small + a_small·b_big), f32 accumulators. The corrections
+// are two more TF32 mma (3xTF32, ~2^-21 of each product) or, in the `_bf` kernels, one bf16
+// m16n8k16 mma over (x, small) pairs (~2^-20): f32-class either way. mma.sync TF32 runs at
+// ~1/4 of an SM's wgmma rate on the H200 (measured: ~0.25 m16n8k8 a clock an SM), so the
+// instruction count is what the kernel's time follows.
+//
+// Scores, S^T[row][head] = K·Q^T: warp w owns the query dims [72w, 72w+72) (9 k-steps of 8),
+// all T rows and 32 heads; its slice of Q lives in registers for the whole block. The k index
+// t of a step is dim 2t and t+4 is dim 2t+1, so each A fragment half is one 8-byte load. The
+// 8 warps' partials go through shared memory and are summed in warp order by warps 0..3
+// (warp = head octet), which also run the online softmax in f32: one lane holds 2 heads x
+// 2·(T/16) rows, the head's tile max is an xor-shuffle over the 8 lanes sharing its heads.
+// Weights go to shared memory pre-split, in the A-fragment order of the value product.
+//
+// Values, O[head][col] += P·V: warp w owns columns [64w, 64w+64), both 16-head halves, all
+// rows (T/8 k-steps). The n index g of its n-tile j within 32-column group G is column
+// 64w + 32G + 4g + j, so one 16-byte load feeds 4 n-tiles; O stays in 64 registers a lane.
+//
+// Row stride ATT_WS = 8 (mod 32) floats: the score loads (lanes g x t: rows x 8-byte pairs)
+// and the value loads (lanes t x g: rows x 16-byte quads) both hit distinct banks.
+// W <= 576 and kv_lora <= 512, both multiples of 4; columns past W read as zero.
+
+#define ATT_W 576
+#define ATT_WS 584
+#define ATT_LORA 512
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, int src_bytes) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// cvt.rna.tf32.f32; VOLATILE for a value that does not change over the tile loop (Q), so the
+// compiler cannot hoist its split out of the loop and hold 144 registers of Q instead of 72.
+template <bool VOLATILE>
+__device__ __forceinline__ unsigned tf32_rna(float x) {
+    unsigned r;
+    if (VOLATILE)
+        asm volatile("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    else
+        asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+// Two f32 as bf16x2: `hi` in the upper half, `lo` in the lower.
+template <bool VOLATILE>
+__device__ __forceinline__ unsigned pack_bf16x2(float hi, float lo) {
+    unsigned r;
+    if (VOLATILE)
+        asm volatile("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// An operand of a product split for the tensor cores: big = tf32(x), and x - big is exact
+// (Sterbenz), so big + small carries 22 of x's 24 significant bits. `corr` feeds the two
+// correction products a_big·b_small + a_small·b_big: with BF16 false it is tf32(small) for
+// two more TF32 mma; with BF16 true it is a bf16 pair for ONE m16n8k16 bf16 mma whose k-pair
+// (2t, 2t+1) stands for the same element: the A side packs (x, small), the B side
+// (small, x), so the halves meet as x·small_b + small_a·x. bf16 keeps f32's exponent range;
+// its 8 bits on terms 2^-11 of the product leave ~2^-20 of it.
+template <bool BF16, bool B_SIDE, bool VOLATILE>
+__device__ __forceinline__ void split_op(float x, unsigned& big, unsigned& corr) {
+    big = tf32_rna<VOLATILE>(x);
+    const float small = x - __uint_as_float(big);
+    if (!BF16)
+        corr = tf32_rna<VOLATILE>(small);
+    else if (B_SIDE)
+        corr = pack_bf16x2<VOLATILE>(small, x);
+    else
+        corr = pack_bf16x2<VOLATILE>(x, small);
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// The m16n8k16 bf16 fragments line up with m16n8k8 tf32's: A register r holds k-pair t of
+// k-group r>>1 where tf32 has k t (+4 for r>=2), B register r k-group r; C is the same.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Rows per chunk for `nrows` valid rows over `n_chunks` chunks (whole tiles of `tile`).
+__device__ __forceinline__ int att_rows_per_chunk(int nrows, int n_chunks, int tile) {
+    const int per = (nrows + n_chunks - 1) / n_chunks;
+    return (per + tile - 1) / tile * tile;
+}
+
+template <int T, int NBUF, bool BF16>
+__device__ __forceinline__ void attn_split(const float* __restrict__ q,
+                                           const float* __restrict__ cache,
+                                           const int* __restrict__ positions,
+                                           float* __restrict__ out, float* __restrict__ part_o,
+                                           float* __restrict__ part_ml, int n_head, int w,
+                                           int lora, int ctx, int n_chunks, float kq_scale) {
+    constexpr int MT = T / 16;  // m16 row tiles of the score product
+    constexpr int KS = T / 8;   // k8 row steps of the value product
+    extern __shared__ float4 att_smem4[];
+    float* kbuf = reinterpret_cast<float*>(att_smem4);           // [NBUF][T][ATT_WS]
+    float4* sp = att_smem4 + NBUF * T * ATT_WS / 4;              // [8 warps][MT*4][32 lanes]
+    float4* pbig = sp + 8 * MT * 4 * 32;                         // [KS][2][32] A fragments
+    float4* psmall = pbig + KS * 2 * 32;                         // [KS][2][32] corrections
+    float* corr_s = reinterpret_cast<float*>(psmall + KS * 2 * 32);  // [32]
+    float* m_s = corr_s + 32;                                    // [32]
+    float* l_s = m_s + 32;                                       // [32]
+
+    const int chunk = blockIdx.x, t = blockIdx.y, hg = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const int pos = positions[t];
+    const int nrows = pos < 0 ? 0 : min(pos, ctx - 1) + 1;
+    const int per = att_rows_per_chunk(nrows, n_chunks, T);
+    const int r0 = chunk * per, r1 = min(r0 + per, nrows);
+    if (r0 >= r1) {
+        // Only a position outside the cache leaves the single chunk empty: write zeros.
+        if (n_chunks == 1)
+            for (int idx = tid; idx < 32 * lora; idx += blockDim.x) {
+                const int h = hg * 32 + idx / lora;
+                if (h < n_head) out[((long long)t * n_head + h) * lora + idx % lora] = 0.0f;
+            }
+        return;
+    }
+
+    const int w4 = w >> 2;
+    const int ntiles = (r1 - r0 + T - 1) / T;
+    // One commit group per call, empty past the last tile, so the wait counts stay fixed.
+    // Thread tid copies 16-byte chunks tid, tid+256, ... of the tile's T x 144; (j, c) is
+    // stepped rather than divided, and the loop kept rolled, so no per-chunk addresses stay
+    // live across the tile loop.
+    const int cj0 = tid / (ATT_W / 4), cc0 = tid - cj0 * (ATT_W / 4);
+    auto issue = [&](int it) {
+        if (it < ntiles) {
+            const int jr = r0 + it * T;
+            float* dst = kbuf + (it % NBUF) * T * ATT_WS;
+            int j = cj0, c = cc0;
+#pragma unroll 1
+            for (int k = 0; k < T * (ATT_W / 4) / 256; ++k) {
+                const bool v = jr + j < r1 && c < w4;
+                const float* src = v ? cache + (long long)(jr + j) * w + 4 * c : cache;
+                cp_async16_zfill(dst + j * ATT_WS + 4 * c, src, v ? 16 : 0);
+                j += 256 / (ATT_W / 4);
+                c += 256 % (ATT_W / 4);
+                if (c >= ATT_W / 4) {
+                    c -= ATT_W / 4;
+                    ++j;
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    // The first 32 rows go out alone, so they are not queued behind the rest of the ring
+    // (every block starts at once); the other buffers fill once tile 0 has landed.
+    constexpr int PRE = 32 / T;
+#pragma unroll
+    for (int s = 0; s < PRE; ++s) issue(s);
+
+    // This lane's B fragments of Q: head 8nt+g, dims 72·warp + 8k + 2tq + {0, 1}.
+    float qr[4][9][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+        const int h = hg * 32 + 8 * nt + g;
+        const bool hv = h < n_head;
+        const float* qh = q + ((long long)t * n_head + (hv ? h : 0)) * w;
+#pragma unroll
+        for (int k = 0; k < 9; ++k) {
+            const int d = warp * 72 + 8 * k + 2 * tq;
+            float2 v = make_float2(0.0f, 0.0f);
+            if (hv && d < w) v = *reinterpret_cast<const float2*>(qh + d);
+            qr[nt][k][0] = v.x;
+            qr[nt][k][1] = v.y;
+        }
+    }
+
+    // Softmax state of warps 0..3: heads 8·warp + 2tq + i.
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    // o[mt][G][j][c]: head 16mt + g + 8(c>>1), column 64·warp + 32G + 8tq + 4(c&1) + j.
+    float o[2][2][4][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) o[a][b][j][c] = 0.0f;
+    const bool pv_warp = 64 * warp < lora;
+
+    for (int it = 0; it < ntiles; ++it) {
+        // Groups are committed in tile order: PRE, then NBUF - PRE at it = 0, then one an
+        // iteration, so tile `it` is done when at most these many are pending.
+        if (it == 0)
+            cp_async_wait<PRE - 1>();
+        else
+            cp_async_wait<NBUF - 2>();
+        // Tile `it` is visible and every warp is done with tile it-1: its buffer, the
+        // weights and the corrections may be overwritten.
+        __syncthreads();
+        if (it == 0) {
+#pragma unroll
+            for (int s = PRE; s < NBUF; ++s) issue(s);
+        } else {
+            issue(it + NBUF - 1);
+        }
+        const float* kt = kbuf + (it % NBUF) * T * ATT_WS;
+        const int jn = min(T, r1 - (r0 + it * T));
+
+        {
+            float sacc[MT][4][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) sacc[mt][nt][c] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 9; ++k) {
+                const int d = warp * 72 + 8 * k + 2 * tq;
+                unsigned ab[MT][4], as[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const float2 lo = *reinterpret_cast<const float2*>(kt + (16 * mt + g) * ATT_WS + d);
+                    const float2 hi =
+                        *reinterpret_cast<const float2*>(kt + (16 * mt + g + 8) * ATT_WS + d);
+                    split_op<BF16, false, false>(lo.x, ab[mt][0], as[mt][0]);
+                    split_op<BF16, false, false>(hi.x, ab[mt][1], as[mt][1]);
+                    split_op<BF16, false, false>(lo.y, ab[mt][2], as[mt][2]);
+                    split_op<BF16, false, false>(hi.y, ab[mt][3], as[mt][3]);
+                }
+                unsigned bb[4][2], bs[4][2];
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    split_op<BF16, true, true>(qr[nt][k][0], bb[nt][0], bs[nt][0]);
+                    split_op<BF16, true, true>(qr[nt][k][1], bb[nt][1], bs[nt][1]);
+                }
+                if (BF16) {
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_bf16(sacc[mt][nt], as[mt], bs[nt][0], bs[nt][1]);
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_tf32(sacc[mt][nt], as[mt], bb[nt][0], bb[nt][1]);
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_tf32(sacc[mt][nt], ab[mt], bs[nt][0], bs[nt][1]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma_tf32(sacc[mt][nt], ab[mt], bb[nt][0], bb[nt][1]);
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+                    sp[(warp * MT * 4 + mt * 4 + nt) * 32 + lane] =
+                        make_float4(sacc[mt][nt][0], sacc[mt][nt][1], sacc[mt][nt][2],
+                                    sacc[mt][nt][3]);
+        }
+        __syncthreads();
+
+        if (warp < 4) {
+            // Lane (g, tq) of warp nt: c0/c1 are row 16mt+g, heads 8nt+2tq+{0,1}; c2/c3 row +8.
+            const int nt = warp;
+            float s[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float4 v = sp[(mt * 4 + nt) * 32 + lane];
+#pragma unroll
+                for (int k = 1; k < 8; ++k) {
+                    const float4 u = sp[(k * MT * 4 + mt * 4 + nt) * 32 + lane];
+                    v.x += u.x;
+                    v.y += u.y;
+                    v.z += u.z;
+                    v.w += u.w;
+                }
+                s[mt][0] = v.x;
+                s[mt][1] = v.y;
+                s[mt][2] = v.z;
+                s[mt][3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int hh = 8 * nt + 2 * tq + i;
+                float sc[MT][2];
+                float tmax = NEG_INF;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = 16 * mt + g + 8 * r;
+                        sc[mt][r] = row < jn ? kq_scale * s[mt][i + 2 * r] : NEG_INF;
+                        tmax = fmaxf(tmax, sc[mt][r]);
+                    }
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1)
+                    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+                const float m_new = fmaxf(m_run[i], tmax);
+                const float corr = expf(m_run[i] - m_new);
+                float psum = 0.0f;
+                // The value product's A fragment: head hh is row (hh&7) + 8((hh>>3)&1) of
+                // m-tile hh>>4; tile row `row` is k index (row&3) + 4((row>>2)&1) of step row>>3.
+                const int hbase = (hh >> 4) * 32 * 4 + (hh & 7) * 16 + ((hh >> 3) & 1);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = 16 * mt + g + 8 * r;
+                        const float p = row < jn ? expf(sc[mt][r] - m_new) : 0.0f;
+                        psum += p;
+                        unsigned pb, ps;
+                        split_op<BF16, false, false>(p, pb, ps);
+                        const int idx = (row >> 3) * 2 * 32 * 4 + hbase + (row & 3) * 4 +
+                                        2 * ((row >> 2) & 1);
+                        reinterpret_cast<float*>(pbig)[idx] = __uint_as_float(pb);
+                        reinterpret_cast<float*>(psmall)[idx] = __uint_as_float(ps);
+                    }
+                l_run[i] = l_run[i] * corr + psum;
+                m_run[i] = m_new;
+                if (g == 0) corr_s[hh] = corr;
+            }
+        }
+        __syncthreads();
+
+        if (pv_warp) {
+            float cr[2][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) cr[mt][r] = corr_s[16 * mt + g + 8 * r];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int G = 0; G < 2; ++G)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) o[mt][G][j][c] *= cr[mt][c >> 1];
+#pragma unroll
+            for (int k = 0; k < KS; ++k) {
+                unsigned ab[2][4], as[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    const float4 b4 = pbig[(k * 2 + mt) * 32 + lane];
+                    const float4 s4 = psmall[(k * 2 + mt) * 32 + lane];
+                    ab[mt][0] = __float_as_uint(b4.x);
+                    ab[mt][1] = __float_as_uint(b4.y);
+                    ab[mt][2] = __float_as_uint(b4.z);
+                    ab[mt][3] = __float_as_uint(b4.w);
+                    as[mt][0] = __float_as_uint(s4.x);
+                    as[mt][1] = __float_as_uint(s4.y);
+                    as[mt][2] = __float_as_uint(s4.z);
+                    as[mt][3] = __float_as_uint(s4.w);
+                }
+#pragma unroll
+                for (int G = 0; G < 2; ++G) {
+                    const float* vp = kt + (8 * k + tq) * ATT_WS + 64 * warp + 32 * G + 4 * g;
+                    const float4 v0 = *reinterpret_cast<const float4*>(vp);
+                    const float4 v1 = *reinterpret_cast<const float4*>(vp + 4 * ATT_WS);
+                    const float x0[4] = {v0.x, v0.y, v0.z, v0.w};
+                    const float x1[4] = {v1.x, v1.y, v1.z, v1.w};
+                    unsigned bb[4][2], bs[4][2];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        split_op<BF16, true, false>(x0[j], bb[j][0], bs[j][0]);
+                        split_op<BF16, true, false>(x1[j], bb[j][1], bs[j][1]);
+                    }
+                    if (BF16) {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+#pragma unroll
+                            for (int mt = 0; mt < 2; ++mt)
+                                mma_bf16(o[mt][G][j], as[mt], bs[j][0], bs[j][1]);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+#pragma unroll
+                            for (int mt = 0; mt < 2; ++mt)
+                                mma_tf32(o[mt][G][j], as[mt], bb[j][0], bb[j][1]);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+#pragma unroll
+                            for (int mt = 0; mt < 2; ++mt)
+                                mma_tf32(o[mt][G][j], ab[mt], bs[j][0], bs[j][1]);
+                    }
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt)
+                            mma_tf32(o[mt][G][j], ab[mt], bb[j][0], bb[j][1]);
+                }
+            }
+        }
+    }
+
+    if (warp < 4) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float l = l_run[i];
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+            if (g == 0) {
+                const int hh = 8 * warp + 2 * tq + i;
+                m_s[hh] = m_run[i];
+                l_s[hh] = l;
+            }
+        }
+    }
+    __syncthreads();
+    if (!pv_warp) return;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int hh = 16 * mt + g + 8 * r;
+            const int h = hg * 32 + hh;
+            if (h >= n_head) continue;
+            const float inv = 1.0f / l_s[hh];
+            const long long slot = ((long long)t * n_chunks + chunk) * n_head + h;
+            float* dst = n_chunks == 1 ? out + ((long long)t * n_head + h) * lora
+                                       : part_o + slot * lora;
+            const float f = n_chunks == 1 ? inv : 1.0f;
+#pragma unroll
+            for (int G = 0; G < 2; ++G)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int col = 64 * warp + 32 * G + 8 * tq + 4 * hf;
+                    const int c = 2 * r + hf;
+                    if (col < lora)
+                        *reinterpret_cast<float4*>(dst + col) =
+                            make_float4(o[mt][G][0][c] * f, o[mt][G][1][c] * f,
+                                        o[mt][G][2][c] * f, o[mt][G][3][c] * f);
+                }
+        }
+    if (n_chunks > 1 && tid < 32 && hg * 32 + tid < n_head) {
+        const long long slot = ((long long)t * n_chunks + chunk) * n_head + hg * 32 + tid;
+        part_ml[2 * slot] = m_s[tid];
+        part_ml[2 * slot + 1] = l_s[tid];
+    }
+}
+
+// Tiles of 32 rows in two buffers (the fewest barriers and softmax passes a row: long
+// contexts) or 16 rows in four (the first rows arrive sooner: chunks of one or two tiles);
+// corrections in two TF32 or one BF16 mma (`_bf`).
+#define ATT_SPLIT_KERNEL(NAME, T, NBUF, BF16)                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                       \
+        NAME(const float* __restrict__ q, const float* __restrict__ cache,                     \
+             const int* __restrict__ positions, float* __restrict__ out,                       \
+             float* __restrict__ part_o, float* __restrict__ part_ml, int n_head, int w,       \
+             int lora, int ctx, int n_chunks, float kq_scale) {                                \
+        PDL_ENTER();                                                                           \
+        attn_split<T, NBUF, BF16>(q, cache, positions, out, part_o, part_ml, n_head, w, lora,  \
+                                  ctx, n_chunks, kq_scale);                                    \
+    }
+ATT_SPLIT_KERNEL(mla_attn_split_t32, 32, 2, false)
+ATT_SPLIT_KERNEL(mla_attn_split_t16, 16, 4, false)
+ATT_SPLIT_KERNEL(mla_attn_split_t32_bf, 32, 2, true)
+ATT_SPLIT_KERNEL(mla_attn_split_t16_bf, 16, 4, true)
+
+// Merges the chunk partials of one (token, head, 128 columns): every sum in a fixed order
+// (chunk c to warp c % 8, lanes then warps), so the result is the same on every run. `tile`
+// is the split kernel's, which fixes how rows were divided among the chunks. Every load (a
+// warp's up to ATT_MAX_CHUNKS / 8 partial rows, a thread's chunk statistics) is issued before
+// the first is used: the kernel is a few L2 round trips, not one per chunk.
+#define ATT_MAX_CHUNKS 136
+extern "C" __global__ void __launch_bounds__(256)
+mla_attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                 const int* __restrict__ positions, float* __restrict__ out, int n_head,
+                 int lora, int ctx, int n_chunks, int tile) {
+    PDL_ENTER();
+    __shared__ float wts[256];
+    __shared__ float4 red[8][32];
+    __shared__ float wred[8];
+    __shared__ float stat[2];
+    const int h = blockIdx.y, t = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int pos = positions[t];
+    const int nrows = pos < 0 ? 0 : min(pos, ctx - 1) + 1;
+    const int per = att_rows_per_chunk(nrows, n_chunks, tile);
+    const int nvalid = nrows == 0 ? 0 : min((nrows + per - 1) / per, ATT_MAX_CHUNKS);
+    const long long base = (long long)t * n_chunks * n_head + h;
+    const int col = blockIdx.x * 128 + 4 * lane;
+    const bool cv = col < lora;
+
+    float4 v[ATT_MAX_CHUNKS / 8];
+#pragma unroll
+    for (int u = 0; u < ATT_MAX_CHUNKS / 8; ++u) {
+        const int c = warp + 8 * u;
+        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (cv && c < nvalid)
+            v[u] = *reinterpret_cast<const float4*>(part_o + (base + (long long)c * n_head) * lora +
+                                                    col);
+    }
+    float mc = NEG_INF, lc = 0.0f;
+    if (tid < nvalid) {
+        const long long slot = base + (long long)tid * n_head;
+        mc = part_ml[2 * slot];
+        lc = part_ml[2 * slot + 1];
+    }
+
+    float mx = mc;
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (lane == 0) wred[warp] = mx;
+    __syncthreads();
+    if (tid == 0) {
+        float m = wred[0];
+        for (int k = 1; k < 8; ++k) m = fmaxf(m, wred[k]);
+        stat[0] = m;
+    }
+    __syncthreads();
+    const float e = tid < nvalid ? expf(mc - stat[0]) : 0.0f;
+    wts[tid] = e;
+    float ls = lc * e;
+    for (int off = 16; off > 0; off >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, off);
+    __syncthreads();
+    if (lane == 0) wred[warp] = ls;
+    __syncthreads();
+    if (tid == 0) {
+        float l = wred[0];
+        for (int k = 1; k < 8; ++k) l += wred[k];
+        stat[1] = l;
+    }
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < ATT_MAX_CHUNKS / 8; ++u) {
+        const int c = warp + 8 * u;
+        if (c < nvalid) {
+            const float w = wts[c];
+            acc.x = fmaf(v[u].x, w, acc.x);
+            acc.y = fmaf(v[u].y, w, acc.y);
+            acc.z = fmaf(v[u].z, w, acc.z);
+            acc.w = fmaf(v[u].w, w, acc.w);
+        }
+    }
+    red[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0 && cv) {
+        float4 s = red[0][lane];
+        for (int k = 1; k < 8; ++k) {
+            const float4 u = red[k][lane];
+            s.x += u.x;
+            s.y += u.y;
+            s.z += u.z;
+            s.w += u.w;
+        }
+        const float inv = nvalid == 0 ? 0.0f : 1.0f / stat[1];
+        *reinterpret_cast<float4*>(out + ((long long)t * n_head + h) * lora + col) =
+            make_float4(s.x * inv, s.y * inv, s.z * inv, s.w * inv);
+    }
+}

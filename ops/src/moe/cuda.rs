@@ -1,0 +1,535 @@
+//! CUDA launches of the MoE ops.
+
+use super::prefill::launch_expert_gemm_tc_with;
+use super::*;
+use crate::check::{aligned16, dim_i32, unlowered};
+use crate::elementwise::SwiGlu;
+use crate::gpu::{blocks_for, dev_err};
+use crate::linear::RowsPlan;
+use crate::op::check_device;
+
+pub(crate) const MOE_CU: &str = concat!(
+    include_str!("../dequant/dequant.cuh"),
+    include_str!("moe.cu")
+);
+
+/// The tiled router GEMM's slice of D (`router_logits_tiled`): a multiple of 128 (so the
+/// partials fit the scratch sized for ROUTER_SLICE) that gives a 1024-token chunk ~200 blocks.
+pub(super) const ROUTER_TILED_SLICE: usize = 256;
+
+/// Shared memory a block may use on the target (227 KiB opt-in on an H200).
+pub(super) const SMEM_LIMIT: usize = 227 * 1024;
+
+impl Router {
+    /// Two launches: `router_logits` spreads the f32 product over (8 experts × 128 inputs)
+    /// blocks into per-slice partials (scratch), `router_select` (a warp a token) sums them
+    /// in slice order and selects. (A one-launch variant, a cluster of 8 blocks meeting in
+    /// distributed shared memory, measured 7.3 µs against these two's 6.1 µs at one token:
+    /// eight multiprocessors cannot pull the 0.9 MB of weights as fast as all of them.)
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        let ne = self.n_expert;
+        if n == 0 {
+            return Ok(());
+        }
+        if !d.is_multiple_of(4) {
+            return Err(OpError::shape(
+                op,
+                format!("the CUDA kernel needs D to be a multiple of 4, found {d}"),
+            ));
+        }
+        aligned16(op, "z", &inputs[0])?;
+        aligned16(op, "W", &inputs[1])?;
+        let select_smem = 8 * 3 * ne * 4;
+        if select_smem > SMEM_LIMIT {
+            return Err(OpError::shape(
+                op,
+                format!("{ne} experts exceed the select kernel's shared memory"),
+            ));
+        }
+        let need = router_scratch(n, d, ne);
+        scratch.require(op, need)?;
+        let tiled = match self.kernel {
+            RouterKernel::Unlowered => return Err(unlowered(op)),
+            RouterKernel::Slices => false,
+            RouterKernel::Tiled => true,
+        };
+        let slices = if tiled {
+            let slices = d.div_ceil(ROUTER_TILED_SLICE);
+            let token_tiles = n.div_ceil(64);
+            if token_tiles > 65535 || slices > 65535 {
+                return Err(OpError::shape(
+                    op,
+                    format!("{n} tokens of {d} exceed the grid"),
+                ));
+            }
+            let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits_tiled")?;
+            // SAFETY: argument list matches router_logits_tiled; it writes n × slices × E
+            // partials, slices ≤ ⌈D/128⌉ (the scratch checked above).
+            unsafe {
+                ctx.device
+                    .launch(&logits)
+                    .grid((blocks_for(ne, 64), slices as u32, token_tiles as u32))
+                    .block(256)
+                    .arg(inputs[0].ptr)
+                    .arg(inputs[1].ptr)
+                    .arg(scratch.ptr)
+                    .arg(dim_i32(op, "tokens", n)?)
+                    .arg(dim_i32(op, "D", d)?)
+                    .arg(dim_i32(op, "n_expert", ne)?)
+                    .arg(slices as i32)
+                    .arg(ROUTER_TILED_SLICE as i32)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            slices
+        } else {
+            let slices = d.div_ceil(ROUTER_SLICE);
+            let tok_tile = n.div_ceil(n.div_ceil(64).min(65535));
+            let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits")?;
+            // SAFETY: argument list matches router_logits; it writes n × slices × E partials.
+            unsafe {
+                ctx.device
+                    .launch(&logits)
+                    .grid((
+                        blocks_for(ne, 8),
+                        dim_i32(op, "slices", slices)? as u32,
+                        n.div_ceil(tok_tile) as u32,
+                    ))
+                    .block(256)
+                    .arg(inputs[0].ptr)
+                    .arg(inputs[1].ptr)
+                    .arg(scratch.ptr)
+                    .arg(dim_i32(op, "tokens", n)?)
+                    .arg(dim_i32(op, "D", d)?)
+                    .arg(dim_i32(op, "n_expert", ne)?)
+                    .arg(slices as i32)
+                    .arg(dim_i32(op, "token tile", tok_tile)?)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            slices
+        };
+        let select = ctx.kernel("moe.cu", MOE_CU, "router_select")?;
+        let bias = inputs.get(2).map_or(0, |b| b.ptr);
+        // SAFETY: argument list matches router_select; it reads the partials written above.
+        unsafe {
+            ctx.device
+                .launch(&select)
+                .grid(blocks_for(n, 8))
+                .block(256)
+                .shared_mem(select_smem as u32)
+                .arg(scratch.ptr)
+                .arg(bias)
+                .arg(outputs[0].ptr)
+                .arg(outputs[1].ptr)
+                .arg(n as i32)
+                .arg(ne as i32)
+                .arg(slices as i32)
+                .arg(self.top_k as i32)
+                .arg(i32::from(self.gating == Gating::Softmax))
+                .arg(i32::from(self.norm_topk))
+                .arg(self.scale)
+                .arg(NORM_GUARD)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+impl RoutePlan {
+    /// One block (up to 1024 threads) sorts on the device (no read-back, so it can be captured).
+    /// An id outside `[0, n_expert)` is skipped and the rows it leaves are marked -1; the
+    /// engine refuses such ids before they reach the device.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let r = inputs[0].meta.numel();
+        let ne = self.n_expert;
+        // As many warps as the routes need (a decode step's 4 routes: one warp), up to 32.
+        let threads = r.div_ceil(32).clamp(1, 32) * 32;
+        let smem = (2 + threads / 32) * ne * 4;
+        if smem > SMEM_LIMIT {
+            return Err(OpError::shape(
+                op,
+                format!("{ne} experts exceed the plan kernel's shared memory"),
+            ));
+        }
+        let kern = ctx.kernel("moe.cu", MOE_CU, "route_plan")?;
+        // SAFETY: argument list matches route_plan; it writes E+1 offsets and R rows.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(1)
+                .block(threads as u32)
+                .shared_mem(smem as u32)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(outputs[1].ptr)
+                .arg(outputs[2].ptr)
+                .arg(dim_i32(op, "routes", r)?)
+                .arg(dim_i32(op, "n_expert", ne)?)
+                .arg(dim_i32(op, "top_k", self.top_k)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+impl ExpertSwiGlu {
+    /// Gate and up rows of an expert in one pass, SwiGLU in the epilogue, f32 out, on the
+    /// kernel the lowering chose: the GEMV for a few routes, the grouped GEMM beyond.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        expert_launch(
+            ctx,
+            self.name(),
+            self.kernel,
+            &Experts {
+                wa: &inputs[1],
+                wb: Some(&inputs[2]),
+                x: &inputs[0],
+                offsets: inputs[3].ptr,
+                route_token: inputs[4].ptr,
+                y: outputs[0].ptr,
+                n_in: d,
+                n_out: self.n_ff,
+                n_expert: self.n_expert,
+                x_rows: n,
+                routes: inputs[4].meta.shape[0],
+                nr: n.clamp(1, GEMV_MAXR).next_power_of_two(),
+            },
+        )
+    }
+}
+
+/// One grouped expert product on the device (see `expert_rows_iq4_*` in moe.cu and
+/// `expert_gemm_tc_iq4` in moe_prefill.cu).
+pub(super) struct Experts<'a> {
+    wa: &'a DeviceTensor<'a>,
+    /// The up projection for SwiGLU (`wa` is then the gate); `None` for the down projection.
+    wb: Option<&'a DeviceTensor<'a>>,
+    x: &'a DeviceTensor<'a>,
+    offsets: u64,
+    /// Token of each route (SwiGLU); the down projection reads route rows directly.
+    route_token: u64,
+    y: u64,
+    n_in: usize,
+    n_out: usize,
+    n_expert: usize,
+    x_rows: usize,
+    routes: usize,
+    /// Routes a GEMV block sums at once (1, 2, 4 or 8): about the most an expert has; more
+    /// are taken in further rounds over the same staged weights.
+    nr: usize,
+}
+
+pub(super) fn expert_launch(
+    ctx: &GpuCtx,
+    op: &'static str,
+    kernel: ExpertKernel,
+    a: &Experts<'_>,
+) -> Result<(), OpError> {
+    if a.routes == 0 {
+        return Ok(());
+    }
+    let tc = match kernel {
+        ExpertKernel::Unlowered => return Err(unlowered(op)),
+        ExpertKernel::Gemv if a.routes > GEMV_ROUTES_LIMIT => {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the expert GEMV takes at most {GEMV_ROUTES_LIMIT} routes, found {}",
+                    a.routes
+                ),
+            ));
+        }
+        ExpertKernel::Gemv => None,
+        ExpertKernel::Grouped(tc) => Some(tc),
+    };
+    for w in std::iter::once(a.wa).chain(a.wb) {
+        if w.meta.dtype != DType::IQ4_NL {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the CUDA kernels read expert weights as IQ4_NL, found {}",
+                    w.meta
+                ),
+            ));
+        }
+        aligned16(op, "expert weight", w)?;
+    }
+    if !a.n_in.is_multiple_of(256) {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the CUDA kernels need the expert input width to be a multiple of 256 \
+                 (whole 16-byte groups of 8 IQ4_NL blocks), found {}",
+                a.n_in
+            ),
+        ));
+    }
+    aligned16(op, "expert input", a.x)?;
+    let swiglu = a.wb.is_some();
+    let wb = a.wb.map_or(0, |w| w.ptr);
+    let slots = a.n_expert.min(a.routes);
+    let i = |what, v| dim_i32(op, what, v);
+    let Some(tc) = tc else {
+        let sms = ctx.device.sm_count() as usize;
+        let plan =
+            RowsPlan::choose(a.n_in / 256, a.n_out, slots, swiglu, sms).ok_or_else(|| {
+                OpError::shape(
+                    op,
+                    format!(
+                        "an input width of {} is more than one GEMV block can split",
+                        a.n_in
+                    ),
+                )
+            })?;
+        let outs = if swiglu { plan.rt / 2 } else { plan.rt };
+        let kern = ctx.kernel("moe.cu", MOE_CU, &format!("expert_rows_iq4_{}", a.nr))?;
+        // SAFETY: argument list matches expert_rows_iq4_<NR>; weight rows, inputs and outputs
+        // are indexed within the shapes check_device verified, route ids are bounds-checked.
+        return unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid((
+                    i("row tiles", a.n_out.div_ceil(outs))? as u32,
+                    i("experts", slots)? as u32,
+                ))
+                .block(plan.threads as u32)
+                .shared_mem(plan.smem_bytes(a.nr) as u32)
+                .arg(a.wa.ptr)
+                .arg(wb)
+                .arg(a.x.ptr)
+                .arg(a.offsets)
+                .arg(a.route_token)
+                .arg(a.y)
+                .arg(i("input width", a.n_in)?)
+                .arg(i("rows", a.n_out)?)
+                .arg(i("n_expert", a.n_expert)?)
+                .arg(i("input rows", a.x_rows)?)
+                .arg(i("routes", a.routes)?)
+                .arg(plan.rt as i32)
+                .arg(plan.kp as i32)
+                .enqueue()
+                .map_err(dev_err)
+        };
+    };
+    // A chunk's routes: the grouped GEMM on the tensor cores (f16 operands, f32 sums).
+    // SAFETY: the weights, inputs, route table and output were checked by check_device
+    // against the op's shapes; route ids are bounds-checked by the kernel.
+    unsafe {
+        launch_expert_gemm_tc_with(
+            ctx,
+            tc,
+            a.wa.ptr,
+            a.wb.map(|w| w.ptr),
+            a.x.ptr,
+            a.offsets,
+            a.route_token,
+            a.y,
+            a.n_in,
+            a.n_out,
+            a.n_expert,
+            a.x_rows,
+            a.routes,
+        )
+    }
+}
+
+impl ExpertDown {
+    /// One output row per route (one writer an element); GEMV or grouped GEMM by route count.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let (r, nf) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        expert_launch(
+            ctx,
+            self.name(),
+            self.kernel,
+            &Experts {
+                wa: &inputs[1],
+                wb: None,
+                x: &inputs[0],
+                offsets: inputs[2].ptr,
+                route_token: 0,
+                y: outputs[0].ptr,
+                n_in: nf,
+                n_out: self.n_embd,
+                n_expert: self.n_expert,
+                x_rows: r,
+                routes: r,
+                // The down projection does not know the tokens; at top-k ≥ 4 an expert has
+                // at most R/4 of the R routes unless ids repeat (then more rounds).
+                nr: r.div_ceil(4).clamp(1, GEMV_MAXR).next_power_of_two(),
+            },
+        )
+    }
+}
+
+impl GateUpSwiGlu {
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (x, wg, wu, y) = (&inputs[0], &inputs[1], &inputs[2], &outputs[0]);
+        let (n, k, ff) = (x.meta.shape[0], x.meta.shape[1], wg.meta.shape[0]);
+        if n == 0 || ff == 0 {
+            return Ok(());
+        }
+        let kernel = self.kernel.chosen(op, n)?;
+        if self.fused(x.meta, wg.meta, wu.meta) {
+            aligned16(op, "x", x)?;
+            aligned16(op, "gate weight", wg)?;
+            aligned16(op, "up weight", wu)?;
+            let sms = ctx.device.sm_count() as usize;
+            let plan = RowsPlan::choose(k / 256, ff, 1, true, sms).ok_or_else(|| {
+                OpError::shape(
+                    op,
+                    format!("an input width of {k} is more than one GEMV block can split"),
+                )
+            })?;
+            let nr = n.next_power_of_two();
+            let kern = ctx.kernel("moe.cu", MOE_CU, &format!("dense_swiglu_iq4_{nr}"))?;
+            // SAFETY: argument list matches dense_swiglu_iq4_<NR>; rows, inputs and outputs
+            // are indexed within the shapes check_device verified.
+            return unsafe {
+                ctx.device
+                    .launch(&kern)
+                    .grid(dim_i32(op, "row tiles", ff.div_ceil(plan.rt / 2))? as u32)
+                    .block(plan.threads as u32)
+                    .shared_mem(plan.smem_bytes(nr) as u32)
+                    .arg(wg.ptr)
+                    .arg(wu.ptr)
+                    .arg(x.ptr)
+                    .arg(y.ptr)
+                    .arg(dim_i32(op, "input width", k)?)
+                    .arg(dim_i32(op, "rows", ff)?)
+                    .arg(dim_i32(op, "tokens", n)?)
+                    .arg(plan.rt as i32)
+                    .arg(plan.kp as i32)
+                    .enqueue()
+                    .map_err(dev_err)
+            };
+        }
+        let metas = [x.meta, wg.meta, wu.meta];
+        let (half, need) = self.chain_scratch(&metas);
+        scratch.require(op, need)?;
+        let out_meta = TensorMeta::f32([n, ff]);
+        let part = |i: u64| DeviceTensor {
+            meta: &out_meta,
+            ptr: scratch.ptr + i * half as u64,
+            bytes: n * ff * 4,
+        };
+        let (gate, up) = (part(0), part(1));
+        let lin_scratch = Scratch {
+            ptr: scratch.ptr + 2 * half as u64,
+            bytes: need - 2 * half,
+        };
+        let one = Linear::with(kernel);
+        one.cuda(ctx, &[*x, *wg], &[gate], lin_scratch)?;
+        one.cuda(ctx, &[*x, *wu], &[up], lin_scratch)?;
+        SwiGlu.cuda(ctx, &[gate, up], &[*y], Scratch::default())
+    }
+}
+
+impl TopKSum {
+    /// A block per token (split over columns when tokens are few) finds its routes by
+    /// scanning `route_slot`, then sums in slot order with the CPU's roundings (same bits).
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (r, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        let n = inputs[2].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        // Many tokens fill the chip by themselves: a block a token, which finds its routes in
+        // an inverse table made first (scanning the whole route table in every block cost a
+        // 4096-token chunk 164 µs a layer); few tokens split the columns too and scan.
+        let many = match self.kernel {
+            TopKKernel::Unlowered => return Err(unlowered(op)),
+            TopKKernel::Scan => false,
+            TopKKernel::InverseTable => true,
+        };
+        let col_blocks = if many { 1 } else { blocks_for(d, 256) };
+        let slot_route = if many {
+            scratch.require(op, r * 4)?;
+            let inv = ctx.kernel("moe.cu", MOE_CU, "topk_slot_routes")?;
+            // SAFETY: reads the R-entry route_slot, writes R ints of scratch (checked above).
+            unsafe {
+                ctx.device
+                    .launch(&inv)
+                    .grid(blocks_for(r, 256).min(1024))
+                    .block(256)
+                    .arg(inputs[1].ptr)
+                    .arg(scratch.ptr)
+                    .arg(dim_i32(op, "routes", r)?)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            scratch.ptr
+        } else {
+            0
+        };
+        let kern = ctx.kernel("moe.cu", MOE_CU, "topk_sum")?;
+        // SAFETY: argument list matches topk_sum; route indices come from the table's own
+        // positions (< R), slots are range-checked in the kernel.
+        unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid((dim_i32(op, "tokens", n)? as u32, col_blocks))
+                .block(256)
+                .shared_mem((self.top_k * 4) as u32)
+                .arg(inputs[0].ptr)
+                .arg(inputs[1].ptr)
+                .arg(slot_route)
+                .arg(inputs[2].ptr)
+                .arg(inputs.get(3).map_or(0, |a| a.ptr))
+                .arg(outputs[0].ptr)
+                .arg(dim_i32(op, "routes", r)?)
+                .arg(dim_i32(op, "D", d)?)
+                .arg(dim_i32(op, "top_k", self.top_k)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}

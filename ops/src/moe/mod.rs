@@ -1,0 +1,583 @@
+//! Routed experts (spec §3.7) with reproducible sums (seed §4).
+//!
+//! `Router` picks each token's experts, `RoutePlan` sorts the `n·top_k` routes by expert into
+//! a static-size CSR table, `ExpertSwiGlu` and `ExpertDown` run every route of an expert
+//! together (its weight rows are read once per chunk) and write one row per route, and
+//! `TopKSum` adds each token's routes in slot order. No output element has two writers and
+//! no sum depends on scheduling, so a chunk gives the same bits on every run and thread count.
+//!
+//! The ops and their shape rules are here, the CPU references in `cpu.rs`, the CUDA launches
+//! in `cuda.rs` (`moe.cu`, compiled after `dequant/dequant.cuh`), and the tensor-core expert
+//! GEMMs for prefill in `prefill.rs` (`moe_prefill.cu`, also `ops::moe_prefill`).
+
+mod cpu;
+mod cuda;
+pub mod prefill;
+
+use crate::check::{expect, expect_inputs, expect_weight, nonzero};
+use crate::gpu::{DeviceTensor, GpuCtx, Scratch};
+use crate::linear::{Linear, LinearKernel};
+use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
+use crate::{Op, OpError};
+
+pub use cpu::ExpertStack;
+pub(crate) use cuda::MOE_CU;
+use prefill::TcKernel;
+
+/// Input values one `router_logits` block column sums (`RL_SLICE` there).
+const ROUTER_SLICE: usize = 128;
+
+/// The most routes the expert GEMV kernels take in one launch.
+pub const GEMV_ROUTES_LIMIT: usize = 32;
+
+/// Most routes a GEMV block sums at once (the largest `expert_rows_iq4_<NR>`).
+const GEMV_MAXR: usize = 8;
+
+/// llama.cpp's floor for the sum the top-k weights are normalised by: 6.103515625e-5 = 2⁻¹⁴,
+/// the smallest normal f16.
+pub const NORM_GUARD: f32 = 1.0 / 16384.0;
+
+fn too_big(op: &'static str, what: &str, v: usize) -> Result<(), OpError> {
+    if v > i32::MAX as usize {
+        return Err(OpError::shape(
+            op,
+            format!("{what} {v} does not fit an I32 index"),
+        ));
+    }
+    Ok(())
+}
+
+// ---- Router --------------------------------------------------------------------------
+
+/// How router logits become expert scores: the loader's reading of `expert_gating_func`.
+pub use loader::hparams::ExpertGating as Gating;
+
+/// Top-k expert selection (spec §3.7, llama.cpp `build_moe_ffn`).
+///
+/// Scores `p = gating(W·z)` in f32; the `top_k` largest `p + bias` are chosen in descending
+/// order (ties: lower expert id first); the weights are the *unbiased* `p` of those experts,
+/// divided by `max(Σ, 6.103515625e-5)` when `norm_topk`, then multiplied by `scale`.
+///
+/// Inputs: z F32 `[n, D]`, W F32 `[n_expert, D]`, optional bias F32 `[n_expert]`.
+/// Outputs: ids I32 `[n, top_k]`, weights F32 `[n, top_k]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Router {
+    pub n_expert: usize,
+    pub top_k: usize,
+    pub gating: Gating,
+    pub norm_topk: bool,
+    pub scale: f32,
+    pub kernel: RouterKernel,
+}
+
+/// How the router's logits are computed on the GPU (chosen by the graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RouterKernel {
+    #[default]
+    Unlowered,
+    /// Split-K over 128-input slices (8 experts a block): fills the chip for a few tokens.
+    Slices,
+    /// A tiled f32 GEMM, 64 tokens × 64 experts a block (prefill chunks).
+    Tiled,
+}
+
+impl RouterKernel {
+    fn label(self) -> &'static str {
+        match self {
+            RouterKernel::Unlowered => "",
+            RouterKernel::Slices => " [split-k]",
+            RouterKernel::Tiled => " [tiled]",
+        }
+    }
+}
+
+/// How `topk_sum` finds each token's routes on the GPU (chosen by the graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TopKKernel {
+    #[default]
+    Unlowered,
+    /// Blocks split over tokens and columns, each scanning the route table (few tokens).
+    Scan,
+    /// A slot → route inverse table first (one scatter), then a block a token (many tokens).
+    InverseTable,
+}
+
+impl TopKKernel {
+    fn label(self) -> &'static str {
+        match self {
+            TopKKernel::Unlowered => "",
+            TopKKernel::Scan => " [scan]",
+            TopKKernel::InverseTable => " [inverse table]",
+        }
+    }
+}
+
+/// How the routed expert products run on the GPU (chosen by the graph's lowering).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ExpertKernel {
+    #[default]
+    Unlowered,
+    /// IQ4_NL row GEMVs reading each touched expert's rows once for all of its routes (at
+    /// most [`GEMV_ROUTES_LIMIT`] routes).
+    Gemv,
+    /// The grouped GEMM on the tensor cores, on the given kernel.
+    Grouped(TcKernel),
+}
+
+impl ExpertKernel {
+    fn label(self) -> &'static str {
+        match self {
+            ExpertKernel::Unlowered => "",
+            ExpertKernel::Gemv => " [gemv]",
+            ExpertKernel::Grouped(TcKernel::MmaSync) => " [grouped mma.sync]",
+            ExpertKernel::Grouped(TcKernel::Wgmma) => " [grouped wgmma]",
+        }
+    }
+}
+
+impl Op for Router {
+    fn name(&self) -> &'static str {
+        "router"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("n_expert", self.n_expert), ("top_k", self.top_k)])?;
+        if self.top_k > self.n_expert {
+            return Err(OpError::shape(
+                op,
+                format!("top_k {} exceeds n_expert {}", self.top_k, self.n_expert),
+            ));
+        }
+        if !(2..=3).contains(&inputs.len()) {
+            return Err(OpError::shape(
+                op,
+                format!("takes 2 or 3 inputs (z, W, bias), got {}", inputs.len()),
+            ));
+        }
+        let z = inputs[0];
+        if z.dtype != DType::F32 || z.shape.len() != 2 || z.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("z must be F32[n, D] with D > 0, found {z}"),
+            ));
+        }
+        let (n, d) = (z.shape[0], z.shape[1]);
+        expect(op, "W", inputs[1], DType::F32, &[self.n_expert, d])?;
+        if let Some(b) = inputs.get(2) {
+            expect(op, "bias", b, DType::F32, &[self.n_expert])?;
+        }
+        Ok(vec![
+            TensorMeta::i32([n, self.top_k]),
+            TensorMeta::f32([n, self.top_k]),
+        ])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "router n_expert={} top_k={} gating={} norm_topk={} scale={:?}{}",
+            self.n_expert,
+            self.top_k,
+            self.gating,
+            self.norm_topk,
+            self.scale,
+            self.kernel.label()
+        )
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match inputs.first().map(|z| z.shape.as_slice()) {
+            Some(&[n, d]) => router_scratch(n, d, self.n_expert),
+            _ => 0,
+        }
+    }
+}
+
+/// The router's per-slice logit partials: `[n, ⌈D/128⌉, n_expert]` f32.
+fn router_scratch(n: usize, d: usize, n_expert: usize) -> usize {
+    n * d.div_ceil(ROUTER_SLICE) * n_expert * 4
+}
+
+// ---- RoutePlan -----------------------------------------------------------------------
+
+/// Sorts the routes by expert (ties in slot order, slot = `t·top_k + j`) into a CSR table.
+///
+/// Input: ids I32 `[n, top_k]`. Outputs: offsets I32 `[n_expert+1]` (expert `e`'s routes are
+/// `offsets[e]..offsets[e+1]`), route_token I32 `[n·top_k]`, route_slot I32 `[n·top_k]`.
+/// Every size is static; an id outside `[0, n_expert)` is an `OpError::Data`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoutePlan {
+    pub n_expert: usize,
+    pub top_k: usize,
+}
+
+impl Op for RoutePlan {
+    fn name(&self) -> &'static str {
+        "route_plan"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("n_expert", self.n_expert), ("top_k", self.top_k)])?;
+        expect_inputs(op, inputs, 1)?;
+        let n = inputs[0].shape.first().copied().unwrap_or(0);
+        expect(op, "ids", inputs[0], DType::I32, &[n, self.top_k])?;
+        let r = n * self.top_k;
+        too_big(op, "route count", r)?;
+        too_big(op, "n_expert", self.n_expert)?;
+        Ok(vec![
+            TensorMeta::i32([self.n_expert + 1]),
+            TensorMeta::i32([r]),
+            TensorMeta::i32([r]),
+        ])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!("route_plan n_expert={} top_k={}", self.n_expert, self.top_k)
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+/// `act[r] = silu(Wg_e·z[tok_r]) ⊙ (Wu_e·z[tok_r])` for every route `r` of every expert `e`,
+/// in sorted route order, kept f32 (this product is what overflows f16; seed §2).
+///
+/// Inputs: z F32 `[n, D]`, gate_exps and up_exps `[n_expert, n_ff, D]` (any weight type),
+/// offsets I32 `[n_expert+1]`, route_token I32 `[R]`. Output: act F32 `[R, n_ff]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertSwiGlu {
+    pub n_expert: usize,
+    pub n_ff: usize,
+    pub kernel: ExpertKernel,
+}
+
+impl Op for ExpertSwiGlu {
+    fn name(&self) -> &'static str {
+        "expert_swiglu"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("n_expert", self.n_expert), ("n_ff", self.n_ff)])?;
+        expect_inputs(op, inputs, 5)?;
+        let z = inputs[0];
+        if z.dtype != DType::F32 || z.shape.len() != 2 || z.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("z must be F32[n, D] with D > 0, found {z}"),
+            ));
+        }
+        let d = z.shape[1];
+        let shape = [self.n_expert, self.n_ff, d];
+        expect_weight(op, "gate_exps", inputs[1], &shape)?;
+        expect_weight(op, "up_exps", inputs[2], &shape)?;
+        expect(op, "offsets", inputs[3], DType::I32, &[self.n_expert + 1])?;
+        let r = inputs[4].shape.first().copied().unwrap_or(0);
+        expect(op, "route_token", inputs[4], DType::I32, &[r])?;
+        Ok(vec![TensorMeta::f32([r, self.n_ff])])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "expert_swiglu n_expert={} n_ff={}{}",
+            self.n_expert,
+            self.n_ff,
+            self.kernel.label()
+        )
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+/// `out[r] = Wd_e · act[r]` for every route `r` of every expert `e`: one row per route.
+///
+/// Inputs: act F32 `[R, n_ff]`, down_exps `[n_expert, n_embd, n_ff]` (any weight type),
+/// offsets I32 `[n_expert+1]`. Output: F32 `[R, n_embd]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertDown {
+    pub n_expert: usize,
+    pub n_embd: usize,
+    pub kernel: ExpertKernel,
+}
+
+impl Op for ExpertDown {
+    fn name(&self) -> &'static str {
+        "expert_down"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("n_expert", self.n_expert), ("n_embd", self.n_embd)])?;
+        expect_inputs(op, inputs, 3)?;
+        let act = inputs[0];
+        if act.dtype != DType::F32 || act.shape.len() != 2 || act.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("act must be F32[R, n_ff] with n_ff > 0, found {act}"),
+            ));
+        }
+        let (r, nf) = (act.shape[0], act.shape[1]);
+        expect_weight(
+            op,
+            "down_exps",
+            inputs[1],
+            &[self.n_expert, self.n_embd, nf],
+        )?;
+        expect(op, "offsets", inputs[2], DType::I32, &[self.n_expert + 1])?;
+        Ok(vec![TensorMeta::f32([r, self.n_embd])])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "expert_down n_expert={} n_embd={}{}",
+            self.n_expert,
+            self.n_embd,
+            self.kernel.label()
+        )
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+// ---- GateUpSwiGlu ---------------------------------------------------------------------
+
+/// `silu(x·W_gateᵀ) · (x·W_upᵀ)`: the first half of a dense SwiGLU FFN (the shared expert and
+/// the leading dense blocks), the two products and their combination as one op. Its CPU
+/// reference is the `linear`, `linear`, `swiglu` chain it replaces (same bits); on the GPU a
+/// decode step's few tokens over IQ4_NL weights take one launch (`dense_swiglu_iq4_*`, the
+/// routed experts' tiles with token r as route r), and larger ones the chain's own kernels.
+///
+/// Inputs: x F32 `[n, in]`, W_gate and W_up `[ff, in]` (any `linear` weight type).
+/// Output: F32 `[n, ff]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GateUpSwiGlu {
+    /// The GEMV kernel family takes the one-launch kernel where it can; the chain's products
+    /// run on this family either way.
+    pub kernel: LinearKernel,
+}
+
+impl GateUpSwiGlu {
+    /// Whether the one-launch decode kernel takes these inputs.
+    fn fused(&self, x: &TensorMeta, wg: &TensorMeta, wu: &TensorMeta) -> bool {
+        matches!(self.kernel, LinearKernel::Gemv { .. })
+            && x.shape[0] <= GEMV_MAXR
+            && wg.dtype == DType::IQ4_NL
+            && wu.dtype == DType::IQ4_NL
+            && x.shape[1].is_multiple_of(256)
+    }
+
+    /// Scratch of the unfused chain: gate and up `[n, ff]` each, then what `linear` needs.
+    fn chain_scratch(&self, inputs: &[&TensorMeta]) -> (usize, usize) {
+        let (n, ff) = (inputs[0].shape[0], inputs[1].shape[0]);
+        let half = (n * ff * 4).next_multiple_of(256);
+        let one = Linear::with(self.kernel);
+        let lin = one
+            .cuda_scratch_bytes(&inputs[..2])
+            .max(one.cuda_scratch_bytes(&[inputs[0], inputs[2]]));
+        (half, 2 * half + lin)
+    }
+}
+
+impl Op for GateUpSwiGlu {
+    fn name(&self) -> &'static str {
+        "gate_up_swiglu"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        expect_inputs(op, inputs, 3)?;
+        let gate = Linear::default().infer(&inputs[..2])?;
+        let up = Linear::default().infer(&[inputs[0], inputs[2]])?;
+        if gate != up {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "gate weight {} and up weight {} give different outputs",
+                    inputs[1], inputs[2]
+                ),
+            ));
+        }
+        Ok(gate)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!("gate_up_swiglu{}", self.kernel.label())
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        if inputs.len() != 3 || self.infer(inputs).is_err() {
+            return 0;
+        }
+        if self.fused(inputs[0], inputs[1], inputs[2]) {
+            0
+        } else {
+            self.chain_scratch(inputs).1
+        }
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+// ---- TopKSum -------------------------------------------------------------------------
+
+/// `out[t] = Σ_{j=0..top_k} weights[t][j] · route_out[route of slot t·top_k+j]`, summed in
+/// slot order starting from the first term (as llama.cpp's chain of adds).
+///
+/// Inputs: route_out F32 `[R, D]`, route_slot I32 `[R]` (a permutation of `0..R`), weights
+/// F32 `[n, top_k]` with `R = n·top_k`, and optionally an addend F32 `[n, D]` (the shared
+/// expert's output) added last, as a separate `add` after the sum would. Output: F32 `[n, D]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopKSum {
+    pub top_k: usize,
+    pub kernel: TopKKernel,
+}
+
+impl Op for TopKSum {
+    fn name(&self) -> &'static str {
+        "topk_sum"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        nonzero(op, &[("top_k", self.top_k)])?;
+        if inputs.len() != 4 {
+            expect_inputs(op, inputs, 3)?;
+        }
+        let ro = inputs[0];
+        if ro.dtype != DType::F32 || ro.shape.len() != 2 || ro.shape[1] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("route_out must be F32[R, D] with D > 0, found {ro}"),
+            ));
+        }
+        let (r, d) = (ro.shape[0], ro.shape[1]);
+        expect(op, "route_slot", inputs[1], DType::I32, &[r])?;
+        let n = inputs[2].shape.first().copied().unwrap_or(0);
+        expect(op, "weights", inputs[2], DType::F32, &[n, self.top_k])?;
+        if n * self.top_k != r {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "route_out has {r} routes, weights {n} tokens × top_k {}",
+                    self.top_k
+                ),
+            ));
+        }
+        if let Some(a) = inputs.get(3) {
+            expect(op, "addend", a, DType::F32, &[n, d])?;
+        }
+        Ok(vec![TensorMeta::f32([n, d])])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!("topk_sum top_k={}{}", self.top_k, self.kernel.label())
+    }
+
+    /// With the inverse table, the slot → route table (R i32).
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match (self.kernel, inputs.first()) {
+            (TopKKernel::InverseTable, Some(ro)) => ro.shape.first().copied().unwrap_or(0) * 4,
+            _ => 0,
+        }
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
