@@ -1,6 +1,9 @@
 //! What a checkpoint of each architecture must contain: metadata keys with their types, and
 //! tensors with their shapes (computed from the hyper-parameters) and allowed storage types
 //! (spec §1.1, §2). [`check`] compares a file against it and reports every problem at once.
+//!
+//! The tensor table itself belongs to the architecture (`models/*`), which sits above this
+//! crate, so [`check`] is handed it.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -131,87 +134,44 @@ pub const FLOAT: &[GgmlType] = &[GgmlType::F32, GgmlType::F16, GgmlType::BF16];
 /// Matrices: any storage type (the release uses BF16, IQ4_NL and Q6_K; spec §2).
 pub const ANY: &[GgmlType] = &GgmlType::ALL;
 
-/// One tensor a checkpoint must contain.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// How `make-model` draws a tensor's random values. Kept beside the shapes so an architecture's
+/// tensor table is written once, for the schema check and the synthetic writer alike.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// N(0, std²).
+    Normal { std: f32 },
+    /// `mean + std · N(0, 1)`.
+    Around { mean: f32, std: f32 },
+}
+
+/// One row of an architecture's tensor table: a tensor a checkpoint contains.
+#[derive(Clone, Debug, PartialEq)]
 pub struct TensorRule {
     pub name: String,
     /// `ne0` first.
     pub ne: Vec<u64>,
     pub allowed: &'static [GgmlType],
+    /// The released checkpoint's type, which `make-model` writes (one of `allowed`).
+    pub release: GgmlType,
+    pub init: Init,
 }
 
-/// The tensors of the next-token trunk (spec §2). NextN blocks (`blk.N` with
-/// `N >= n_layer`) are not listed: they are optional and ignored.
-pub fn expected_tensors(h: &HParams) -> Vec<TensorRule> {
-    let mut out = Vec::new();
-    let mut t = |name: String, ne: &[usize], allowed: &'static [GgmlType]| {
-        out.push(TensorRule {
+impl TensorRule {
+    pub fn new(
+        name: String,
+        ne: &[usize],
+        allowed: &'static [GgmlType],
+        release: GgmlType,
+        init: Init,
+    ) -> TensorRule {
+        TensorRule {
             name,
             ne: ne.iter().map(|&n| n as u64).collect(),
             allowed,
-        })
-    };
-    let e = h.n_embd;
-    t("token_embd.weight".into(), &[e, h.n_vocab], ANY);
-    for i in 0..h.n_layer {
-        let b = |s: &str| format!("blk.{i}.{s}");
-        if let Some(hc) = h.hc {
-            let mix = (2 + hc.count) * hc.count;
-            for site in ["attn", "ffn"] {
-                t(
-                    b(&format!("hc_{site}_fn.weight")),
-                    &[hc.count * e, mix],
-                    ANY,
-                );
-                t(b(&format!("hc_{site}_base.weight")), &[mix], F32_ONLY);
-                t(b(&format!("hc_{site}_scale.weight")), &[3], F32_ONLY);
-            }
-        }
-        let qk = h.qk_nope + h.qk_rope;
-        t(b("attn_norm.weight"), &[e], F32_ONLY);
-        t(b("attn_q_a.weight"), &[e, h.q_lora_rank], ANY);
-        t(b("attn_q_a_norm.weight"), &[h.q_lora_rank], F32_ONLY);
-        t(b("attn_q_b.weight"), &[h.q_lora_rank, h.n_head * qk], ANY);
-        t(
-            b("attn_kv_a_mqa.weight"),
-            &[e, h.kv_lora_rank + h.qk_rope],
-            ANY,
-        );
-        t(b("attn_kv_a_norm.weight"), &[h.kv_lora_rank], F32_ONLY);
-        t(
-            b("attn_k_b.weight"),
-            &[h.qk_nope, h.kv_lora_rank, h.n_head],
-            ANY,
-        );
-        t(
-            b("attn_v_b.weight"),
-            &[h.kv_lora_rank, h.v_head, h.n_head],
-            ANY,
-        );
-        t(b("attn_output.weight"), &[h.n_head * h.v_head, e], ANY);
-        t(b("ffn_norm.weight"), &[e], F32_ONLY);
-        if h.is_dense(i) {
-            t(b("ffn_gate.weight"), &[e, h.n_ff], ANY);
-            t(b("ffn_up.weight"), &[e, h.n_ff], ANY);
-            t(b("ffn_down.weight"), &[h.n_ff, e], ANY);
-        } else {
-            let (f, n) = (h.n_ff_exp, h.n_expert);
-            t(b("ffn_gate_inp.weight"), &[e, n], FLOAT);
-            t(b("exp_probs_b.bias"), &[n], F32_ONLY);
-            t(b("ffn_gate_exps.weight"), &[e, f, n], ANY);
-            t(b("ffn_up_exps.weight"), &[e, f, n], ANY);
-            t(b("ffn_down_exps.weight"), &[f, e, n], ANY);
-            if h.n_expert_shared > 0 {
-                let fs = f * h.n_expert_shared;
-                t(b("ffn_gate_shexp.weight"), &[e, fs], ANY);
-                t(b("ffn_up_shexp.weight"), &[e, fs], ANY);
-                t(b("ffn_down_shexp.weight"), &[fs, e], ANY);
-            }
+            release,
+            init,
         }
     }
-    t("output_norm.weight".into(), &[e], F32_ONLY);
-    t("output.weight".into(), &[e, h.n_vocab], ANY);
-    out
 }
 
 /// One way a checkpoint departs from its schema.
@@ -361,16 +321,24 @@ fn block_of(name: &str) -> Option<usize> {
 }
 
 /// Checks metadata and tensors against the schema of the file's architecture and returns its
-/// hyper-parameters. When keys are missing the tensor shapes cannot be computed, so only the
-/// key problems are reported.
-pub fn check(meta: &Metadata, tensors: &[TensorInfo]) -> Result<HParams, SchemaError> {
+/// hyper-parameters; `tensor_table` gives the architecture's tensors for those hyper-parameters.
+/// When keys are missing the tensor shapes cannot be computed, so only the key problems are
+/// reported. NextN blocks (`blk.N` with `n_layer <= N < n_block`) are optional and ignored:
+/// the next-token forward never reads them.
+pub fn check(
+    meta: &Metadata,
+    tensors: &[TensorInfo],
+    tensor_table: impl FnOnce(&HParams) -> Vec<TensorRule>,
+) -> Result<HParams, SchemaError> {
     let h = HParams::from_metadata(meta)?;
     let mut problems = Vec::new();
     let present: HashMap<&str, &TensorInfo> =
         tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-    let rules = expected_tensors(&h);
+    let in_nextn_block =
+        |name: &str| block_of(name).is_some_and(|b| b >= h.n_layer && b < h.n_block);
+    let rules = tensor_table(&h);
     let expected: HashSet<&str> = rules.iter().map(|r| r.name.as_str()).collect();
-    for rule in &rules {
+    for rule in rules.iter().filter(|r| !in_nextn_block(&r.name)) {
         let Some(t) = present.get(rule.name.as_str()) else {
             problems.push(Problem::MissingTensor {
                 name: rule.name.clone(),
@@ -403,8 +371,7 @@ pub fn check(meta: &Metadata, tensors: &[TensorInfo]) -> Result<HParams, SchemaE
         }
     }
     for t in tensors {
-        let nextn = block_of(&t.name).is_some_and(|b| b >= h.n_layer && b < h.n_block);
-        if !expected.contains(t.name.as_str()) && !nextn {
+        if !expected.contains(t.name.as_str()) && !in_nextn_block(&t.name) {
             problems.push(Problem::UnexpectedTensor {
                 name: t.name.clone(),
             });

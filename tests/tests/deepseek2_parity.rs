@@ -69,7 +69,7 @@ fn argmax32(r: &[f32]) -> usize {
 
 fn engine(chunk: usize) -> Engine {
     let dir = reference("deepseek2-tiny");
-    let loaded = tools::load::load(&dir.join("model.gguf"), Some(&dir), false).unwrap();
+    let loaded = models::load(&dir.join("model.gguf"), Some(&dir), false).unwrap();
     let config = EngineConfig {
         max_model_len: 256,
         prefill_chunk: chunk,

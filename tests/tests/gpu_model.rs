@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 use engine::{Device, Engine, EngineConfig, EngineError, GenerateRequest, Model, SamplingParams};
 use graph::LogitRows;
 use loader::hparams::Arch;
-use tools::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 
 fn gpu_present() -> bool {
     ops::parity::test_gpu().is_some()
@@ -35,7 +35,7 @@ fn small() -> Arc<Model> {
         .unwrap_or_else(|e| panic!("{e:#}"));
         d
     });
-    tools::load::load(&dir.join("model.gguf"), Some(dir), false)
+    models::load(&dir.join("model.gguf"), Some(dir), false)
         .unwrap()
         .model
 }

@@ -12,7 +12,7 @@ use graph::{
     lowered_launches,
 };
 use loader::hparams::Arch;
-use tools::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 
 const HOPPER: Target = Target::Cuda {
     compute_capability: (9, 0),
@@ -34,7 +34,7 @@ fn tiny() -> Arc<Model> {
         .unwrap_or_else(|e| panic!("{e:#}"));
         dir
     });
-    tools::load::load(&dir.join("model.gguf"), Some(dir), false)
+    models::load(&dir.join("model.gguf"), Some(dir), false)
         .unwrap()
         .model
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use engine::{Engine, EngineConfig, GenerateRequest, Model, SamplingParams};
 use graph::{Bucket, GraphBuilder, LogitRows, Plan, StepShape};
 use loader::hparams::Arch;
-use tools::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 
 /// A tiny xing4_0 checkpoint, made once per test process.
 fn tiny() -> Arc<Model> {
@@ -26,7 +26,7 @@ fn tiny() -> Arc<Model> {
         .unwrap_or_else(|e| panic!("{e:#}"));
         d
     });
-    tools::load::load(&dir.join("model.gguf"), Some(dir), false)
+    models::load(&dir.join("model.gguf"), Some(dir), false)
         .unwrap()
         .model
 }

@@ -1,11 +1,9 @@
 //! Shared plumbing for the command-line tools.
 
-pub mod load;
-pub mod synth;
-
 use std::path::PathBuf;
 
 use graph::LoweringOptions;
+use models::synth;
 
 /// The GPU lowering's switches a user may flip for an A/B run. Each flag's environment
 /// variable sets it too, so a script can A/B binaries it does not start itself; the flag wins.

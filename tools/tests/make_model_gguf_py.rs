@@ -10,8 +10,8 @@ use std::process::Command;
 
 use loader::gguf::GgufFile;
 use loader::hparams::Arch;
+use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 use serde_json::Value;
-use tools::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 
 fn python() -> Option<std::ffi::OsString> {
     let p = std::env::var_os("XING4_TEST_PYTHON");

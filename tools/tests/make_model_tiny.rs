@@ -8,7 +8,7 @@ use std::process::Command;
 use loader::gguf::{GgufFile, GgufWriter, Metadata, TensorSpec};
 use loader::hparams::{Arch, HParams};
 use loader::schema::{self, Problem};
-use tools::synth::{Dims, Preset, SynthOptions, encode_rows, plan, write_checkpoint};
+use models::synth::{Dims, Preset, SynthOptions, encode_rows, plan, write_checkpoint};
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("make_model_{name}_{}", std::process::id()));
@@ -42,7 +42,8 @@ fn the_tiny_checkpoint_passes_its_schema_and_is_under_2_mb() {
         let dir = tmp(&format!("schema_{arch}"));
         make(arch, 1, &dir);
         let f = GgufFile::open(&dir.join("model.gguf")).unwrap();
-        let h = schema::check(&f.metadata, &f.tensors).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let h =
+            models::check_schema(&f.metadata, &f.tensors).unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert_eq!(h, dims(arch).hparams(arch).unwrap());
         assert_eq!(
             h.n_block,
@@ -99,7 +100,7 @@ fn metadata_and_tensors_read_back_as_written() {
 }
 
 fn read_all(dir: &Path) -> Vec<Vec<u8>> {
-    tools::synth::FILES
+    models::synth::FILES
         .iter()
         .map(|f| fs::read(dir.join(f)).unwrap())
         .collect()
@@ -112,7 +113,7 @@ fn the_same_seed_gives_identical_files_and_another_seed_other_weights() {
     make(Arch::Xing4_0, 7, &b);
     make(Arch::Xing4_0, 8, &c);
     let (fa, fb, fc) = (read_all(&a), read_all(&b), read_all(&c));
-    for (i, name) in tools::synth::FILES.iter().enumerate() {
+    for (i, name) in models::synth::FILES.iter().enumerate() {
         assert!(
             fa[i] == fb[i],
             "{name} differs between two runs with seed 7"
@@ -155,7 +156,7 @@ fn a_copy_without_one_tensor_fails_the_schema_naming_it() {
     }
     w.finish().unwrap();
     let g = GgufFile::open(&out).unwrap();
-    let e = schema::check(&g.metadata, &g.tensors).unwrap_err();
+    let e = models::check_schema(&g.metadata, &g.tensors).unwrap_err();
     assert_eq!(
         e.problems,
         vec![Problem::MissingTensor {
@@ -258,7 +259,7 @@ fn the_cli_writes_a_checkpoint_and_refuses_to_overwrite_without_force() {
     };
     let o = run(&[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for f in tools::synth::FILES {
+    for f in models::synth::FILES {
         assert!(dir.join(f).is_file(), "{f} missing");
     }
     let o = run(&[]);
@@ -295,7 +296,7 @@ fn weights_keep_unit_rms_activations_unit_and_gates_unsaturated() {
     make(Arch::Xing4_0, 1, &dir);
     let f = GgufFile::open(&dir.join("model.gguf")).unwrap();
     let h = HParams::from_metadata(&f.metadata).unwrap();
-    let mut rng = tools::synth::rng::SplitMix64::new(99);
+    let mut rng = models::synth::rng::SplitMix64::new(99);
     let mut unit_input = |n: usize| {
         let mut x = vec![0f32; n];
         rng.fill_normal(&mut x);

@@ -3,8 +3,8 @@
 //! must encode every text alike.
 
 use loader::gguf::Metadata;
-use tools::synth::rng::SplitMix64;
-use tools::synth::tokenizer::{MIN_VOCAB, build_vocab};
+use models::synth::rng::SplitMix64;
+use models::synth::tokenizer::{MIN_VOCAB, build_vocab};
 
 fn texts(n: usize, seed: u64) -> Vec<String> {
     let words = [

@@ -1,4 +1,4 @@
-//! Xing4.0 (`xing4_0`): the DeepSeek-V2 trunk with four residual streams mixed by
+//! Xing4.0 (`xing4_0`): the DeepSeek-V2 trunk (`models/trunk`) with four residual streams mixed by
 //! manifold-constrained hyper-connections (spec §3). Reads like the spec's §3.0:
 //!
 //! ```text
@@ -11,11 +11,15 @@
 //! Declarations only: no kernels, no loops over data, no fusions (the graph's lowering joins
 //! each hc_post with the hc_pre and norm after it where a device gains from it).
 
-use deepseek2::Trunk;
+mod tensors;
+
+pub use tensors::tensors;
+
 use graph::{GraphBuilder, GraphError, ModelDecl, StepShape, ValueId};
 use loader::hparams::HParams;
 use ops::hc::{HcExpand, HcPost, HcPre, StreamMean};
 use ops::norm::RmsNorm;
+use trunk::Trunk;
 
 /// Spec §1.2: the comb-logit clamp comes from config.json; ±30 when it is absent.
 pub const DEFAULT_COMB_CLAMP: f32 = 30.0;

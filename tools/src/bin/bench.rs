@@ -74,12 +74,17 @@ struct Args {
     profile: bool,
 }
 
-/// `blk.12.attn.q_a` → `attn.q_a`; names outside the layers stay as they are.
-fn without_layer(name: &str) -> &str {
-    match name.strip_prefix("blk.") {
-        Some(rest) => rest.split_once('.').map_or(name, |(_, tail)| tail),
-        None => name,
-    }
+/// `blk.12.attn.q_a` → `attn.q_a`, and in a node fused across layers every part loses its
+/// layer (`blk.3.hc_ffn_post+blk.4.hc_attn_pre+attn_norm` → `hc_ffn_post+hc_attn_pre+attn_norm`);
+/// names outside the layers stay as they are.
+fn without_layer(name: &str) -> String {
+    let part = |p: &'_ str| -> String {
+        match p.strip_prefix("blk.").and_then(|rest| rest.split_once('.')) {
+            Some((layer, tail)) if layer.bytes().all(|b| b.is_ascii_digit()) => tail.to_string(),
+            _ => p.to_string(),
+        }
+    };
+    name.split('+').map(part).collect::<Vec<_>>().join("+")
 }
 
 /// Prints a profiled step grouped by node name without its layer: launches, µs, share.
@@ -218,13 +223,13 @@ fn main() -> Result<()> {
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--device: {e}"))?;
     let (gguf, release_dir) = match &a.model {
-        Some(m) => tools::load::resolve(Some(m), a.tokenizer_path.as_deref())?,
+        Some(m) => models::resolve(Some(m), a.tokenizer_path.as_deref())?,
         None => {
             let dir = tools::default_checkpoint()?;
             (dir.join("model.gguf"), Some(dir))
         }
     };
-    let loaded = tools::load::load(&gguf, release_dir.as_deref(), true)?;
+    let loaded = models::load(&gguf, release_dir.as_deref(), true)?;
     let model = loaded.model.clone();
     let vocab = model.decl.n_vocab();
     let max_d = a.depth.iter().copied().max().unwrap_or(0);

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use clap::Parser;
 use loader::hparams::Arch;
-use tools::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 
 #[derive(Parser, Debug)]
 #[command(about = "Write a synthetic xing4_0/deepseek2 checkpoint (model.gguf + release files)")]

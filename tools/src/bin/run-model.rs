@@ -78,7 +78,7 @@ fn main() -> Result<()> {
         .map_err(|e: String| anyhow::anyhow!("--device: {e}"))?;
     let (gguf, release_dir, synthetic) = match &args.model {
         Some(m) => {
-            let (g, r) = tools::load::resolve(Some(m), args.tokenizer_path.as_deref())?;
+            let (g, r) = models::resolve(Some(m), args.tokenizer_path.as_deref())?;
             (g, r, false)
         }
         None => {
@@ -92,7 +92,7 @@ fn main() -> Result<()> {
             gguf.display()
         );
     }
-    let loaded = tools::load::load(&gguf, release_dir.as_deref(), true)?;
+    let loaded = models::load(&gguf, release_dir.as_deref(), true)?;
     let h = &loaded.model.hparams;
     eprintln!(
         "model: {:?}, {} layers, n_embd {}, vocab {}, {:.1} MiB of weights",

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use loader::hparams::Arch;
+use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 use serde_json::Value;
-use tools::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 
 /// The served name the tests use.
 pub const MODEL: &str = "tiny";

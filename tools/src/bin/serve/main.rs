@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use engine::{Device, Engine, EngineConfig};
-use tools::load::Loaded;
+use models::Loaded;
 
 use crate::api::Defaults;
 use crate::metrics::Metrics;
@@ -91,7 +91,7 @@ fn main() -> Result<()> {
         );
     }
     let (gguf, release_dir) = match &args.model {
-        Some(m) => tools::load::resolve(Some(m), args.tokenizer_path.as_deref())?,
+        Some(m) => models::resolve(Some(m), args.tokenizer_path.as_deref())?,
         None => {
             let dir = tools::default_checkpoint()?;
             eprintln!(
@@ -101,7 +101,7 @@ fn main() -> Result<()> {
             (dir.join("model.gguf"), Some(dir))
         }
     };
-    let loaded = tools::load::load(&gguf, release_dir.as_deref(), false)?;
+    let loaded = models::load(&gguf, release_dir.as_deref(), false)?;
     let trained = loaded.model.hparams.n_ctx_train;
     let config = EngineConfig {
         max_model_len: args.max_model_len.unwrap_or(if trained >= 2 {

@@ -1,16 +1,14 @@
-//! Opening a checkpoint for the binaries: path resolution, schema check, the
-//! config.json cross-check, the architecture registry, tokenizer and chat template.
+//! Opening a checkpoint for the binaries and tests: path resolution, schema check, the
+//! config.json cross-check, the declaration, tokenizer and chat template.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use engine::Model;
-use graph::ModelDecl;
 use indicatif::{ProgressBar, ProgressStyle};
 use loader::chat::ChatTemplate;
 use loader::gguf::GgufFile;
-use loader::hparams::{Arch, HParams};
 use loader::release::Release;
 use loader::tokenizer::Tokenizer;
 
@@ -23,42 +21,11 @@ pub struct Loaded {
     pub gguf_path: PathBuf,
 }
 
-/// The architecture registry: the only place that maps a GGUF architecture to its
-/// declaration. Adding an architecture adds a line here and a crate under `models/`.
-pub fn declaration(h: &HParams, release: Option<&Release>) -> Result<Box<dyn ModelDecl>> {
-    Ok(match h.arch {
-        Arch::Deepseek2 => Box::new(deepseek2::Deepseek2::new(h.clone())),
-        Arch::Xing4_0 => {
-            let clamp = match release.and_then(|r| r.config.as_ref()) {
-                Some(cfg) => cfg.hc_clamp(),
-                None => loader::release::HcClamp::DEFAULT,
-            };
-            if clamp.defaulted {
-                eprintln!(
-                    "note: config.json gives no mhc_h_res_clamp_min/max; using ±{} as llama.cpp does",
-                    xing4::DEFAULT_COMB_CLAMP
-                );
-            }
-            if clamp.min != -clamp.max {
-                bail!(
-                    "config.json: mhc_h_res_clamp_min {} and mhc_h_res_clamp_max {} are not symmetric; this runtime implements the symmetric clamp of the released model",
-                    clamp.min,
-                    clamp.max
-                );
-            }
-            Box::new(
-                xing4::Xing4::new(h.clone(), clamp.max as f32)
-                    .context("a xing4_0 header without hyper_connection keys")?,
-            )
-        }
-    })
-}
-
 /// Opens `gguf` (+ the release directory, when there is one) and checks it.
 pub fn load(gguf_path: &Path, release_dir: Option<&Path>, progress: bool) -> Result<Loaded> {
     let gguf =
         GgufFile::open(gguf_path).with_context(|| format!("opening {}", gguf_path.display()))?;
-    let hparams = loader::schema::check(&gguf.metadata, &gguf.tensors).with_context(|| {
+    let hparams = crate::check_schema(&gguf.metadata, &gguf.tensors).with_context(|| {
         format!(
             "{} does not match its architecture's schema",
             gguf_path.display()
@@ -104,7 +71,7 @@ pub fn load(gguf_path: &Path, release_dir: Option<&Path>, progress: bool) -> Res
     if progress {
         prefault(&gguf);
     }
-    let decl = declaration(&hparams, release.as_ref())?;
+    let decl = crate::declaration(&hparams, release.as_ref())?;
     Ok(Loaded {
         model: Arc::new(Model::new(gguf, hparams, decl)),
         tokenizer,
