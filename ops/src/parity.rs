@@ -5,9 +5,92 @@
 
 use std::fmt;
 
+use cuda::DeviceBuffer;
+
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, dev_err};
 use crate::tensor::{AlignedBuf, DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
+
+mod case;
+mod rng;
+
+pub use case::{
+    Inputs, NMSE_BF16, NMSE_EXACT, NMSE_F32, ParityCase, cpu_outputs, nmse, nmse_bound,
+    nmse_f32_dot, random_weight, uniform, weight,
+};
+pub use rng::Rng;
+
+/// Every registered parity case, family by family (each family's `cases.rs`).
+pub fn registry() -> Vec<ParityCase> {
+    let mut all = Vec::new();
+    all.extend(crate::linear::cases::cases());
+    all.extend(crate::norm::cases::cases());
+    all.extend(crate::embedding::cases::cases());
+    all.extend(crate::hc::cases::cases());
+    all.extend(crate::mla::cases::cases());
+    all.extend(crate::moe::cases::cases());
+    all.extend(crate::head::cases::cases());
+    all
+}
+
+/// The H200's copy ceiling as this project measured it on the card its kernels are tuned on
+/// (4.27 TB/s, bytes read + written per second): what a memory-bound op's GB/s is read against
+/// where [`copy_ceiling_gbs`] cannot measure the card at hand.
+pub const H200_COPY_CEILING_GBS: f64 = 4270.0;
+
+/// The card's copy ceiling in GB/s: a device-to-device copy of a 1 GiB buffer (read and
+/// written, so 2 GiB moved a copy), median of 5 timed copies after 3 warm-up copies.
+pub fn copy_ceiling_gbs(ctx: &GpuCtx) -> Result<f64, OpError> {
+    let dev = &ctx.device;
+    let n = 1usize << 30;
+    let src = dev.alloc_zeros::<u8>(n).map_err(dev_err)?;
+    let mut dst = dev.alloc_zeros::<u8>(n).map_err(dev_err)?;
+    for _ in 0..3 {
+        dst.copy_from_device(&src).map_err(dev_err)?;
+    }
+    dev.synchronize().map_err(dev_err)?;
+    let timer = cuda::Timer::new(dev).map_err(dev_err)?;
+    let mut ms = Vec::with_capacity(5);
+    for _ in 0..5 {
+        timer.start().map_err(dev_err)?;
+        dst.copy_from_device(&src).map_err(dev_err)?;
+        ms.push(f64::from(timer.stop().map_err(dev_err)?));
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(2.0 * n as f64 / (ms[2] * 1e-3) / 1e9)
+}
+
+/// One case on the GPU against the CPU reference: the worst output's normalized MSE (see
+/// [`nmse`]), or why it could not be compared.
+pub fn run_case(ctx: &GpuCtx, case: &ParityCase) -> Result<f64, String> {
+    let op = case.op.as_ref();
+    let inputs = case.inputs();
+    let cpu = run_cpu(op, &inputs).map_err(|e| format!("cpu: {e}"))?;
+    let gpu = run_gpu(ctx, op, &inputs).map_err(|e| format!("cuda: {e}"))?;
+    let mut worst = 0f64;
+    for (k, ((m, c), (_, g))) in cpu.iter().zip(&gpu).enumerate() {
+        let e = nmse(m, c.bytes(), g).map_err(|e| format!("output {k}: {e}"))?;
+        if e.is_nan() || e > worst {
+            worst = e;
+        }
+        if worst.is_nan() {
+            break;
+        }
+    }
+    Ok(worst)
+}
+
+/// Microseconds per call of `op` on `inputs` (staged on the device once, outputs and scratch
+/// allocated as [`run_gpu`] does), through [`time_calls_us`] with `reps` calls a graph.
+pub fn time_op_us(
+    ctx: &GpuCtx,
+    op: &dyn Op,
+    inputs: &[HostValue],
+    reps: usize,
+) -> Result<f64, OpError> {
+    let staged = Staged::new(ctx, op, inputs)?;
+    time_calls_us(ctx, reps, &|_| staged.launch(ctx, op, inputs))
+}
 
 /// Allowed difference: `|gpu − cpu| ≤ abs + rel·|cpu|` per element.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -151,6 +234,106 @@ pub fn run_cpu(
     Ok(metas.into_iter().zip(outs).collect())
 }
 
+/// An op's inputs, outputs (poisoned with all-ones bytes, or the aliased input) and scratch
+/// on the device.
+struct Staged {
+    metas: Vec<TensorMeta>,
+    in_bufs: Vec<DeviceBuffer<u8>>,
+    out_bufs: Vec<DeviceBuffer<u8>>,
+    scratch: DeviceBuffer<u8>,
+    scratch_bytes: usize,
+}
+
+impl Staged {
+    fn new(ctx: &GpuCtx, op: &dyn Op, inputs: &[HostValue]) -> Result<Staged, OpError> {
+        let dev = &ctx.device;
+        let in_metas: Vec<&TensorMeta> = inputs.iter().map(|v| &v.meta).collect();
+        let metas = op.infer(&in_metas)?;
+        let mut in_bufs = Vec::with_capacity(inputs.len());
+        for v in inputs {
+            // At least one byte so every input has an address.
+            let mut bytes = v.data.bytes().to_vec();
+            if bytes.is_empty() {
+                bytes.push(0);
+            }
+            in_bufs.push(dev.upload(&bytes).map_err(dev_err)?);
+        }
+        let mut out_bufs = Vec::with_capacity(metas.len());
+        for (k, m) in metas.iter().enumerate() {
+            let n = m
+                .bytes()
+                .ok_or_else(|| OpError::Type(format!("{m} is not whole blocks")))?;
+            let init: Vec<u8> = match op.aliases().iter().find(|(o, _)| *o == k) {
+                Some(&(_, i)) => inputs[i].data.bytes().to_vec(),
+                None => vec![0xFF; n.max(1)],
+            };
+            out_bufs.push(dev.upload(&init).map_err(dev_err)?);
+        }
+        let scratch_bytes = op.cuda_scratch_bytes(&in_metas);
+        let scratch = dev
+            .upload(&vec![0xFFu8; scratch_bytes.max(1)])
+            .map_err(dev_err)?;
+        Ok(Staged {
+            metas,
+            in_bufs,
+            out_bufs,
+            scratch,
+            scratch_bytes,
+        })
+    }
+
+    /// Enqueues the op once (no sync).
+    fn launch(&self, ctx: &GpuCtx, op: &dyn Op, inputs: &[HostValue]) -> Result<(), OpError> {
+        // An aliased input is handed the output's storage, as the executor does.
+        let in_views: Vec<DeviceTensor<'_>> = inputs
+            .iter()
+            .enumerate()
+            .map(|(k, v)| match op.aliases().iter().find(|(_, i)| *i == k) {
+                Some(&(o, _)) => DeviceTensor {
+                    meta: &v.meta,
+                    ptr: self.out_bufs[o].device_ptr(),
+                    bytes: self.out_bufs[o].num_bytes(),
+                },
+                None => DeviceTensor {
+                    meta: &v.meta,
+                    ptr: self.in_bufs[k].device_ptr(),
+                    bytes: v.data.len(),
+                },
+            })
+            .collect();
+        let out_views: Vec<DeviceTensor<'_>> = self
+            .metas
+            .iter()
+            .zip(&self.out_bufs)
+            .map(|(m, b)| DeviceTensor {
+                meta: m,
+                ptr: b.device_ptr(),
+                bytes: m.bytes().unwrap_or(0),
+            })
+            .collect();
+        op.cuda(
+            ctx,
+            &in_views,
+            &out_views,
+            Scratch {
+                ptr: self.scratch.device_ptr(),
+                bytes: self.scratch_bytes,
+            },
+        )
+    }
+
+    fn download(self) -> Result<Vec<(TensorMeta, Vec<u8>)>, OpError> {
+        let mut outs = Vec::with_capacity(self.metas.len());
+        for (m, b) in self.metas.into_iter().zip(&self.out_bufs) {
+            let n = m.bytes().unwrap_or(0);
+            let mut v = b.to_vec().map_err(dev_err)?;
+            v.truncate(n);
+            outs.push((m, v));
+        }
+        Ok(outs)
+    }
+}
+
 /// Runs the CUDA kernel (uploading the inputs, poisoning the outputs with all-ones
 /// bytes, allocating the scratch it asks for) and downloads the outputs.
 pub fn run_gpu(
@@ -158,77 +341,10 @@ pub fn run_gpu(
     op: &dyn Op,
     inputs: &[HostValue],
 ) -> Result<Vec<(TensorMeta, Vec<u8>)>, OpError> {
-    let dev = &ctx.device;
-    let in_metas: Vec<&TensorMeta> = inputs.iter().map(|v| &v.meta).collect();
-    let metas = op.infer(&in_metas)?;
-    let mut in_bufs = Vec::with_capacity(inputs.len());
-    for v in inputs {
-        // At least one byte so every input has an address.
-        let mut bytes = v.data.bytes().to_vec();
-        if bytes.is_empty() {
-            bytes.push(0);
-        }
-        in_bufs.push(dev.upload(&bytes).map_err(dev_err)?);
-    }
-    let mut out_bufs = Vec::with_capacity(metas.len());
-    for (k, m) in metas.iter().enumerate() {
-        let n = m
-            .bytes()
-            .ok_or_else(|| OpError::Type(format!("{m} is not whole blocks")))?;
-        let init: Vec<u8> = match op.aliases().iter().find(|(o, _)| *o == k) {
-            Some(&(_, i)) => inputs[i].data.bytes().to_vec(),
-            None => vec![0xFF; n.max(1)],
-        };
-        out_bufs.push(dev.upload(&init).map_err(dev_err)?);
-    }
-    let scratch_bytes = op.cuda_scratch_bytes(&in_metas);
-    let scratch_buf = dev
-        .upload(&vec![0xFFu8; scratch_bytes.max(1)])
-        .map_err(dev_err)?;
-    // An aliased input is handed the output's storage, as the executor does.
-    let in_views: Vec<DeviceTensor<'_>> = inputs
-        .iter()
-        .enumerate()
-        .map(|(k, v)| match op.aliases().iter().find(|(_, i)| *i == k) {
-            Some(&(o, _)) => DeviceTensor {
-                meta: &v.meta,
-                ptr: out_bufs[o].device_ptr(),
-                bytes: out_bufs[o].num_bytes(),
-            },
-            None => DeviceTensor {
-                meta: &v.meta,
-                ptr: in_bufs[k].device_ptr(),
-                bytes: v.data.len(),
-            },
-        })
-        .collect();
-    let out_views: Vec<DeviceTensor<'_>> = metas
-        .iter()
-        .zip(&out_bufs)
-        .map(|(m, b)| DeviceTensor {
-            meta: m,
-            ptr: b.device_ptr(),
-            bytes: m.bytes().unwrap_or(0),
-        })
-        .collect();
-    op.cuda(
-        ctx,
-        &in_views,
-        &out_views,
-        Scratch {
-            ptr: scratch_buf.device_ptr(),
-            bytes: scratch_bytes,
-        },
-    )?;
-    dev.synchronize().map_err(dev_err)?;
-    let mut outs = Vec::with_capacity(metas.len());
-    for (m, b) in metas.into_iter().zip(&out_bufs) {
-        let n = m.bytes().unwrap_or(0);
-        let mut v = b.to_vec().map_err(dev_err)?;
-        v.truncate(n);
-        outs.push((m, v));
-    }
-    Ok(outs)
+    let staged = Staged::new(ctx, op, inputs)?;
+    staged.launch(ctx, op, inputs)?;
+    ctx.device.synchronize().map_err(dev_err)?;
+    staged.download()
 }
 
 /// Compares one output. I32 must be equal; floats within `tol`; a NaN on the GPU

@@ -1,4 +1,4 @@
-//! Owned, 4-byte-aligned tensor storage and a small generator for this crate's unit tests.
+//! Owned, 4-byte-aligned tensor storage and the generator for this crate's unit tests.
 
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
@@ -103,24 +103,5 @@ pub(crate) fn infer(op: &dyn Op, metas: &[TensorMeta]) -> Result<Vec<TensorMeta>
     op.infer(&refs)
 }
 
-/// A small deterministic generator, so tests need no extra dependency.
-pub(crate) struct Lcg(pub u64);
-
-impl Lcg {
-    pub fn next_u32(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) as u32
-    }
-
-    /// Uniform in [lo, hi).
-    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * (self.next_u32() as f32 / (1u64 << 31) as f32)
-    }
-
-    pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-}
+/// The crate's one test generator (`parity::Rng`), for the unit tests.
+pub(crate) use crate::parity::Rng;

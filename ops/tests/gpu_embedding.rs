@@ -2,23 +2,9 @@
 
 use half::{bf16, f16};
 use ops::embedding::{Embedding, embed_rows};
-use ops::parity::{HostValue, Tolerance, check, run_gpu, test_gpu};
+use ops::parity::{HostValue, Rng, Tolerance, check, run_gpu, test_gpu};
 use ops::{DType, TensorMeta};
 use proptest::prelude::*;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-}
 
 const TYPES: [DType; 6] = [
     DType::F32,
@@ -46,7 +32,7 @@ fn table(r: &mut Rng, dtype: DType, v: usize, d: usize) -> HostValue {
         _ => {
             let ty = dtype.ggml().expect("a weight type");
             let mut b: Vec<u8> = (0..ty.row_bytes(n).expect("whole blocks"))
-                .map(|_| r.next() as u8)
+                .map(|_| r.next_u64() as u8)
                 .collect();
             let at = if dtype == DType::Q6_K { 208 } else { 0 };
             for blk in b.chunks_exact_mut(ty.block_bytes()) {
@@ -75,7 +61,7 @@ fn embedding_rows_are_bit_identical_to_the_cpu_reference_for_every_table_type() 
         let dtype = TYPES[ti];
         let mut r = Rng(seed | 1);
         let t = table(&mut r, dtype, v, width(dtype, units));
-        let ids: Vec<i32> = (0..n).map(|_| (r.next() % v as u64) as i32).collect();
+        let ids: Vec<i32> = (0..n).map(|_| (r.next_u64() % v as u64) as i32).collect();
         let rep = check(&gpu, &Embedding, &[t, HostValue::i32([n], &ids)], Tolerance::new(0.0, 0.0))
             .map_err(TestCaseError::fail)?;
         prop_assert_eq!(rep.max_abs, 0.0);

@@ -4,28 +4,11 @@
 use half::bf16;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::hc::{HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, StreamMean};
-use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
+use ops::parity::{HostValue, Rng, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::{DType, Op, TensorMeta};
 use proptest::prelude::*;
 
 mod support;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-}
 
 /// Exact: these kernels round every product and sum as the reference does.
 const EXACT: Tolerance = Tolerance { rel: 0.0, abs: 0.0 };

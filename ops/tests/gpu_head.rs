@@ -1,22 +1,8 @@
 //! CUDA parity of `Argmax` and `SliceRows` (skips without a GPU, saying why).
 
 use ops::head::{Argmax, SliceRows, argmax_row};
-use ops::parity::{HostValue, Tolerance, check, run_gpu, test_gpu};
+use ops::parity::{HostValue, Rng, Tolerance, check, run_gpu, test_gpu};
 use proptest::prelude::*;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 const EXACT: Tolerance = Tolerance { rel: 0.0, abs: 0.0 };
 

@@ -6,30 +6,13 @@ use ops::Op;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::linear::{Linear, LinearKernel, LinearPair, NormLinear};
 use ops::parity::{
-    HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu, time_calls_us,
+    HostValue, Rng, Tolerance, check, compare, run_cpu, run_gpu, test_gpu, time_calls_us,
 };
 use ops::{DType, TensorMeta};
 use proptest::prelude::*;
 
 mod support;
 use support::linear_for;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-}
 
 /// Weight bytes for `rows × cols`: float types from uniform values, block types from
 /// random bytes with a finite random f16 scale in every block.
@@ -48,7 +31,7 @@ fn random_weight(r: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8>
         _ => {
             let ty = dtype.ggml().expect("a weight type");
             let mut bytes: Vec<u8> = (0..ty.row_bytes(n).expect("whole blocks"))
-                .map(|_| r.next() as u8)
+                .map(|_| r.next_u64() as u8)
                 .collect();
             let at = if dtype == DType::Q6_K { 208 } else { 0 };
             for b in bytes.chunks_exact_mut(ty.block_bytes()) {

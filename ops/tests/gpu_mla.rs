@@ -37,7 +37,9 @@ use ops::mla::{
     AttentionKernel, AttentionPath, HEAD_GEMV_ROWS_LIMIT, KvCacheWrite, MlaAttention, MlaKv,
     MlaKvCacheWrite, MlaQuery, MlaValueOut, attention_chunks, attention_tile,
 };
-use ops::parity::{HostValue, ParityReport, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
+use ops::parity::{
+    HostValue, ParityReport, Rng, Tolerance, check, compare, run_cpu, run_gpu, test_gpu,
+};
 use ops::rope::{RopeConsts, RopeParams, Yarn};
 use ops::tensor::{HostTensor, HostTensorMut};
 use ops::{DType, Op, OpError, TensorMeta};
@@ -45,29 +47,6 @@ use proptest::prelude::*;
 
 mod support;
 use support::{attention_for, head_for};
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 /// The released model's YaRN block (spec §1.1) over `n_rot` rotated dims.
 fn rope(n_rot: usize) -> RopeParams {

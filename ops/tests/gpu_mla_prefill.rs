@@ -18,7 +18,7 @@ use cuda::DeviceBuffer;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::mla::{AttentionKernel, AttentionPath, MlaAttention, attention_tile};
 use ops::mla_prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
-use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
+use ops::parity::{HostValue, Rng, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::tensor::{HostTensor, HostTensorMut};
 use ops::{Op, OpError, TensorMeta};
 use proptest::prelude::*;
@@ -32,29 +32,6 @@ const PREFILL_TOL: Tolerance = Tolerance {
 
 /// The model's softmax scale (1/√192 with the YaRN magnitude), as the engine passes it.
 const KQ_SCALE: f32 = 0.144_679_63;
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 /// The split kernel whatever the token count and whatever `att.kernel` says (a lowered plan
 /// gives 256 tokens and more `AttentionPath::Flash`, the prefill kernel), with its default

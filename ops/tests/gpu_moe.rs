@@ -22,46 +22,12 @@ use ops::linear::Linear;
 use ops::moe::{
     ExpertDown, ExpertKernel, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, TopKSum,
 };
-use ops::parity::{HostValue, ParityReport, Tolerance, check, run_cpu, run_gpu, test_gpu};
+use ops::parity::{HostValue, ParityReport, Rng, Tolerance, check, run_cpu, run_gpu, test_gpu};
 use ops::{DType, Op, OpError, TensorMeta};
 use proptest::prelude::*;
 
 mod support;
 use support::{expert_for, linear_for, router_for, topk_for};
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    /// `k` distinct ids below `n`, as a router picks them.
-    fn distinct(&mut self, k: usize, n: usize) -> Vec<i32> {
-        let mut v: Vec<i32> = Vec::with_capacity(k);
-        while v.len() < k {
-            let e = self.below(n) as i32;
-            if !v.contains(&e) {
-                v.push(e);
-            }
-        }
-        v
-    }
-}
 
 /// rms of U(−1, 1), the test activations' distribution.
 const U_RMS: f32 = 0.577_350_3;
@@ -133,7 +99,7 @@ fn iq4_weight(r: &mut Rng, e: usize, rows: usize, cols: usize) -> HostValue {
     let len = meta.bytes().expect("whole blocks");
     let mut bytes = vec![0u8; len];
     for c in bytes.chunks_mut(8) {
-        let v = r.next().to_le_bytes();
+        let v = r.next_u64().to_le_bytes();
         c.copy_from_slice(&v[..c.len()]);
     }
     for b in bytes.chunks_exact_mut(18) {

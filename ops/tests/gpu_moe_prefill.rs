@@ -21,32 +21,9 @@ use loader::GgmlType;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
 use ops::moe::{ExpertDown, ExpertKernel, ExpertSwiGlu, RoutePlan};
 use ops::moe_prefill::{K_TILE, TcKernel, launch_expert_gemm_tc, launch_expert_gemm_tc_with};
-use ops::parity::{HostValue, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
+use ops::parity::{HostValue, Rng, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::{DType, HostTensor, HostTensorMut, Op, OpError, TensorMeta};
 use proptest::prelude::*;
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(lo, hi)).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 const U: f32 = 1.0 / 2048.0;
 
@@ -93,7 +70,7 @@ fn random_stack(r: &mut Rng, e: usize, rows: usize, cols: usize) -> HostValue {
     let meta = TensorMeta::new([e, rows, cols], DType::IQ4_NL);
     let mut bytes = vec![0u8; meta.bytes().expect("whole blocks")];
     for c in bytes.chunks_mut(8) {
-        let v = r.next().to_le_bytes();
+        let v = r.next_u64().to_le_bytes();
         c.copy_from_slice(&v[..c.len()]);
     }
     for b in bytes.chunks_exact_mut(18) {

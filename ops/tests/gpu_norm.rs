@@ -1,24 +1,8 @@
 //! CUDA parity of `RmsNorm` (skips without a GPU, saying why).
 
 use ops::norm::RmsNorm;
-use ops::parity::{HostValue, Tolerance, check, run_gpu, test_gpu};
+use ops::parity::{HostValue, Rng, Tolerance, check, run_gpu, test_gpu};
 use proptest::prelude::*;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn vec(&mut self, n: usize, mag: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * mag)
-            .collect()
-    }
-}
 
 // The kernel sums squares in f32 (a fixed tree), the reference in f64: at these widths
 // the sum's relative error is a few 1e-7, halved by the root, so Tolerance::F32 holds.
@@ -29,11 +13,11 @@ fn rms_norm_matches_the_cpu_reference_weighted_and_unweighted() {
         rows in 1usize..6, d in 1usize..5000, weighted in any::<bool>(), mag_exp in -3i32..6, seed in any::<u64>()
     )| {
         let mut r = Rng(seed | 1);
-        let x = HostValue::f32([rows, d], &r.vec(rows * d, 10f32.powi(mag_exp)));
+        let x = HostValue::f32([rows, d], &r.signed_vec(rows * d, 10f32.powi(mag_exp)));
         let op = RmsNorm { eps: 1e-6 };
         let mut inputs = vec![x];
         if weighted {
-            inputs.push(HostValue::f32([d], &r.vec(d, 2.0)));
+            inputs.push(HostValue::f32([d], &r.signed_vec(d, 2.0)));
         }
         check(&gpu, &op, &inputs, Tolerance::F32).map_err(TestCaseError::fail)?;
     });
@@ -45,8 +29,8 @@ fn rms_norm_matches_at_the_model_widths_and_repeats_its_bits() {
     let mut r = Rng(99);
     for d in [512, 768, 3584, 14336] {
         let inputs = [
-            HostValue::f32([7, d], &r.vec(7 * d, 1e3)),
-            HostValue::f32([d], &r.vec(d, 2.0)),
+            HostValue::f32([7, d], &r.signed_vec(7 * d, 1e3)),
+            HostValue::f32([d], &r.signed_vec(d, 2.0)),
         ];
         let rep = check(&gpu, &RmsNorm { eps: 1e-6 }, &inputs, Tolerance::F32)
             .unwrap_or_else(|e| panic!("{e}"));

@@ -8,7 +8,8 @@ use ops::{DType, HostTensor, HostTensorMut, Op, OpError, TensorMeta};
 use proptest::prelude::*;
 
 mod support;
-use support::{Buf, Rng, bytes_mut, run, run_into};
+use ops::parity::Rng;
+use support::{Buf, bytes_mut, run, run_into};
 
 // ---- the model under test ----------------------------------------------------------------
 
@@ -51,8 +52,8 @@ impl Mla {
                 mscale_all_dim: 1.0,
             },
         );
-        let mut kb = rng.vec(h * lora * nope);
-        let mut vb = rng.vec(h * vh * lora);
+        let mut kb = rng.unit_vec(h * lora * nope);
+        let mut vb = rng.unit_vec(h * vh * lora);
         let store = |v: &mut Vec<f32>, shape: [usize; 3]| -> Buf {
             if bf16_weights {
                 let q: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
@@ -257,8 +258,8 @@ proptest! {
     ) {
         let mut rng = Rng(seed | 1);
         let m = Mla::new(h, nope, 2 * rope_pairs, lora, vh, bf, &mut rng);
-        let qs: Vec<Vec<f32>> = (0..t).map(|_| rng.vec(m.q_width())).collect();
-        let kvs: Vec<Vec<f32>> = (0..t).map(|_| rng.vec(m.w())).collect();
+        let qs: Vec<Vec<f32>> = (0..t).map(|_| rng.unit_vec(m.q_width())).collect();
+        let kvs: Vec<Vec<f32>> = (0..t).map(|_| rng.unit_vec(m.w())).collect();
         let s = split.min(t);
         let mut cache = empty_cache(t + extra, m.w());
         // Positions [0, s) as one earlier chunk, then [s, t) as the chunk under test.
@@ -289,9 +290,9 @@ fn cache_rows_past_a_querys_position_do_not_change_its_output() {
         kq_scale: 0.3,
         kernel: Default::default(),
     };
-    let rows = rng.vec(ctx * w);
+    let rows = rng.unit_vec(ctx * w);
     for p in [0usize, 3, 7, ctx - 1] {
-        let q = Buf::f32(&[1, nh, w], &rng.vec(nh * w));
+        let q = Buf::f32(&[1, nh, w], &rng.unit_vec(nh * w));
         let pos = Buf::i32(&[1], &[p as i32]);
         let mut zeros = rows.clone();
         let mut huge = rows.clone();
@@ -326,8 +327,8 @@ fn decoding_one_token_at_a_time_equals_a_chunked_prefill() {
     let mut rng = Rng(0xdec0de);
     let m = Mla::new(2, 4, 4, 8, 3, true, &mut rng);
     let (s, n, ctx) = (3usize, 5usize, 16usize);
-    let qs: Vec<Vec<f32>> = (0..s + n).map(|_| rng.vec(m.q_width())).collect();
-    let kvs: Vec<Vec<f32>> = (0..s + n).map(|_| rng.vec(m.w())).collect();
+    let qs: Vec<Vec<f32>> = (0..s + n).map(|_| rng.unit_vec(m.q_width())).collect();
+    let kvs: Vec<Vec<f32>> = (0..s + n).map(|_| rng.unit_vec(m.w())).collect();
     let mut prefix = empty_cache(ctx, m.w());
     let pos0: Vec<i32> = (0..s as i32).collect();
     m.chunk(&mut prefix, &flat(&qs[..s]), &flat(&kvs[..s]), &pos0);

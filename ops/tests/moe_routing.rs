@@ -9,7 +9,8 @@ use ops::moe::{ExpertDown, ExpertSwiGlu, Gating, NORM_GUARD, RoutePlan, Router, 
 use ops::{DType, OpError, TensorMeta};
 
 mod support;
-use support::{Buf, Rng, run};
+use ops::parity::Rng;
+use support::{Buf, run};
 
 impl Buf {
     fn i32s(&self) -> Vec<i32> {
@@ -330,7 +331,7 @@ fn iq4nl(rng: &mut Rng, shape: [usize; 3]) -> Buf {
     for _ in 0..blocks {
         let d = 0.006 + 0.004 * rng.unit();
         bytes.extend(f16::from_f32(d).to_le_bytes());
-        bytes.extend((0..16).map(|_| rng.next() as u8));
+        bytes.extend((0..16).map(|_| rng.next_u64() as u8));
     }
     Buf::raw(TensorMeta::new(shape, DType::IQ4_NL), &bytes)
 }
@@ -345,7 +346,7 @@ fn dequant(b: &Buf) -> Vec<f32> {
 fn random_moe(rng: &mut Rng, router: Router, d: usize, n_ff: usize, bias: bool) -> Moe {
     let ne = router.n_expert;
     Moe {
-        router_w: Buf::f32(&[ne, d], &rng.vec(ne * d)),
+        router_w: Buf::f32(&[ne, d], &rng.unit_vec(ne * d)),
         bias: bias.then(|| {
             Buf::f32(
                 &[ne],
@@ -443,7 +444,7 @@ fn the_moe_chain_matches_a_dense_f64_loop_over_the_selected_experts() {
     for (seed, (router, bias)) in configs.into_iter().enumerate() {
         let mut rng = Rng(0x3e0 + seed as u64);
         let m = random_moe(&mut rng, router, 64, 32, bias);
-        let z = rng.vec(7 * 64);
+        let z = rng.unit_vec(7 * 64);
         let got = m.pass(&z);
         let (ids, want) = dense_f64(&m, &z);
         assert_eq!(got.ids.iter().map(|&w| w as i32).collect::<Vec<_>>(), ids);
@@ -506,7 +507,7 @@ fn the_grouped_expert_path_is_bit_reproducible_at_top_four() {
     let mut rng = Rng(0xb175);
     let router = sigmoid_router(8, 4, 2.0);
     let m = random_moe(&mut rng, router, 64, 64, true);
-    let z = rng.vec(40 * 64);
+    let z = rng.unit_vec(40 * 64);
     let first = m.pass(&z);
     assert_eq!(m.pass(&z), first, "a second run");
     for threads in [1, 2, 3] {
@@ -523,7 +524,7 @@ fn a_permuted_route_table_gives_the_same_answer() {
     let mut rng = Rng(0x9e47);
     let m = random_moe(&mut rng, sigmoid_router(6, 4, 2.0), 32, 32, true);
     let n = 9;
-    let z = rng.vec(n * 32);
+    let z = rng.unit_vec(n * 32);
     let base = m.pass(&z);
     let zb = Buf::f32(&[n, 32], &z);
     let ids = Buf {

@@ -14,10 +14,10 @@ use ops::moe_prefill::TcKernel;
 use ops::{DType, Op};
 
 mod support;
+use ops::parity::Rng;
 use support::{
-    ATTENTION_FLASH_MIN_ROWS, Buf, HC_ROWS_MIN_ROWS, ROUTER_TILED_MIN_ROWS, Rng,
-    TOPK_INVERSE_MIN_ROWS, attention_for, expert_for, hc_pre_for, head_for, linear_for, router_for,
-    run, topk_for,
+    ATTENTION_FLASH_MIN_ROWS, Buf, HC_ROWS_MIN_ROWS, ROUTER_TILED_MIN_ROWS, TOPK_INVERSE_MIN_ROWS,
+    attention_for, expert_for, hc_pre_for, head_for, linear_for, router_for, run, topk_for,
 };
 
 const LINEAR_KERNELS: [LinearKernel; 4] = [
@@ -45,8 +45,8 @@ fn the_cpu_reference_gives_the_same_bits_on_every_kernel_variant() {
     let mut r = Rng(0x10e4);
     // Linear over 12 rows (more than the GEMV takes on the GPU: the CPU has no such limit).
     let (n, k, o) = (12, 64, 5);
-    let x = Buf::f32(&[n, k], &r.vec(n * k));
-    let w = Buf::f32(&[o, k], &r.vec(o * k));
+    let x = Buf::f32(&[n, k], &r.unit_vec(n * k));
+    let w = Buf::f32(&[o, k], &r.unit_vec(o * k));
     let want = bits(&Linear::default(), &[&x, &w]);
     assert!(want[0].iter().all(|&v| f32::from_bits(v).is_finite()));
     for kernel in LINEAR_KERNELS {
@@ -55,9 +55,9 @@ fn the_cpu_reference_gives_the_same_bits_on_every_kernel_variant() {
 
     // The router (sigmoid, biased, top-2 of 6) over 70 tokens, past the tiled kernel's start.
     let (n, d, ne) = (70, 16, 6);
-    let z = Buf::f32(&[n, d], &r.vec(n * d));
-    let rw = Buf::f32(&[ne, d], &r.vec(ne * d));
-    let bias = Buf::f32(&[ne], &r.vec(ne));
+    let z = Buf::f32(&[n, d], &r.unit_vec(n * d));
+    let rw = Buf::f32(&[ne, d], &r.unit_vec(ne * d));
+    let bias = Buf::f32(&[ne], &r.unit_vec(ne));
     let router = |kernel| Router {
         n_expert: ne,
         top_k: 2,
@@ -74,9 +74,9 @@ fn the_cpu_reference_gives_the_same_bits_on_every_kernel_variant() {
     // hc_pre at hc = 4 over 64 tokens of D = 32 (a shape the rows pass takes on the GPU).
     let (hc, n, d) = (4, 64, 32);
     let mixes = 2 * hc + hc * hc;
-    let h = Buf::f32(&[n, hc, d], &r.vec(n * hc * d));
-    let f = Buf::f32(&[mixes, hc * d], &r.vec(mixes * hc * d));
-    let base = Buf::f32(&[mixes], &r.vec(mixes));
+    let h = Buf::f32(&[n, hc, d], &r.unit_vec(n * hc * d));
+    let f = Buf::f32(&[mixes, hc * d], &r.unit_vec(mixes * hc * d));
+    let base = Buf::f32(&[mixes], &r.unit_vec(mixes));
     let scale = Buf::f32(&[3], &[0.5, -0.25, 2.0]);
     let pre = |kernel| HcPre {
         hc,

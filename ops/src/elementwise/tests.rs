@@ -3,7 +3,7 @@ use crate::testkit::*;
 
 #[test]
 fn swiglu_is_silu_of_the_gate_times_up_against_f64() {
-    let mut r = Lcg(1);
+    let mut r = Rng::new(1);
     let (n, f) = (3, 37);
     let g = r.vec(n * f, -20.0, 20.0);
     let u = r.vec(n * f, -5.0, 5.0);

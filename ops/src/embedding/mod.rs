@@ -2,6 +2,7 @@
 //! its shape rule are here, the CPU reference in `cpu.rs`, the CUDA launch in `cuda.rs`
 //! (`embedding.cu`, compiled after `dequant/dequant.cuh`).
 
+pub mod cases;
 mod cpu;
 mod cuda;
 #[cfg(test)]

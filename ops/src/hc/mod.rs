@@ -9,6 +9,7 @@
 //! The ops and their shape rules are here, the CPU references in `cpu.rs`, the CUDA launches
 //! in `cuda.rs` (kernels in `hc.cu`).
 
+pub mod cases;
 mod cpu;
 mod cuda;
 #[cfg(test)]

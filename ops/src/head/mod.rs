@@ -2,6 +2,7 @@
 //! the rows needing logits (spec §3.8). The ops and their shape rules are here, the CPU
 //! references in `cpu.rs`, the CUDA launches in `cuda.rs` (kernels in `head.cu`).
 
+pub mod cases;
 mod cpu;
 mod cuda;
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! and its scratch in `plan.rs`, the CPU references in `cpu.rs`, the CUDA launches in
 //! `cuda.rs` (`linear.cu`, compiled after `dequant/dequant.cuh`).
 
+pub mod cases;
 mod cpu;
 mod cuda;
 mod plan;

@@ -7,7 +7,7 @@ use loader::GgmlType;
 
 /// Weight bytes of `rows × cols` values for `dtype`: float types from random
 /// values, block types from random bytes with a finite random f16 scale.
-fn random_weight(r: &mut Lcg, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+fn random_weight(r: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
     let n = rows * cols;
     match dtype {
         DType::F32 => r
@@ -44,7 +44,7 @@ fn random_weight(r: &mut Lcg, dtype: DType, rows: usize, cols: usize) -> Vec<u8>
 
 #[test]
 fn linear_matches_the_f64_product_of_the_dequantized_weight_for_every_weight_type() {
-    let mut r = Lcg(11);
+    let mut r = Rng::new(11);
     let types = [
         DType::F32,
         DType::F16,

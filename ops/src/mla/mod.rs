@@ -8,6 +8,7 @@
 //! `cpu.rs`, the CUDA launches in `cuda.rs` (kernels in `mla.cu`), and the tensor-core
 //! attention for prefill chunks in `prefill.rs` (`mla_prefill.cu`, also `ops::mla_prefill`).
 
+pub mod cases;
 mod cpu;
 mod cuda;
 pub mod prefill;

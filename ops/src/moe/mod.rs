@@ -10,6 +10,7 @@
 //! in `cuda.rs` (`moe.cu`, compiled after `dequant/dequant.cuh`), and the tensor-core expert
 //! GEMMs for prefill in `prefill.rs` (`moe_prefill.cu`, also `ops::moe_prefill`).
 
+pub mod cases;
 mod cpu;
 mod cuda;
 pub mod prefill;

@@ -1,6 +1,7 @@
 //! RMSNorm over the innermost dimension, optionally weighted (spec §0): the op and its shape
 //! rule here, the CPU reference in `cpu.rs`, the CUDA launch in `cuda.rs` (`norm.cu`).
 
+pub mod cases;
 mod cpu;
 mod cuda;
 #[cfg(test)]

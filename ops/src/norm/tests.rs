@@ -12,7 +12,7 @@ fn f64_rms(x: &[f32], w: Option<&[f32]>, eps: f64) -> Vec<f64> {
 
 #[test]
 fn rms_norm_matches_f64_weighted_and_unweighted() {
-    let mut r = Lcg(7);
+    let mut r = Rng::new(7);
     for &(n, d) in &[(1, 1), (3, 17), (2, 3584), (5, 512)] {
         let x = r.vec(n * d, -50.0, 50.0);
         let w = r.vec(d, -2.0, 2.0);

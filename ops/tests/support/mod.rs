@@ -1,5 +1,5 @@
 //! The harness the op tests share: for the CPU tests, tensors in 4-byte-aligned storage, ops
-//! run through the `Op` trait with NaN-poisoned outputs, and a small deterministic generator;
+//! run through the `Op` trait with NaN-poisoned outputs (the generator is `ops::parity::Rng`);
 //! for the GPU tests, the kernel variant the graph's lowering would give an op of a given size.
 
 #![allow(dead_code)]
@@ -89,26 +89,6 @@ pub fn run(op: &dyn Op, inputs: &[&Buf]) -> Result<Vec<Buf>, OpError> {
         })
         .collect();
     run_into(op, inputs, outs)
-}
-
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in [-1, 1).
-    pub fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    pub fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.unit()).collect()
-    }
 }
 
 // ---- kernel variants ----------------------------------------------------------------------

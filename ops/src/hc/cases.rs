@@ -1,0 +1,160 @@
+//! The hyper-connection family's parity cases at the real width (hc = 4 streams of 3584):
+//! `hc_pre`, `hc_pre_norm` and `hc_post_pre_norm` on the split-K partial pass (decode, and an
+//! F32 `fn`) and the tensor-core rows pass (64 tokens, one and two chunks a warp), `hc_post`,
+//! `hc_expand` and `stream_mean` at decode and prefill sizes. Inputs as the GPU tests'
+//! `PreCase`: streams of magnitude 30, `fn` scaled so the mixes are O(1), scales that reach
+//! the ±30 clamp.
+//!
+//! Bounds. `hc_post`, `hc_expand`, `stream_mean`: [`NMSE_EXACT`] (the tests hold them
+//! bit-identical). `hc_pre`: the tests give x, post and comb rel 1e-3 (x's abs part, 1e-4 of
+//! max|H|, is ~2e-4 of x's rms): [`nmse_bound`]`(1e-3, 2e-4)`. The normed forms: x's abs part is
+//! 1e-3 of max|w| = 2, against a normalised x of rms ~|w|'s 1.15: `nmse_bound(1e-3, 1.8e-3)`.
+
+use half::bf16;
+
+use super::{HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, StreamMean};
+use crate::parity::{HostValue, ParityCase, Rng, uniform};
+use crate::parity::{NMSE_EXACT, nmse_bound};
+use crate::tensor::{DType, TensorMeta};
+
+const HC: usize = 4;
+const D: usize = 3584;
+
+fn pre(kernel: HcPreKernel) -> HcPre {
+    HcPre {
+        hc: HC,
+        sinkhorn_iters: 20,
+        rms_eps: 1e-6,
+        hc_eps: 1e-6,
+        clamp: 30.0,
+        kernel,
+    }
+}
+
+/// H, fn, base and scale for `n` tokens (the GPU tests' `PreCase::random`).
+fn pre_inputs(r: &mut Rng, n: usize, dtype: DType, h_mag: f32) -> Vec<HostValue> {
+    let (k, w) = (2 * HC + HC * HC, HC * D);
+    let a = 2.0 / (w as f32).sqrt();
+    let fnw = r.vec(k * w, -a, a);
+    let fn_bytes: Vec<u8> = match dtype {
+        DType::BF16 => fnw
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        _ => fnw.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    };
+    let h = uniform(r, &[n, HC, D], -h_mag, h_mag);
+    vec![
+        h,
+        HostValue::from_bytes(TensorMeta::new([k, w], dtype), &fn_bytes),
+        uniform(r, &[k], -3.0, 3.0),
+        HostValue::f32(
+            [3],
+            &[
+                r.uniform(-3.0, 3.0),
+                r.uniform(-3.0, 3.0),
+                r.uniform(-20.0, 20.0),
+            ],
+        ),
+    ]
+}
+
+fn label(kernel: HcPreKernel) -> String {
+    match kernel {
+        HcPreKernel::Rows { chunks_per_warp } => format!("rows x{chunks_per_warp}"),
+        _ => "split-k".to_string(),
+    }
+}
+
+pub fn cases() -> Vec<ParityCase> {
+    let pre_bound = nmse_bound(1e-3, 2e-4);
+    let norm_bound = nmse_bound(1e-3, 1.8e-3);
+    let variants = [
+        (HcPreKernel::SplitK, 1, DType::BF16),
+        (HcPreKernel::SplitK, 9, DType::F32),
+        (HcPreKernel::Rows { chunks_per_warp: 1 }, 64, DType::BF16),
+        (HcPreKernel::Rows { chunks_per_warp: 2 }, 64, DType::BF16),
+    ];
+    let mut v = Vec::new();
+    for (kernel, n, dtype) in variants {
+        v.push(ParityCase::new(
+            format!("hc_pre/{} {dtype} n={n}", label(kernel)),
+            pre(kernel),
+            40 + n as u64,
+            pre_bound,
+            move |r| pre_inputs(r, n, dtype, 30.0),
+        ));
+        if dtype != DType::BF16 {
+            continue;
+        }
+        v.push(ParityCase::new(
+            format!("hc_pre_norm/{} n={n}", label(kernel)),
+            HcPreNorm {
+                pre: pre(kernel),
+                norm_eps: 1e-6,
+            },
+            0x5eed + n as u64,
+            norm_bound,
+            move |r| {
+                let mut ins = pre_inputs(r, n, DType::BF16, 20.0);
+                ins.push(uniform(r, &[D], -2.0, 2.0));
+                ins
+            },
+        ));
+        v.push(ParityCase::new(
+            format!("hc_post_pre_norm/{} n={n}", label(kernel)),
+            HcPostPreNorm {
+                post: HcPost { hc: HC },
+                pre_norm: HcPreNorm {
+                    pre: pre(kernel),
+                    norm_eps: 1e-6,
+                },
+            },
+            0xfeed + n as u64,
+            norm_bound,
+            move |r| {
+                let p = pre_inputs(r, n, DType::BF16, 20.0);
+                let mut ins = vec![
+                    uniform(r, &[n, D], -20.0, 20.0),
+                    p[0].clone(),
+                    uniform(r, &[n, HC], 0.0, 2.0),
+                    uniform(r, &[n, HC, HC], 0.0, 1.0),
+                ];
+                ins.extend(p[1..].iter().cloned());
+                ins.push(uniform(r, &[D], -2.0, 2.0));
+                ins
+            },
+        ));
+    }
+    for n in [1, 64] {
+        v.push(ParityCase::new(
+            format!("hc_post/n={n}"),
+            HcPost { hc: HC },
+            7 + n as u64,
+            NMSE_EXACT,
+            move |r| {
+                vec![
+                    uniform(r, &[n, D], -20.0, 20.0),
+                    uniform(r, &[n, HC, D], -20.0, 20.0),
+                    uniform(r, &[n, HC], 0.0, 2.0),
+                    uniform(r, &[n, HC, HC], 0.0, 1.0),
+                ]
+            },
+        ));
+        v.push(ParityCase::new(
+            format!("hc_expand/n={n}"),
+            HcExpand { hc: HC },
+            11 + n as u64,
+            NMSE_EXACT,
+            move |r| vec![uniform(r, &[n, D], -1e4, 1e4)],
+        ));
+        v.push(ParityCase::new(
+            format!("stream_mean/n={n}"),
+            StreamMean { hc: HC },
+            13 + n as u64,
+            NMSE_EXACT,
+            move |r| vec![uniform(r, &[n, HC, D], -1e5, 1e5)],
+        ));
+    }
+    v
+}

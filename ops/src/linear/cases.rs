@@ -1,0 +1,142 @@
+//! The linear family's parity cases (see [`crate::parity::ParityCase`]): `linear` on the GEMV
+//! (weights first or not) and the tensor cores over every weight type, `linear_pair` and
+//! `norm_linear` on their fused and unfused paths, at decode (1 to 4 rows) and prefill (100 rows)
+//! sizes of the real Xing4.0 shapes (the lm head cut to 4096 rows).
+//!
+//! Bounds: the GEMV sums in f32 in another order: the tests' `f32_tol`, rel 1e-5 and abs
+//! `16·√K·u·Σ|w·x|`, where `Σ|w·x| ≈ 0.75·√K·rms(y)` at these distributions, so abs/rms is
+//! `12·K·u` ([`f32_sum_bound`]); the tensor cores narrow x and the decoded weight to bf16
+//! ([`NMSE_BF16`], the tests' `bf16_tol` relative part).
+
+use super::{Linear, LinearKernel, LinearPair, NormLinear};
+use crate::parity::{HostValue, NMSE_BF16, ParityCase, nmse_bound, uniform, weight};
+use crate::tensor::DType;
+
+const GEMV: LinearKernel = LinearKernel::Gemv {
+    weights_first: true,
+};
+
+/// The GEMV's bound over rows of `k` (see the module doc).
+fn f32_sum_bound(k: usize) -> f64 {
+    let u = f64::from(f32::EPSILON) / 2.0;
+    nmse_bound(1e-5, 12.0 * k as f64 * u)
+}
+
+fn bound(kernel: LinearKernel, k: usize) -> f64 {
+    if kernel == LinearKernel::TensorCore {
+        NMSE_BF16
+    } else {
+        f32_sum_bound(k)
+    }
+}
+
+fn label(kernel: LinearKernel) -> &'static str {
+    match kernel {
+        LinearKernel::TensorCore => "tensor-core",
+        LinearKernel::Gemv {
+            weights_first: false,
+        } => "gemv-late-weights",
+        _ => "gemv",
+    }
+}
+
+fn linear(
+    name: &str,
+    kernel: LinearKernel,
+    dtype: DType,
+    n: usize,
+    k: usize,
+    o: usize,
+) -> ParityCase {
+    ParityCase::new(
+        format!("linear/{name} {} {dtype} n={n} {k}->{o}", label(kernel)),
+        Linear::with(kernel),
+        0x11 + (n * 7 + k + o) as u64,
+        bound(kernel, k),
+        move |r| {
+            let w = weight(r, dtype, &[o, k]);
+            vec![uniform(r, &[n, k], -2.0, 2.0), w]
+        },
+    )
+}
+
+pub fn cases() -> Vec<ParityCase> {
+    let mut v = Vec::new();
+    // Decode: one token on every weight type (the BF16 one-token kernel, the IQ4_NL row split,
+    // the generic GEMV), a few tokens, the late-weights variant.
+    for (name, dtype, k, o) in [
+        ("attn q_a", DType::BF16, 3584, 768),
+        ("shared up", DType::IQ4_NL, 3584, 1024),
+        ("shared up", DType::Q8_0, 3584, 1024),
+        ("lm head (4096 rows)", DType::Q6_K, 3584, 4096),
+        ("f16", DType::F16, 1024, 512),
+        ("f32", DType::F32, 1024, 512),
+    ] {
+        v.push(linear(name, GEMV, dtype, 1, k, o));
+    }
+    v.push(linear(
+        "attn o",
+        LinearKernel::Gemv {
+            weights_first: false,
+        },
+        DType::BF16,
+        1,
+        4096,
+        3584,
+    ));
+    for dtype in [DType::BF16, DType::IQ4_NL, DType::Q8_0, DType::Q6_K] {
+        v.push(linear("shared down", GEMV, dtype, 4, 1024, 3584));
+    }
+    // Prefill: cuBLAS for BF16, the decoding mma.sync tiles for the block types.
+    for (name, dtype, k, o) in [
+        ("attn q_a", DType::BF16, 3584, 768),
+        ("shared down", DType::IQ4_NL, 1024, 3584),
+        ("shared up", DType::Q8_0, 3584, 1024),
+        ("lm head (1024 rows)", DType::Q6_K, 3584, 1024),
+    ] {
+        v.push(linear(name, LinearKernel::TensorCore, dtype, 100, k, o));
+    }
+    // linear_pair: one BF16 token takes the one-launch kernel; the rest two linears.
+    for (kernel, dtype, n) in [
+        (GEMV, DType::BF16, 1),
+        (GEMV, DType::Q8_0, 3),
+        (LinearKernel::TensorCore, DType::BF16, 100),
+    ] {
+        let (k, o1, o2) = (3584, 768, 576);
+        v.push(ParityCase::new(
+            format!("linear_pair/q_a+kv_a {} {dtype} n={n}", label(kernel)),
+            LinearPair { kernel },
+            0x9a12 + n as u64,
+            bound(kernel, k),
+            move |r| {
+                let x = uniform(r, &[n, k], -2.0, 2.0);
+                let w1 = weight(r, dtype, &[o1, k]);
+                let w2 = weight(r, dtype, &[o2, k]);
+                vec![x, w1, w2]
+            },
+        ));
+    }
+    // norm_linear: one BF16 token normalises inside the GEMV; the rest rms_norm, then linear.
+    // The normalised x has rms about that of the norm weight, so the product's bound holds.
+    for (kernel, dtype, n) in [
+        (GEMV, DType::BF16, 1),
+        (GEMV, DType::Q8_0, 3),
+        (LinearKernel::TensorCore, DType::BF16, 100),
+    ] {
+        let (k, o) = (768, 6144);
+        let eps = 1e-6;
+        v.push(ParityCase::new(
+            format!("norm_linear/q_b {} {dtype} n={n}", label(kernel)),
+            NormLinear { eps, kernel },
+            0x4e0e + n as u64,
+            bound(kernel, k),
+            move |r| {
+                let x = uniform(r, &[n, k], -2.0, 2.0);
+                let g = r.vec(k, 0.5, 1.5);
+                let w = weight(r, dtype, &[o, k]);
+                vec![x, HostValue::f32([k], &g), w]
+            },
+        ));
+    }
+    v
+}

@@ -1,0 +1,222 @@
+//! The MLA family's parity cases at the real Xing4.0 shapes (32 heads, nope 128, rope 64,
+//! kv_lora 512, v_head 128): `mla_query` and `mla_value_out` on the GEMV (one token) and the
+//! tensor cores (64 tokens), `mla_kv_cache_write` for a decode token and a prefill chunk,
+//! `mla_attention` on the split-K kernel (decode over a long cache, a few tokens, a chunk) and
+//! the flash kernel (a 64-token chunk, the width it supports).
+//!
+//! Bounds. Per-head GEMV: [`nmse_f32_dot`] of the dot length. Per-head tensor cores: the
+//! tests' `head_tol` adds `6·√k·rms²·2⁻¹⁶` (the hi/lo split) to `dot_tol`, against outputs of
+//! rms `√k·rms²`. The cache write: [`NMSE_F32`] (rope and norm as the reference rounds them).
+//! Attention: the tests' `ATT_TOL` (rel 1e-5, abs 3e-5) for split-K and `PREFILL_TOL` (rel
+//! 4e-3, abs 1.5e-3) for flash, against an output of rms `rms(v)/√n_eff`, `n_eff` the rows a
+//! query reads over e^σ² (σ ≈ 1.16, the scores' spread at these widths) — the longest reach
+//! taken, the smallest output and so the loosest bound.
+
+use half::bf16;
+
+use super::{
+    AttentionPath, HeadKernel, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut,
+};
+use crate::parity::{HostValue, NMSE_F32, ParityCase, Rng, nmse_bound, nmse_f32_dot, uniform};
+use crate::rope::{RopeParams, Yarn};
+use crate::tensor::{DType, TensorMeta};
+
+const NH: usize = 32;
+const NOPE: usize = 128;
+const ROT: usize = 64;
+const LORA: usize = 512;
+const VH: usize = 128;
+const W: usize = LORA + ROT;
+/// The model's softmax scale (1/√192 with the YaRN magnitude).
+const KQ_SCALE: f32 = 0.144_679_63;
+/// rms of U(−1, 1).
+const U_RMS: f64 = 0.577_350_3;
+
+/// The released model's YaRN block over `n_rot` rotated dims.
+fn rope(n_rot: usize) -> RopeParams {
+    RopeParams::yarn(
+        n_rot,
+        10000.0,
+        &Yarn {
+            factor: 64.0,
+            n_ctx_orig: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: 1.0,
+            mscale_all_dim: 1.0,
+        },
+    )
+}
+
+fn bf16_weight(r: &mut Rng, shape: [usize; 3]) -> HostValue {
+    let n: usize = shape.iter().product();
+    let bytes: Vec<u8> = (0..n)
+        .flat_map(|_| bf16::from_f32(r.uniform(-1.0, 1.0)).to_le_bytes())
+        .collect();
+    HostValue::from_bytes(TensorMeta::new(shape, DType::BF16), &bytes)
+}
+
+fn head_kernel(n: usize) -> HeadKernel {
+    if n <= super::HEAD_GEMV_ROWS_LIMIT {
+        HeadKernel::Gemv
+    } else {
+        HeadKernel::TensorCore
+    }
+}
+
+fn head_bound(kernel: HeadKernel, k: usize) -> f64 {
+    if kernel == HeadKernel::Gemv {
+        return nmse_f32_dot(k);
+    }
+    let dot = 16.0 * (k as f64).sqrt() * f64::from(f32::EPSILON);
+    nmse_bound(1e-5, dot + 6.0 * 2f64.powi(-16))
+}
+
+fn head_label(kernel: HeadKernel) -> &'static str {
+    if kernel == HeadKernel::Gemv {
+        "gemv"
+    } else {
+        "tensor-core"
+    }
+}
+
+/// The attention bound for `rel`/`abs` over queries reading at most `rows` rows.
+fn attention_bound(rel: f64, abs: f64, rows: usize) -> f64 {
+    let n_eff = (rows as f64 / 1.16f64.powi(2).exp()).max(1.0);
+    nmse_bound(rel, abs / (U_RMS / n_eff.sqrt()))
+}
+
+/// Q, a cache of U(−1, 1) whose rows past every position are NaN (a read past a position
+/// shows), the positions.
+fn attention_inputs(r: &mut Rng, ctx: usize, pos: &[i32]) -> Vec<HostValue> {
+    let n = pos.len();
+    let last = pos.iter().copied().max().unwrap_or(0).max(0) as usize;
+    let mut cache = r.vec(ctx * W, -1.0, 1.0);
+    for v in cache.iter_mut().skip((last + 1) * W) {
+        *v = f32::NAN;
+    }
+    vec![
+        uniform(r, &[n, NH, W], -1.0, 1.0),
+        HostValue::f32([ctx, W], &cache),
+        HostValue::i32([n], pos),
+    ]
+}
+
+pub fn cases() -> Vec<ParityCase> {
+    let mut v = Vec::new();
+    for n in [1, 64] {
+        let kernel = head_kernel(n);
+        v.push(ParityCase::new(
+            format!("mla_query/{} n={n}", head_label(kernel)),
+            MlaQuery {
+                n_head: NH,
+                qk_nope: NOPE,
+                qk_rope: ROT,
+                kv_lora: LORA,
+                rope: rope(ROT),
+                kernel,
+            },
+            11 + n as u64,
+            head_bound(kernel, NOPE),
+            move |r| {
+                let q = uniform(r, &[n, NH * (NOPE + ROT)], -1.0, 1.0);
+                let kb = bf16_weight(r, [NH, LORA, NOPE]);
+                let pos: Vec<i32> = (0..n).map(|_| r.below(1 << 18) as i32).collect();
+                vec![q, kb, HostValue::i32([n], &pos)]
+            },
+        ));
+        v.push(ParityCase::new(
+            format!("mla_value_out/{} n={n}", head_label(kernel)),
+            MlaValueOut {
+                n_head: NH,
+                kv_lora: LORA,
+                v_head: VH,
+                kernel,
+            },
+            3 + n as u64,
+            head_bound(kernel, LORA),
+            move |r| {
+                let o = uniform(r, &[n, NH, LORA], -1.0, 1.0);
+                vec![o, bf16_weight(r, [NH, VH, LORA])]
+            },
+        ));
+    }
+    for (n, ctx) in [(1usize, 4096usize), (64, 1024)] {
+        let kv = MlaKv {
+            kv_lora: LORA,
+            qk_rope: ROT,
+            eps: 1e-6,
+            rope: rope(ROT),
+        };
+        // Reads kv, the norm weight and the positions; writes n rows of the cache.
+        let bytes = 2 * n * W * 4 + LORA * 4 + n * 4;
+        v.push(
+            ParityCase::new(
+                format!("mla_kv_cache_write/n={n} ctx={ctx}"),
+                MlaKvCacheWrite { kv },
+                0xcace + n as u64,
+                NMSE_F32,
+                move |r| {
+                    let cache = uniform(r, &[ctx, W], -1.0, 1.0);
+                    let kv = uniform(r, &[n, W], -3.0, 3.0);
+                    let g = uniform(r, &[LORA], 0.5, 1.5);
+                    // Positions may repeat (the later token wins).
+                    let pos: Vec<i32> = (0..n).map(|_| r.below(ctx) as i32).collect();
+                    vec![cache, kv, g, HostValue::i32([n], &pos)]
+                },
+            )
+            .moving(bytes),
+        );
+    }
+    let split = |name: &str, ctx: usize, pos: Vec<i32>, kernel: AttentionPath| {
+        let n = pos.len();
+        let rows = pos.iter().copied().max().unwrap_or(0) as usize + 1;
+        let bound = match kernel {
+            AttentionPath::Flash => attention_bound(4e-3, 1.5e-3, rows),
+            _ => attention_bound(1e-5, 3e-5, rows),
+        };
+        let path = if kernel == AttentionPath::Flash {
+            "flash"
+        } else {
+            "split-k"
+        };
+        // Q, the rows up to the last position, the output.
+        let bytes = n * NH * W * 4 + rows * W * 4 + n * NH * LORA * 4;
+        ParityCase::new(
+            format!("mla_attention/{path} {name} n={n} ctx={ctx}"),
+            MlaAttention {
+                n_head: NH,
+                kv_lora: LORA,
+                kq_scale: KQ_SCALE,
+                kernel,
+            },
+            pos[0] as u64 + 1,
+            bound,
+            move |r| attention_inputs(r, ctx, &pos),
+        )
+        .moving(bytes)
+    };
+    let chunk: Vec<i32> = (960..1024).collect();
+    v.push(split("decode", 8192, vec![3000], AttentionPath::SplitK));
+    v.push(split(
+        "decode at row 0",
+        8192,
+        vec![0],
+        AttentionPath::SplitK,
+    ));
+    v.push(split(
+        "few tokens",
+        4096,
+        vec![4000, 17, 2048, 4095],
+        AttentionPath::SplitK,
+    ));
+    v.push(split("chunk", 1024, chunk.clone(), AttentionPath::SplitK));
+    v.push(split("chunk", 1024, chunk, AttentionPath::Flash));
+    v.push(split(
+        "chunk at the start",
+        1024,
+        (0..64).collect(),
+        AttentionPath::Flash,
+    ));
+    v
+}

@@ -1,0 +1,280 @@
+//! The MoE family's parity cases: `router` on the split-K slices (decode) and the tiled
+//! logits (prefill) at the real 64 experts, top 4, width 3584; `route_plan` over one to
+//! several 1024-slot passes; `expert_swiglu` and `expert_down` on the GEMV (8 routes) and the
+//! grouped GEMM (256 routes; `mma.sync` anywhere, `wgmma` only on compute capability 9.0) over
+//! 16 IQ4_NL experts; `topk_sum` on the scan and the inverse table; `gate_up_swiglu` on its
+//! one-launch decode kernel and the tensor-core chain. Route tables are the CPU `route_plan` of
+//! router-like ids (distinct per token), so every consumer sees a consistent plan.
+//!
+//! Bounds, from the tests' tolerances against the outputs' expected rms (T = √n·rms(w)·rms(x),
+//! a typical dot; SwiGLU outputs ~0.7·T²): router weights rel `1e-5 + 4·logit` and abs
+//! `4·logit` (logit = `16·d·ε·rms(w)·rms(x)`) on weights of rms ~scale/top_k; the GEMV experts
+//! `dot_tol` ([`nmse_f32_dot`]) and `swiglu_tol` (abs `2·T·dot_abs`); the grouped GEMM f16
+//! rel 4e-3 with abs `6·2⁻¹¹·T` (down) and `8.4·T·6·2⁻¹¹·T` (SwiGLU); `route_plan` and
+//! `topk_sum` [`NMSE_EXACT`] (I32 equality, the sum's roundings repeated); `gate_up_swiglu`'s
+//! decode kernel `swiglu_tol`, its tensor-core chain two BF16-narrowed products (2·4e-2 rel).
+
+use half::f16;
+
+use super::prefill::TcKernel;
+use super::{
+    ExpertDown, ExpertKernel, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, RouterKernel,
+    TopKKernel, TopKSum,
+};
+use crate::linear::LinearKernel;
+use crate::parity::{
+    HostValue, NMSE_EXACT, ParityCase, Rng, cpu_outputs, nmse_bound, nmse_f32_dot, uniform,
+};
+use crate::tensor::{DType, TensorMeta};
+
+const NE: usize = 64;
+const TOPK: usize = 4;
+const EMBD: usize = 3584;
+/// The expert cases' smaller stacks (the CPU reference stays quick).
+const X_NE: usize = 16;
+const X_D: usize = 1024;
+const X_FF: usize = 512;
+/// rms of U(−1, 1).
+const U_RMS: f64 = 0.577_350_3;
+/// Largest IQ4_NL scale the random expert weights use, and their rms.
+const IQ4_D: f32 = 0.004;
+const IQ4_WRMS: f64 = 0.004 / 1.732_050_8 * 67.44;
+const EPS: f64 = f32::EPSILON as f64;
+
+/// A stacked `[e, rows, cols]` IQ4_NL weight: random nibbles, a random f16 scale per block.
+fn iq4_weight(r: &mut Rng, e: usize, rows: usize, cols: usize) -> HostValue {
+    let meta = TensorMeta::new([e, rows, cols], DType::IQ4_NL);
+    let len = meta.bytes().expect("whole blocks");
+    let mut bytes = vec![0u8; len];
+    for c in bytes.chunks_mut(8) {
+        let v = r.next_u64().to_le_bytes();
+        c.copy_from_slice(&v[..c.len()]);
+    }
+    for b in bytes.chunks_exact_mut(18) {
+        let d = f16::from_f32(r.uniform(-IQ4_D, IQ4_D));
+        b[..2].copy_from_slice(&d.to_le_bytes());
+    }
+    HostValue::from_bytes(meta, &bytes)
+}
+
+fn iq4_matrix(r: &mut Rng, rows: usize, cols: usize) -> HostValue {
+    let w = iq4_weight(r, 1, rows, cols);
+    HostValue::from_bytes(TensorMeta::new([rows, cols], DType::IQ4_NL), w.data.bytes())
+}
+
+/// Router-like ids for `n` tokens (distinct per token) and the CPU's plan of them: offsets,
+/// route_token, route_slot.
+fn plan_for(r: &mut Rng, n: usize, ne: usize, k: usize) -> Vec<HostValue> {
+    let ids: Vec<i32> = (0..n).flat_map(|_| r.distinct(k, ne)).collect();
+    cpu_outputs(
+        &RoutePlan {
+            n_expert: ne,
+            top_k: k,
+        },
+        &[HostValue::i32([n, k], &ids)],
+    )
+}
+
+fn swiglu_gemv_bound(n: usize) -> f64 {
+    // abs 2·T·16·n·ε·w·x against 0.7·T², T = √n·w·x.
+    nmse_bound(1e-5, 2.0 * 16.0 * (n as f64).sqrt() * EPS / 0.7)
+}
+
+fn expert_label(kernel: ExpertKernel) -> &'static str {
+    match kernel {
+        ExpertKernel::Gemv => "gemv",
+        ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
+        _ => "grouped wgmma",
+    }
+}
+
+fn router_cases(v: &mut Vec<ParityCase>) {
+    let wmax = 1.0 / (EMBD as f32).sqrt();
+    let logit = 16.0 * EMBD as f64 * EPS * (f64::from(wmax) / 3f64.sqrt()) * U_RMS;
+    let scale = 2.0;
+    // Normalised weights of rms about scale/top_k.
+    let bound = nmse_bound(1e-5 + 4.0 * logit, 4.0 * logit / (scale / TOPK as f64));
+    for (kernel, n, gating) in [
+        (RouterKernel::Slices, 1, Gating::Sigmoid),
+        (RouterKernel::Slices, 4, Gating::Softmax),
+        (RouterKernel::Tiled, 64, Gating::Sigmoid),
+        (RouterKernel::Tiled, 150, Gating::Softmax),
+    ] {
+        let name = if kernel == RouterKernel::Tiled {
+            "tiled"
+        } else {
+            "slices"
+        };
+        v.push(ParityCase::new(
+            format!("router/{name} {gating:?} n={n}"),
+            Router {
+                n_expert: NE,
+                top_k: TOPK,
+                gating,
+                norm_topk: true,
+                scale: scale as f32,
+                kernel,
+            },
+            2024 + n as u64,
+            bound,
+            move |r| {
+                vec![
+                    uniform(r, &[n, EMBD], -1.0, 1.0),
+                    uniform(r, &[NE, EMBD], -wmax, wmax),
+                    uniform(r, &[NE], -0.05, 0.05),
+                ]
+            },
+        ));
+    }
+}
+
+fn expert_cases(v: &mut Vec<ParityCase>) {
+    let t_sw = (X_D as f64).sqrt() * IQ4_WRMS * U_RMS;
+    let f16_dot = |n: usize| 6.0 / 2048.0 * (n as f64).sqrt() * IQ4_WRMS * U_RMS;
+    for (kernel, n) in [
+        (ExpertKernel::Gemv, 2),
+        (ExpertKernel::Grouped(TcKernel::MmaSync), 64),
+        (ExpertKernel::Grouped(TcKernel::Wgmma), 64),
+    ] {
+        let (sw_bound, down_bound) = if kernel == ExpertKernel::Gemv {
+            (swiglu_gemv_bound(X_D), nmse_f32_dot(X_FF))
+        } else {
+            let t_down = (X_FF as f64).sqrt() * IQ4_WRMS * U_RMS;
+            (
+                nmse_bound(4e-3, 8.4 * t_sw * f16_dot(X_D) / (0.7 * t_sw * t_sw)),
+                nmse_bound(4e-3, f16_dot(X_FF) / t_down),
+            )
+        };
+        let wgmma = kernel == ExpertKernel::Grouped(TcKernel::Wgmma);
+        let mut sw = ParityCase::new(
+            format!("expert_swiglu/{} routes={}", expert_label(kernel), n * TOPK),
+            ExpertSwiGlu {
+                n_expert: X_NE,
+                n_ff: X_FF,
+                kernel,
+            },
+            8 + n as u64,
+            sw_bound,
+            move |r| {
+                let plan = plan_for(r, n, X_NE, TOPK);
+                vec![
+                    uniform(r, &[n, X_D], -1.0, 1.0),
+                    iq4_weight(r, X_NE, X_FF, X_D),
+                    iq4_weight(r, X_NE, X_FF, X_D),
+                    plan[0].clone(),
+                    plan[1].clone(),
+                ]
+            },
+        );
+        let mut down = ParityCase::new(
+            format!("expert_down/{} routes={}", expert_label(kernel), n * TOPK),
+            ExpertDown {
+                n_expert: X_NE,
+                n_embd: X_D,
+                kernel,
+            },
+            9 + n as u64,
+            down_bound,
+            move |r| {
+                let plan = plan_for(r, n, X_NE, TOPK);
+                vec![
+                    uniform(r, &[n * TOPK, X_FF], -1.0, 1.0),
+                    iq4_weight(r, X_NE, X_D, X_FF),
+                    plan[0].clone(),
+                ]
+            },
+        );
+        if wgmma {
+            sw = sw.only_on((9, 0));
+            down = down.only_on((9, 0));
+        }
+        v.push(sw);
+        v.push(down);
+    }
+}
+
+pub fn cases() -> Vec<ParityCase> {
+    let mut v = Vec::new();
+    router_cases(&mut v);
+    for n in [1, 64, 600] {
+        v.push(ParityCase::new(
+            format!("route_plan/n={n} routes={}", n * TOPK),
+            RoutePlan {
+                n_expert: NE,
+                top_k: TOPK,
+            },
+            31 + n as u64,
+            NMSE_EXACT,
+            move |r| {
+                let ids: Vec<i32> = (0..n).flat_map(|_| r.distinct(TOPK, NE)).collect();
+                vec![HostValue::i32([n, TOPK], &ids)]
+            },
+        ));
+    }
+    expert_cases(&mut v);
+    for (kernel, n, shared) in [
+        (TopKKernel::Scan, 1, true),
+        (TopKKernel::Scan, 4, false),
+        (TopKKernel::InverseTable, 200, true),
+    ] {
+        let name = if kernel == TopKKernel::Scan {
+            "scan"
+        } else {
+            "inverse-table"
+        };
+        v.push(ParityCase::new(
+            format!(
+                "topk_sum/{name} n={n}{}",
+                if shared { " +shared" } else { "" }
+            ),
+            TopKSum {
+                top_k: TOPK,
+                kernel,
+            },
+            77 + n as u64,
+            NMSE_EXACT,
+            move |r| {
+                let plan = plan_for(r, n, NE, TOPK);
+                let mut ins = vec![
+                    uniform(r, &[n * TOPK, EMBD], -50.0, 50.0),
+                    plan[2].clone(),
+                    uniform(r, &[n, TOPK], 0.0, 2.0),
+                ];
+                if shared {
+                    ins.push(uniform(r, &[n, EMBD], -50.0, 50.0));
+                }
+                ins
+            },
+        ));
+    }
+    let gemv = LinearKernel::Gemv {
+        weights_first: true,
+    };
+    for (kernel, n) in [(gemv, 1), (gemv, 4), (LinearKernel::TensorCore, 100)] {
+        let (d, ff) = (EMBD, 1024);
+        let bound = if kernel == LinearKernel::TensorCore {
+            nmse_bound(2.0 * 4e-2, 0.0)
+        } else {
+            swiglu_gemv_bound(d)
+        };
+        let name = if kernel == LinearKernel::TensorCore {
+            "tensor-core chain"
+        } else {
+            "gemv fused"
+        };
+        v.push(ParityCase::new(
+            format!("gate_up_swiglu/{name} IQ4_NL n={n}"),
+            GateUpSwiGlu { kernel },
+            0x5a + n as u64,
+            bound,
+            move |r| {
+                vec![
+                    uniform(r, &[n, d], -1.0, 1.0),
+                    iq4_matrix(r, ff, d),
+                    iq4_matrix(r, ff, d),
+                ]
+            },
+        ));
+    }
+    v
+}
