@@ -198,10 +198,8 @@ impl LoweringOptions {
             return ExpertKernel::Gemv;
         }
         ExpertKernel::Grouped(match target {
-            Target::Cuda {
-                compute_capability: (9, 0),
-            } => TcKernel::Wgmma,
-            _ => TcKernel::MmaSync,
+            Target::Cuda { compute_capability } => TcKernel::fastest_on(compute_capability),
+            Target::Cpu => TcKernel::MmaSync,
         })
     }
 

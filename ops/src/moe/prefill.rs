@@ -52,7 +52,13 @@ impl TcKernel {
     /// The kernel for `ctx`'s device: warpgroup MMAs on Hopper (compute capability 9.0, where
     /// the kernel cache builds for sm_90a), `mma.sync` elsewhere.
     pub fn for_device(ctx: &GpuCtx) -> TcKernel {
-        if ctx.device.compute_capability() == (9, 0) {
+        TcKernel::fastest_on(ctx.device.compute_capability())
+    }
+
+    /// The fastest kernel a device of this compute capability runs: `wgmma` exists on sm_90a
+    /// only. The one statement of that fact (the lowering asks it too).
+    pub fn fastest_on(compute_capability: (u32, u32)) -> TcKernel {
+        if compute_capability == (9, 0) {
             TcKernel::Wgmma
         } else {
             TcKernel::MmaSync

@@ -139,11 +139,7 @@ pub fn expert_for(routes: usize, compute_capability: (u32, u32)) -> ExpertKernel
     if routes <= GEMV_ROUTES_LIMIT {
         return ExpertKernel::Gemv;
     }
-    ExpertKernel::Grouped(if compute_capability == (9, 0) {
-        TcKernel::Wgmma
-    } else {
-        TcKernel::MmaSync
-    })
+    ExpertKernel::Grouped(TcKernel::fastest_on(compute_capability))
 }
 
 /// `Router` over `tokens` tokens: the tiled logits from [`ROUTER_TILED_MIN_ROWS`], the split-K
