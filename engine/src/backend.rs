@@ -9,13 +9,13 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use graph::{
-    Bucket, CpuExecutor, CudaExecutor, GraphBuilder, HostState, LogitRows, LoweringOptions,
+    Bucket, CpuExecutor, CudaExecutor, GraphBuilder, HostState, KvPool, LogitRows, LoweringOptions,
     NodeTime, Plan, StepShape, StepTiming, Target, ValueKind,
 };
 use ops::gpu::GpuCtx;
 use ops::head::Argmax;
 
-use crate::{EngineError, Model};
+use crate::{CPU_POOL_BYTES, EngineConfig, EngineError, GPU_POOL_FRACTION, Model};
 
 /// Name of the extra output a greedy plan ends with: the last row's argmax, I32 `[rows]`.
 pub const NEXT_TOKEN: &str = "next_token";
@@ -75,7 +75,7 @@ impl FromStr for Device {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceBudget {
     pub max_model_len: usize,
-    /// Cache rows (the power-of-two bucket at or above `max_model_len`).
+    /// Positions of the cache pool (blocks × block size).
     pub rows: usize,
     pub weights: usize,
     pub cache: usize,
@@ -196,8 +196,8 @@ pub(crate) enum Backend {
 }
 
 impl Backend {
-    /// The backend for `device`, with cache rows `rows`, sized from `probe` (a decode
-    /// plan at `rows`) and `prefill` (the widest prefill chunk at `rows`).
+    /// The backend for `device` with the cache pool `pool`, sized from `probe` (the widest
+    /// decode plan at the full bucket) and `prefill` (the widest prefill chunk).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         model: &Model,
@@ -205,10 +205,11 @@ impl Backend {
         ctx: Option<Arc<GpuCtx>>,
         cuda_graphs: bool,
         max_model_len: usize,
-        rows: usize,
+        pool: KvPool,
         probe: &Plan,
         prefill: Option<&Plan>,
     ) -> Result<Backend, EngineError> {
+        let rows = pool.rows();
         let Some(ctx) = ctx else {
             return Ok(Backend::Cpu {
                 exec: CpuExecutor::new(),
@@ -388,6 +389,27 @@ impl Backend {
 
 /// Timing and memory facts of a GPU session, for benchmarks.
 impl crate::Engine {
+    /// Uploads the weights every decode step needs now (on the CPU: nothing to do), calling
+    /// `progress(bytes uploaded, bytes to upload)` as tensors land; otherwise the first step
+    /// uploads them.
+    pub fn upload_weights(
+        &mut self,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<(), EngineError> {
+        let Backend::Cuda { exec, .. } = &mut self.backend else {
+            return Ok(());
+        };
+        if let Some(plan) = self
+            .plans
+            .iter()
+            .find(|((s, _), _)| matches!(s.bucket, Bucket::Decode { .. }))
+            .map(|(_, p)| p)
+        {
+            exec.upload_weights_with(plan, &*self.model, progress)?;
+        }
+        Ok(())
+    }
+
     /// Replay captured decode steps (true, the default) or run every step eagerly.
     pub fn set_cuda_graphs(&mut self, on: bool) {
         if let Backend::Cuda { graphs, .. } = &mut self.backend {
@@ -444,40 +466,89 @@ impl crate::Engine {
     }
 }
 
-/// The plans sizing a session: a decode step at the full bucket and, for a GPU,
-/// the widest prefill chunk at the full bucket.
-pub(crate) fn sizing_plans(
-    model: &Model,
-    (target, lowering): (Target, &LoweringOptions),
-    prefill_chunk: usize,
-    max_model_len: usize,
-    rows: usize,
-) -> Result<(Plan, Option<Plan>), EngineError> {
-    let probe = build_plan(
-        model,
-        StepShape {
-            bucket: Bucket::Decode { batch: 1, kv: rows },
+/// What the plans that size a session are built from.
+pub(crate) struct Sizing<'a> {
+    pub target: Target,
+    pub lowering: &'a LoweringOptions,
+    pub prefill_chunk: usize,
+    pub max_model_len: usize,
+    /// The context bucket of a full sequence.
+    pub kv: usize,
+    /// The widest decode batch bucket.
+    pub max_batch: usize,
+}
+
+impl Sizing<'_> {
+    /// The widest decode step at the full bucket and, for a GPU, the widest prefill chunk at
+    /// the full bucket, over `pool`.
+    pub fn plans(&self, model: &Model, pool: KvPool) -> Result<(Plan, Option<Plan>), EngineError> {
+        let shape = |bucket| StepShape {
+            bucket,
             logits: LogitRows::Last,
-        },
-        false,
-        target,
-        lowering,
-    )?;
-    let chunk = prefill_chunk.min(max_model_len);
-    let prefill = match target {
-        Target::Cuda { .. } if chunk > 1 => Some(build_plan(
+            pool,
+        };
+        let probe = build_plan(
             model,
-            StepShape {
-                bucket: Bucket::Prefill { chunk, kv: rows },
-                logits: LogitRows::Last,
-            },
+            shape(Bucket::Decode {
+                batch: self.max_batch,
+                kv: self.kv,
+            }),
             false,
-            target,
-            lowering,
-        )?),
-        _ => None,
+            self.target,
+            self.lowering,
+        )?;
+        let chunk = self.prefill_chunk.min(self.max_model_len);
+        let prefill = match self.target {
+            Target::Cuda { .. } if chunk > 1 => Some(build_plan(
+                model,
+                shape(Bucket::Prefill { chunk, kv: self.kv }),
+                false,
+                self.target,
+                self.lowering,
+            )?),
+            _ => None,
+        };
+        Ok((probe, prefill))
+    }
+}
+
+/// Blocks of a session's cache pool: `config.kv_blocks`, or sized as [`EngineConfig`] says;
+/// never fewer than `per_seq` (one sequence of `max_model_len`; a GPU that cannot hold that
+/// is refused later by the budget check, with the numbers).
+pub(crate) fn pool_blocks(
+    model: &Model,
+    ctx: Option<&GpuCtx>,
+    config: &EngineConfig,
+    per_seq: usize,
+    probe: &Plan,
+    prefill: Option<&Plan>,
+) -> Result<usize, EngineError> {
+    if config.kv_blocks > 0 {
+        return Ok(config.kv_blocks.max(per_seq));
+    }
+    let block_bytes = (model.decl.state_bytes_per_position() * config.block_size).max(1);
+    let wanted = per_seq.saturating_mul(config.max_num_seqs);
+    let Some(ctx) = ctx else {
+        return Ok(wanted.min(CPU_POOL_BYTES / block_bytes).max(per_seq));
     };
-    Ok((probe, prefill))
+    let weights: usize = graph::weight_layout(probe)?
+        .iter()
+        .map(|(_, _, b)| b.next_multiple_of(graph::SLOT_ALIGN))
+        .sum();
+    let arena = probe
+        .device_arena_bytes
+        .max(prefill.map_or(0, |p| p.device_arena_bytes));
+    let (free, _) = ctx
+        .device
+        .mem_get_info()
+        .map_err(|e| EngineError::DeviceUnavailable {
+            device: config.device.to_string(),
+            reason: e.to_string(),
+        })?;
+    let spare = free.saturating_sub(weights + arena + DEVICE_RESERVE_BYTES);
+    // Each layer's buffer is aligned on its own; a block's bytes round up a little.
+    let fit = (spare as f64 * GPU_POOL_FRACTION) as usize / (block_bytes + graph::SLOT_ALIGN);
+    Ok(wanted.min(fit).max(per_seq))
 }
 
 #[cfg(test)]
@@ -513,7 +584,7 @@ mod tests {
             .to_string();
         for part in [
             "--max-model-len 49152",
-            "65536 rows",
+            "65536 positions",
             "6144 MiB",
             "18432 MiB",
             "2048 MiB",

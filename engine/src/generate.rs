@@ -4,8 +4,9 @@ use std::ops::ControlFlow;
 use std::time::Instant;
 
 use graph::LogitRows;
-use loader::tokenizer::{StreamDecoder, Tokenizer};
+use loader::tokenizer::Tokenizer;
 
+use crate::output::TextStream;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::{Engine, EngineError};
 
@@ -91,24 +92,6 @@ pub struct Generation {
     pub stats: Stats,
 }
 
-/// Length of the longest suffix of `text` that is a proper prefix of some stop string.
-fn held_back(text: &str, stops: &[String]) -> usize {
-    let mut hold = 0;
-    for s in stops {
-        for k in (1..s.len()).rev() {
-            if k <= text.len()
-                && text.is_char_boundary(text.len() - k)
-                && s.is_char_boundary(k)
-                && text.ends_with(&s[..k])
-            {
-                hold = hold.max(k);
-                break;
-            }
-        }
-    }
-    hold
-}
-
 impl Engine {
     /// Generates from `req.prompt` after whatever the cache already holds is reset.
     pub fn generate(
@@ -160,11 +143,8 @@ impl Engine {
         let mut sampler = Sampler::new(req.sampling.clone());
         let mut history = req.prompt.clone();
         let mut tokens = Vec::new();
-        let mut text = String::new();
-        let mut emitted = 0usize;
-        let mut decoder = tokenizer.map(|t| StreamDecoder::new(t, true));
+        let mut out = TextStream::new(tokenizer);
         let mut finish = FinishReason::Length;
-        let mut stop_hit = false;
         let max_len = self.config().max_model_len;
         while tokens.len() < req.max_tokens {
             let id = match next.take() {
@@ -177,34 +157,12 @@ impl Engine {
             }
             tokens.push(id);
             history.push(id);
-            if let Some(d) = decoder.as_mut() {
-                text.push_str(
-                    &d.push(id)
-                        .map_err(|e| EngineError::Tokenizer(e.to_string()))?,
-                );
-            }
-            stop_hit = false;
-            if let Some(pos) = req
-                .stop_strings
-                .iter()
-                .filter_map(|s| text.find(s.as_str()))
-                .min()
-            {
-                text.truncate(pos);
-                stop_hit = true;
-            }
-            let ready = if stop_hit {
-                text.len()
-            } else {
-                text.len() - held_back(&text, &req.stop_strings)
-            };
-            let delta = &text[emitted.min(ready)..ready];
+            let (delta, stop_hit) = out.push(id, &req.stop_strings)?;
             let flow = on_token(TokenEvent {
                 id,
-                text: delta,
+                text: &delta,
                 logits: &logits,
             });
-            emitted = emitted.max(ready);
             if stop_hit {
                 finish = FinishReason::Stop;
                 break;
@@ -231,13 +189,7 @@ impl Engine {
                 stats.steady_seconds += dt;
             }
         }
-        // Bytes the decoder still holds (an incomplete UTF-8 sequence) belong to the text,
-        // unless a stop string cut the text short before them.
-        if let Some(d) = decoder.as_mut()
-            && !stop_hit
-        {
-            text.push_str(&d.finish());
-        }
+        let text = out.finish();
         stats.generated_tokens = tokens.len();
         Ok(Generation {
             tokens,
@@ -245,18 +197,5 @@ impl Engine {
             finish,
             stats,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::held_back;
-
-    #[test]
-    fn a_partial_stop_string_is_held_back() {
-        let stops = vec!["</s>".to_string(), "END".to_string()];
-        assert_eq!(held_back("hello </", &stops), 2);
-        assert_eq!(held_back("hello EN", &stops), 2);
-        assert_eq!(held_back("hello", &stops), 0);
     }
 }

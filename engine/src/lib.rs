@@ -5,8 +5,11 @@
 mod backend;
 mod generate;
 mod model;
+mod output;
+pub mod paged;
 pub mod prefix;
 pub mod sampling;
+pub mod scheduler;
 
 pub use backend::{DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, build_plan};
 pub use generate::{FinishReason, GenerateRequest, Generation, Stats, TokenEvent};
@@ -18,7 +21,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use backend::{Backend, mib};
-use graph::{Bucket, LogitRows, Plan, StepShape};
+use graph::{Bucket, KvPool, LogitRows, Plan, StepShape};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -37,13 +40,17 @@ pub enum EngineError {
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("{0}")]
+    Config(String),
+    #[error("cache blocks: {0}")]
+    Blocks(String),
+    #[error("{0}")]
     Tokenizer(String),
     #[error(transparent)]
     Cuda(Box<graph::CudaExecError>),
     #[error("{device} is not usable: {reason}")]
     DeviceUnavailable { device: String, reason: String },
     #[error(
-        "--max-model-len {} needs {} of KV cache ({} rows) + {} of weights + {} of step memory + {} reserve = {}, but {device} has {} free of {}; lower --max-model-len, or run on a card with more free memory",
+        "--max-model-len {} needs a KV cache pool of at least one sequence: {} ({} positions) + {} of weights + {} of step memory + {} reserve = {}, but {device} has {} free of {}; lower --max-model-len (or --max-num-seqs, which sizes the step memory), or run on a card with more free memory",
         budget.max_model_len,
         mib(budget.cache),
         budget.rows,
@@ -79,12 +86,12 @@ pub const DEFAULT_PREFILL_CHUNK_CUDA: usize = 4096;
 /// Engine settings fixed for a session's life.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Cache rows (positions) a sequence may use.
+    /// Positions a sequence may use.
     pub max_model_len: usize,
     /// Tokens per prefill chunk (bounds the activations a chunk needs); 0: the device's
     /// default, [`DEFAULT_PREFILL_CHUNK_CPU`] or [`DEFAULT_PREFILL_CHUNK_CUDA`].
     pub prefill_chunk: usize,
-    /// The smallest decode KV bucket (buckets are powers of two from here).
+    /// The smallest decode KV bucket (buckets are powers of two from here, at least a block).
     pub min_kv_bucket: usize,
     /// Where the steps run.
     pub device: Device,
@@ -94,7 +101,25 @@ pub struct EngineConfig {
     /// The fusions and kernel thresholds of the GPU lowering (the CPU runs the declaration
     /// as written).
     pub lowering: LoweringOptions,
+    /// Sequences a decode step may carry (the largest batch bucket is the power of two at or
+    /// above it).
+    pub max_num_seqs: usize,
+    /// Positions of a cache block (a power of two).
+    pub block_size: usize,
+    /// Blocks of the cache pool; 0: sized at load (on a GPU from the free memory after
+    /// weights and step memory, at most `max_num_seqs` full sequences; on the CPU
+    /// `max_num_seqs` full sequences within [`CPU_POOL_BYTES`]), never less than one sequence
+    /// of `max_model_len`.
+    pub kv_blocks: usize,
 }
+
+/// The most host memory an automatically sized CPU pool takes (it still holds one full
+/// sequence when that is more).
+pub const CPU_POOL_BYTES: usize = 4 << 30;
+
+/// The share of the free device memory (after weights, step memory and the reserve) an
+/// automatically sized GPU pool takes.
+pub const GPU_POOL_FRACTION: f64 = 0.9;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -105,8 +130,25 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             cuda_graphs: true,
             lowering: LoweringOptions::default(),
+            max_num_seqs: 1,
+            block_size: graph::DEFAULT_BLOCK_SIZE,
+            kv_blocks: 0,
         }
     }
+}
+
+/// The decode batch bucket serving `seqs` sequences: the power of two at or above it.
+pub fn batch_bucket(seqs: usize) -> usize {
+    seqs.max(1).next_power_of_two()
+}
+
+/// One sequence's part of a step: `tokens` at positions `start..start + tokens.len()`, its
+/// cache in the pool blocks `blocks` (position `p` in block `blocks[p / block_size]`).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqSlice<'a> {
+    pub blocks: &'a [u32],
+    pub start: usize,
+    pub tokens: &'a [u32],
 }
 
 /// Cached positions copied out of an engine: per state buffer, `len` rows.
@@ -125,7 +167,11 @@ impl CacheSnapshot {
 /// A plan's identity: its shape, and whether it ends in a device argmax.
 type PlanKey = (StepShape, bool);
 
-/// One sequence's state on one backend: the latent KV cache and the plans built so far.
+/// A loaded checkpoint on one backend: the cache pool, the plans built so far, and the
+/// engine's own sequence for the single-sequence calls ([`Self::forward`] and the rest), which
+/// lives in pool blocks `0..` in order. A caller that runs many sequences through
+/// [`Self::step_sequences`] (the scheduler) owns the pool's blocks instead and never mixes
+/// in the single-sequence calls.
 pub struct Engine {
     model: Arc<Model>,
     config: EngineConfig,
@@ -133,14 +179,15 @@ pub struct Engine {
     /// What this session's plans are lowered for.
     target: Target,
     plans: HashMap<PlanKey, Plan>,
-    /// Positions `0..len` of the cache hold the current context.
+    pool: KvPool,
+    /// Positions `0..len` of the engine's own sequence hold its context.
     len: usize,
 }
 
 impl Engine {
-    /// A session on `config.device`. On a GPU the weights are uploaded here, and a
-    /// `max_model_len` whose cache, weights and step memory do not fit the card's free
-    /// memory is refused with the numbers.
+    /// A session on `config.device`. On a GPU the weights are uploaded here, and a pool of
+    /// at least one `max_model_len` sequence whose cache, weights and step memory do not fit
+    /// the card's free memory is refused with the numbers.
     pub fn new(model: Arc<Model>, mut config: EngineConfig) -> Result<Engine, EngineError> {
         if config.prefill_chunk == 0 {
             config.prefill_chunk = match config.device {
@@ -148,23 +195,52 @@ impl Engine {
                 Device::Cuda(_) => DEFAULT_PREFILL_CHUNK_CUDA,
             };
         }
-        let rows = Bucket::kv_bucket_for(config.max_model_len, config.min_kv_bucket);
+        if !config.block_size.is_power_of_two() {
+            return Err(EngineError::Config(format!(
+                "the cache block size must be a power of two, found {}",
+                config.block_size
+            )));
+        }
+        config.max_num_seqs = config.max_num_seqs.max(1);
+        config.min_kv_bucket = config.min_kv_bucket.max(config.block_size);
+        let per_seq = config.max_model_len.div_ceil(config.block_size).max(1);
         let ctx = backend::open_device(config.device)?;
         let target = backend::target_of(ctx.as_deref());
-        let (probe, prefill) = backend::sizing_plans(
+        let sizing = backend::Sizing {
+            target,
+            lowering: &config.lowering,
+            prefill_chunk: config.prefill_chunk,
+            max_model_len: config.max_model_len,
+            kv: Bucket::kv_bucket_for(config.max_model_len, config.min_kv_bucket),
+            max_batch: batch_bucket(config.max_num_seqs),
+        };
+        // The step memory does not depend on the pool's size: plan once with a pool of one
+        // sequence, size the pool, then plan for the pool.
+        let one_seq = KvPool {
+            block_size: config.block_size,
+            blocks: per_seq,
+        };
+        let (probe, prefill) = sizing.plans(&model, one_seq)?;
+        let blocks = backend::pool_blocks(
             &model,
-            (target, &config.lowering),
-            config.prefill_chunk,
-            config.max_model_len,
-            rows,
+            ctx.as_deref(),
+            &config,
+            per_seq,
+            &probe,
+            prefill.as_ref(),
         )?;
+        let pool = KvPool {
+            block_size: config.block_size,
+            blocks,
+        };
+        let (probe, prefill) = sizing.plans(&model, pool)?;
         let backend = Backend::new(
             &model,
             config.device,
             ctx,
             config.cuda_graphs,
             config.max_model_len,
-            rows,
+            pool,
             &probe,
             prefill.as_ref(),
         )?;
@@ -179,6 +255,7 @@ impl Engine {
             backend,
             target,
             plans,
+            pool,
             len: 0,
         })
     }
@@ -191,7 +268,12 @@ impl Engine {
         &self.config
     }
 
-    /// Tokens currently in the cache.
+    /// The cache pool's geometry.
+    pub fn pool(&self) -> KvPool {
+        self.pool
+    }
+
+    /// Tokens currently in the engine's own sequence.
     pub fn cached_len(&self) -> usize {
         self.len
     }
@@ -228,6 +310,7 @@ impl Engine {
     /// [`Self::snapshot`], with a device read failure as an error.
     pub fn try_snapshot(&self, len: usize) -> Result<CacheSnapshot, EngineError> {
         let len = len.min(self.len);
+        // The engine's own sequence is pool rows 0..len in order.
         Ok(CacheSnapshot {
             len,
             layers: self.backend.read_rows(len)?,
@@ -264,6 +347,11 @@ impl Engine {
         Ok(&self.plans[&key])
     }
 
+    /// The blocks of the engine's own sequence covering positions `0..len`.
+    fn own_blocks(&self, len: usize) -> Vec<u32> {
+        (0..len.div_ceil(self.pool.block_size) as u32).collect()
+    }
+
     /// Appends `tokens` at positions `len..len+n` in chunks and returns logits:
     /// every row (`All`, `n × vocab`) or the last token's (`Last`, one row).
     pub fn forward(&mut self, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>, EngineError> {
@@ -271,7 +359,7 @@ impl Engine {
         let n_chunks = self.check_tokens(tokens)?;
         let chunk = self.config.prefill_chunk.max(1);
         for (k, piece) in tokens.chunks(chunk).enumerate() {
-            let key = self.step(piece, rows, false)?;
+            let key = self.own_step(piece, rows, false)?;
             // With `Last`, only the final chunk's row is the answer: skip the others' read-back.
             if rows == LogitRows::All || k + 1 == n_chunks {
                 let plan = &self.plans[&key];
@@ -288,7 +376,7 @@ impl Engine {
         let chunk = self.config.prefill_chunk.max(1);
         let mut key = None;
         for (k, piece) in tokens.chunks(chunk).enumerate() {
-            key = Some(self.step(piece, LogitRows::Last, k + 1 == n_chunks)?);
+            key = Some(self.own_step(piece, LogitRows::Last, k + 1 == n_chunks)?);
         }
         let key = key.ok_or(EngineError::EmptyPrompt)?;
         let ids = self.backend.output_i32(&self.plans[&key], NEXT_TOKEN)?;
@@ -296,10 +384,17 @@ impl Engine {
             .last()
             .copied()
             .ok_or_else(|| graph::GraphError::MissingOutput(NEXT_TOKEN.to_string()))?;
-        u32::try_from(id).map_err(|_| EngineError::TokenOutOfRange {
-            id: id as u32,
-            vocab: self.model.decl.n_vocab(),
-        })
+        self.token_id(id)
+    }
+
+    fn token_id(&self, id: i32) -> Result<u32, EngineError> {
+        u32::try_from(id)
+            .ok()
+            .filter(|&t| (t as usize) < self.model.decl.n_vocab())
+            .ok_or(EngineError::TokenOutOfRange {
+                id: id as u32,
+                vocab: self.model.decl.n_vocab(),
+            })
     }
 
     /// Refuses an empty, out-of-vocabulary or too long input; returns its chunk count.
@@ -307,10 +402,7 @@ impl Engine {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let vocab = self.model.decl.n_vocab();
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::TokenOutOfRange { id, vocab });
-        }
+        self.check_vocab(tokens)?;
         if self.len + tokens.len() > self.config.max_model_len {
             return Err(EngineError::ContextFull {
                 cached: self.len,
@@ -321,40 +413,179 @@ impl Engine {
         Ok(tokens.len().div_ceil(self.config.prefill_chunk.max(1)))
     }
 
-    /// Runs one chunk at positions `len..len+n`; returns the key of the plan it ran.
-    fn step(
+    fn check_vocab(&self, tokens: &[u32]) -> Result<(), EngineError> {
+        let vocab = self.model.decl.n_vocab();
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(&id) => Err(EngineError::TokenOutOfRange { id, vocab }),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs one chunk of the engine's own sequence at positions `len..len+n`.
+    fn own_step(
         &mut self,
         piece: &[u32],
         rows: LogitRows,
         argmax: bool,
     ) -> Result<PlanKey, EngineError> {
         let start = self.len;
-        let n = piece.len();
-        let kv = Bucket::kv_bucket_for(start + n, self.config.min_kv_bucket);
-        let bucket = if n == 1 {
-            Bucket::Decode { batch: 1, kv }
-        } else {
-            Bucket::Prefill { chunk: n, kv }
+        let blocks = self.own_blocks(start + piece.len());
+        let seq = SeqSlice {
+            blocks: &blocks,
+            start,
+            tokens: piece,
         };
-        let key = (
-            StepShape {
-                bucket,
-                logits: rows,
-            },
-            argmax,
-        );
-        let ids: Vec<u8> = piece
-            .iter()
-            .flat_map(|&t| (t as i32).to_le_bytes())
-            .collect();
-        let pos: Vec<u8> = (start..start + n)
-            .flat_map(|p| (p as i32).to_le_bytes())
-            .collect();
-        self.plan_for(key)?;
-        let plan = &self.plans[&key];
-        self.backend
-            .run(&self.model, plan, &[("tokens", &ids), ("positions", &pos)])?;
-        self.len = start + n;
+        let key = self.run_step(&[seq], rows, argmax)?;
+        self.len = start + piece.len();
         Ok(key)
     }
+
+    /// One step over `seqs`: a decode of several sequences (one token each, padded to the
+    /// batch bucket) or a chunk of one sequence. Per sequence, the next token's argmax
+    /// (`argmax`, computed where the step ran) or its logits row (`vocab` floats each), in
+    /// the order of `seqs`. Every sequence must hold the blocks its positions need.
+    pub fn step_sequences(
+        &mut self,
+        seqs: &[SeqSlice<'_>],
+        argmax: bool,
+    ) -> Result<StepOutput, EngineError> {
+        let key = self.run_step(seqs, LogitRows::Last, argmax)?;
+        let plan = &self.plans[&key];
+        if argmax {
+            let ids = self.backend.output_i32(plan, NEXT_TOKEN)?;
+            let ids = ids
+                .iter()
+                .take(seqs.len())
+                .map(|&id| self.token_id(id))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(StepOutput::Tokens(ids))
+        } else {
+            let mut logits = self.backend.output_f32(plan, "logits")?;
+            logits.truncate(seqs.len() * self.model.decl.n_vocab());
+            Ok(StepOutput::Logits(logits))
+        }
+    }
+
+    /// Checks `seqs`, builds the step's inputs (padding rows write nothing and read one
+    /// position of their own empty table) and runs the plan of its shape.
+    fn run_step(
+        &mut self,
+        seqs: &[SeqSlice<'_>],
+        logits: LogitRows,
+        argmax: bool,
+    ) -> Result<PlanKey, EngineError> {
+        let block = self.pool.block_size;
+        let decode = match seqs {
+            [] => return Err(EngineError::EmptyPrompt),
+            [one] => {
+                if one.tokens.is_empty() {
+                    return Err(EngineError::EmptyPrompt);
+                }
+                one.tokens.len() == 1
+            }
+            many => {
+                if many.iter().any(|s| s.tokens.len() != 1) {
+                    return Err(EngineError::Config(
+                        "a step of several sequences decodes one token of each".into(),
+                    ));
+                }
+                true
+            }
+        };
+        let mut reach = 0;
+        for s in seqs {
+            self.check_vocab(s.tokens)?;
+            let end = s.start + s.tokens.len();
+            if end > self.config.max_model_len {
+                return Err(EngineError::ContextFull {
+                    cached: s.start,
+                    adding: s.tokens.len(),
+                    max: self.config.max_model_len,
+                });
+            }
+            if s.blocks.len() * block < end {
+                return Err(EngineError::Blocks(format!(
+                    "a sequence of {end} positions holds {} blocks of {block}",
+                    s.blocks.len()
+                )));
+            }
+            if let Some(&b) = s.blocks.iter().find(|&&b| b as usize >= self.pool.blocks) {
+                return Err(EngineError::Blocks(format!(
+                    "block {b} is outside the pool of {} blocks",
+                    self.pool.blocks
+                )));
+            }
+            reach = reach.max(end);
+        }
+        let kv = Bucket::kv_bucket_for(reach, self.config.min_kv_bucket);
+        let bucket = if decode {
+            Bucket::Decode {
+                batch: batch_bucket(seqs.len()),
+                kv,
+            }
+        } else {
+            Bucket::Prefill {
+                chunk: seqs[0].tokens.len(),
+                kv,
+            }
+        };
+        let shape = StepShape {
+            bucket,
+            logits,
+            pool: self.pool,
+        };
+        let width = shape.table_width();
+        let rows = bucket.n_tokens();
+        let mut tokens = vec![0i32; rows];
+        let mut positions = vec![0i32; rows];
+        let mut slots = vec![-1i32; rows];
+        let mut row_seq: Vec<i32> = (0..rows as i32).collect();
+        let mut table = vec![0i32; bucket.seqs() * width];
+        let mut r = 0;
+        for (k, s) in seqs.iter().enumerate() {
+            for (j, &t) in s.blocks.iter().take(width).enumerate() {
+                table[k * width + j] = t as i32;
+            }
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let p = s.start + i;
+                tokens[r] = t as i32;
+                positions[r] = p as i32;
+                slots[r] = (s.blocks[p / block] as usize * block + p % block) as i32;
+                row_seq[r] = k as i32;
+                r += 1;
+            }
+        }
+        let key = (shape, argmax);
+        self.plan_for(key)?;
+        let plan = &self.plans[&key];
+        let bytes = |v: &[i32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let (tokens, positions, slots, table, row_seq) = (
+            bytes(&tokens),
+            bytes(&positions),
+            bytes(&slots),
+            bytes(&table),
+            bytes(&row_seq),
+        );
+        self.backend.run(
+            &self.model,
+            plan,
+            &[
+                ("tokens", &tokens),
+                ("positions", &positions),
+                ("kv_slots", &slots),
+                ("block_table", &table),
+                ("row_seq", &row_seq),
+            ],
+        )?;
+        Ok(key)
+    }
+}
+
+/// What [`Engine::step_sequences`] returns per sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepOutput {
+    /// The argmax of each sequence's logits.
+    Tokens(Vec<u32>),
+    /// Each sequence's logits row, `vocab` floats after one another.
+    Logits(Vec<f32>),
 }

@@ -323,6 +323,17 @@ impl CudaExecutor {
         plan: &Plan,
         weights: &dyn HostWeights,
     ) -> Result<usize, CudaExecError> {
+        self.upload_weights_with(plan, weights, &mut |_, _| {})
+    }
+
+    /// [`Self::upload_weights`], calling `progress(bytes uploaded, bytes to upload)` after
+    /// each tensor (for a progress bar while a checkpoint of many GB goes to the card).
+    pub fn upload_weights_with(
+        &mut self,
+        plan: &Plan,
+        weights: &dyn HostWeights,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<usize, CudaExecError> {
         if self.covered.contains(&plan.id) {
             return Ok(0);
         }
@@ -346,6 +357,8 @@ impl CudaExecutor {
             .device
             .arena(at)
             .map_err(dev(format!("allocating {at} bytes of weights")))?;
+        let total: u64 = placed.iter().map(|(_, _, b)| *b as u64).sum();
+        let mut done = 0u64;
         for (name, offset, bytes) in &placed {
             let data = weights
                 .weight_bytes(name)
@@ -368,6 +381,8 @@ impl CudaExecutor {
                 .map_err(dev(format!("weight `{name}`")))?;
             buf.upload(view, data)
                 .map_err(dev(format!("uploading weight `{name}`")))?;
+            done += *bytes as u64;
+            progress(done, total);
         }
         let batch = self.weight_bufs.len();
         self.weight_bufs.push(buf);

@@ -13,7 +13,7 @@ pub use cuda_exec::{
 };
 pub use exec::{AlignedBuf, CpuExecutor, HostState, HostWeights};
 pub use lower::{LoweringOptions, Target, lower};
-pub use plan::{Bucket, LogitRows, Plan, SLOT_ALIGN, Slot, StepShape};
+pub use plan::{Bucket, DEFAULT_BLOCK_SIZE, KvPool, LogitRows, Plan, SLOT_ALIGN, Slot, StepShape};
 
 use ops::OpError;
 
@@ -58,8 +58,9 @@ pub enum GraphError {
 pub trait ModelDecl: Send + Sync {
     /// Short name for logs (`xing4_0`).
     fn arch(&self) -> &str;
-    /// Declares one step of `shape`: inputs `tokens` and `positions` (I32 `[n]`), per-layer
-    /// states, and the output `logits` (F32 `[rows, vocab]`).
+    /// Declares one step of `shape`: inputs `tokens`, `positions` and `kv_slots` (I32 `[n]`),
+    /// `block_table` (I32 `[seqs, table_width]`) and `row_seq` (I32 `[n]`), per-layer states
+    /// (the cache pool), and the output `logits` (F32 `[logit rows, vocab]`).
     fn declare(&self, b: &mut GraphBuilder<'_>, shape: &StepShape) -> Result<(), GraphError>;
     /// Vocabulary size (columns of `logits`).
     fn n_vocab(&self) -> usize;

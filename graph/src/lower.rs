@@ -319,7 +319,11 @@ fn choose_kernel(
         let width = meta(g, node, 1)
             .and_then(|m| m.shape.get(1).copied())
             .unwrap_or(0);
-        let flash = rows(g, node, 2) >= o.attention_flash_min_rows && op.flash_supports(width);
+        // The flash kernel stages one sequence's positions for the whole chunk.
+        let one_sequence = meta(g, node, 3).and_then(|m| m.shape.first().copied()) == Some(1);
+        let flash = rows(g, node, 2) >= o.attention_flash_min_rows
+            && one_sequence
+            && op.flash_supports(width);
         return Some(Arc::new(MlaAttention {
             kernel: if flash {
                 AttentionPath::Flash
@@ -624,8 +628,8 @@ impl Fusions {
         }
     }
 
-    /// `kv_cache_write(cache, mla_kv(kv, w, pos), pos)`, the row read by nothing else, as one
-    /// `mla_kv_cache_write`.
+    /// `kv_cache_write(cache, mla_kv(kv, w, pos), slots)`, the row read by nothing else, as
+    /// one `mla_kv_cache_write`.
     fn kv_cache_write(&mut self) {
         let u = self.uses();
         for w in 0..self.nodes.len() {
@@ -633,7 +637,7 @@ impl Fusions {
                 continue;
             }
             let wn = self.nodes[w].clone().expect("live");
-            let [cache, row, pos] = wn.inputs[..] else {
+            let [cache, row, slots] = wn.inputs[..] else {
                 continue;
             };
             let Some(k) = u.producer[row.0] else { continue };
@@ -641,10 +645,10 @@ impl Fusions {
                 continue;
             };
             let kn = self.nodes[k].clone().expect("live");
-            if u.sole_reader(row) != Some(w) || kn.inputs.get(2) != Some(&pos) {
+            if u.sole_reader(row) != Some(w) {
                 continue;
             }
-            let inputs = vec![cache, kn.inputs[0], kn.inputs[1], pos];
+            let inputs = vec![cache, kn.inputs[0], kn.inputs[1], kn.inputs[2], slots];
             self.fuse(
                 k,
                 &[k, w],

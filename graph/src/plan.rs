@@ -16,10 +16,11 @@ use crate::lower::{LoweringOptions, Target, lower};
 /// Byte alignment of every arena slot (a cache line is 64; 256 suits the GPU too).
 pub const SLOT_ALIGN: usize = 256;
 
-/// The shape a step is planned for.
+/// The shape a step is planned for. `kv` is the context bucket: every sequence of the step
+/// has at most `kv` cached positions after it, i.e. a block table of `kv / block_size` blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Bucket {
-    /// `batch` tokens, one a sequence, attending over `kv` cache rows.
+    /// `batch` tokens, one a sequence (`batch` sequences), attending over up to `kv` rows each.
     Decode { batch: usize, kv: usize },
     /// A chunk of `chunk` consecutive tokens of one sequence over `kv` cache rows.
     Prefill { chunk: usize, kv: usize },
@@ -39,6 +40,14 @@ impl Bucket {
         }
     }
 
+    /// Sequences the step's rows come from (rows of its block table).
+    pub fn seqs(&self) -> usize {
+        match *self {
+            Bucket::Decode { batch, .. } => batch,
+            Bucket::Prefill { .. } => 1,
+        }
+    }
+
     /// The decode bucket serving a context of `len` rows: the power of two at or above it.
     pub fn kv_bucket_for(len: usize, min: usize) -> usize {
         len.max(min).max(1).next_power_of_two()
@@ -54,11 +63,67 @@ pub enum LogitRows {
     All,
 }
 
+/// The latent cache every plan of a session shares: `blocks` fixed-size blocks of
+/// `block_size` positions, one pool for all sequences (each sequence names its blocks in a
+/// block table, as vLLM's paged cache does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvPool {
+    pub block_size: usize,
+    pub blocks: usize,
+}
+
+/// Positions of a cache block unless a session chooses otherwise: a multiple of the
+/// attention kernel's 32-row tiles, so a tile never straddles two blocks.
+pub const DEFAULT_BLOCK_SIZE: usize = 64;
+
+impl KvPool {
+    /// Rows of the pool (what each layer's cache state holds).
+    pub fn rows(&self) -> usize {
+        self.block_size * self.blocks
+    }
+
+    /// A pool holding exactly one sequence of `kv` rows (tests and single-sequence tools).
+    pub fn for_rows(kv: usize) -> KvPool {
+        let block_size = DEFAULT_BLOCK_SIZE.min(kv.max(1).next_power_of_two());
+        KvPool {
+            block_size,
+            blocks: kv.div_ceil(block_size),
+        }
+    }
+}
+
 /// What a declaration is asked to build.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StepShape {
     pub bucket: Bucket,
     pub logits: LogitRows,
+    pub pool: KvPool,
+}
+
+impl StepShape {
+    /// A step over a pool sized for one sequence of the bucket's `kv` rows.
+    pub fn single(bucket: Bucket, logits: LogitRows) -> StepShape {
+        StepShape {
+            bucket,
+            logits,
+            pool: KvPool::for_rows(bucket.kv()),
+        }
+    }
+
+    /// Blocks in each sequence's block table: the context bucket over the block size.
+    pub fn table_width(&self) -> usize {
+        self.bucket.kv().div_ceil(self.pool.block_size.max(1))
+    }
+
+    /// Rows that get logits: with [`LogitRows::Last`], each sequence's last row (every row of
+    /// a decode step, the final row of a prefill chunk); with `All`, every row.
+    pub fn logit_rows(&self) -> usize {
+        match (self.logits, self.bucket) {
+            (LogitRows::All, b) => b.n_tokens(),
+            (LogitRows::Last, Bucket::Decode { batch, .. }) => batch,
+            (LogitRows::Last, Bucket::Prefill { .. }) => 1,
+        }
+    }
 }
 
 /// Arena placement of one value.
@@ -293,9 +358,11 @@ impl Plan {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "plan {:?} logits={:?}: {} ops, arena {} bytes",
+            "plan {:?} logits={:?} pool={}x{}: {} ops, arena {} bytes",
             self.shape.bucket,
             self.shape.logits,
+            self.shape.pool.blocks,
+            self.shape.pool.block_size,
             self.schedule.len(),
             self.arena_bytes
         );

@@ -44,10 +44,7 @@ fn toy_plan(weights: &HashMap<String, TensorMeta>) -> Plan {
     b.output("z", z);
     Plan::new(
         b.finish(),
-        StepShape {
-            bucket: Bucket::Prefill { chunk: ROWS, kv: 1 },
-            logits: LogitRows::All,
-        },
+        StepShape::single(Bucket::Prefill { chunk: ROWS, kv: 1 }, LogitRows::All),
     )
     .unwrap()
 }
@@ -175,10 +172,7 @@ fn chain(scratch_per_elem: usize) -> Plan {
     b.output("y", h);
     Plan::new(
         b.finish(),
-        StepShape {
-            bucket: Bucket::Prefill { chunk: 16, kv: 1 },
-            logits: LogitRows::All,
-        },
+        StepShape::single(Bucket::Prefill { chunk: 16, kv: 1 }, LogitRows::All),
     )
     .unwrap()
 }

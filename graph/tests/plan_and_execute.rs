@@ -100,10 +100,7 @@ fn toy_plan(weights: &HashMap<String, TensorMeta>, n: usize) -> Plan {
     b.output("cache", st2);
     Plan::new(
         b.finish(),
-        StepShape {
-            bucket: Bucket::Prefill { chunk: n, kv: 8 },
-            logits: LogitRows::All,
-        },
+        StepShape::single(Bucket::Prefill { chunk: n, kv: 8 }, LogitRows::All),
     )
     .unwrap()
 }

@@ -40,10 +40,7 @@ fn tiny() -> Arc<Model> {
 }
 
 fn plan(model: &Model, bucket: Bucket, target: Target) -> Plan {
-    let shape = StepShape {
-        bucket,
-        logits: LogitRows::Last,
-    };
+    let shape = StepShape::single(bucket, LogitRows::Last);
     build_plan(model, shape, false, target, &LoweringOptions::default()).unwrap()
 }
 
@@ -128,10 +125,7 @@ fn every_fusion_can_be_turned_off_and_then_the_declaration_stays() {
         fold_shared_add: false,
         ..LoweringOptions::default()
     };
-    let shape = StepShape {
-        bucket: DECODE,
-        logits: LogitRows::Last,
-    };
+    let shape = StepShape::single(DECODE, LogitRows::Last);
     let unfused = build_plan(&m, shape, false, HOPPER, &off).unwrap();
     let declared = plan(&m, DECODE, Target::Cpu);
     assert_eq!(unfused.schedule.len(), declared.schedule.len());
@@ -147,10 +141,7 @@ fn every_fusion_can_be_turned_off_and_then_the_declaration_stays() {
 #[test]
 fn the_tiny_greedy_decode_step_lowers_to_this_launch_list() {
     let m = tiny();
-    let shape = StepShape {
-        bucket: DECODE,
-        logits: LogitRows::Last,
-    };
+    let shape = StepShape::single(DECODE, LogitRows::Last);
     let plan = build_plan(&m, shape, true, HOPPER, &LoweringOptions::default()).unwrap();
     let text = lowered_launches(&plan).unwrap();
     // The step ends in the argmax, whose I32 result is the only thing read back.
@@ -169,14 +160,8 @@ fn the_tiny_greedy_decode_step_lowers_to_this_launch_list() {
 fn run_on_cpu(m: &Model, target: Target, tokens: &[u32], next: u32) -> (Vec<f32>, Vec<f32>) {
     let opts = LoweringOptions::default();
     let n = tokens.len();
-    let prefill = StepShape {
-        bucket: Bucket::Prefill { chunk: n, kv: 64 },
-        logits: LogitRows::All,
-    };
-    let decode = StepShape {
-        bucket: Bucket::Decode { batch: 1, kv: 64 },
-        logits: LogitRows::Last,
-    };
+    let prefill = StepShape::single(Bucket::Prefill { chunk: n, kv: 64 }, LogitRows::All);
+    let decode = StepShape::single(Bucket::Decode { batch: 1, kv: 64 }, LogitRows::Last);
     let p = build_plan(m, prefill, false, target, &opts).unwrap();
     let d = build_plan(m, decode, false, target, &opts).unwrap();
     let mut state = HostState::for_plan(&p, 64).unwrap();
@@ -184,11 +169,19 @@ fn run_on_cpu(m: &Model, target: Target, tokens: &[u32], next: u32) -> (Vec<f32>
     let bytes = |v: &[i32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
     let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     let pos: Vec<i32> = (0..n as i32).collect();
+    // One sequence in the pool's one block: slots are positions.
+    let table = bytes(&[0]);
     exec.run(
         &p,
         m,
         &mut state,
-        &[("tokens", &bytes(&ids)), ("positions", &bytes(&pos))],
+        &[
+            ("tokens", &bytes(&ids)),
+            ("positions", &bytes(&pos)),
+            ("kv_slots", &bytes(&pos)),
+            ("block_table", &table),
+            ("row_seq", &bytes(&vec![0; n])),
+        ],
     )
     .unwrap();
     let rows = exec.output_f32(&p, "logits").unwrap().to_vec();
@@ -199,6 +192,9 @@ fn run_on_cpu(m: &Model, target: Target, tokens: &[u32], next: u32) -> (Vec<f32>
         &[
             ("tokens", &bytes(&[next as i32])),
             ("positions", &bytes(&[n as i32])),
+            ("kv_slots", &bytes(&[n as i32])),
+            ("block_table", &table),
+            ("row_seq", &bytes(&[0])),
         ],
     )
     .unwrap();

@@ -32,7 +32,7 @@ fn tiny() -> Arc<Model> {
 }
 
 fn plan(model: &Model, bucket: Bucket, logits: LogitRows) -> Plan {
-    let shape = StepShape { bucket, logits };
+    let shape = StepShape::single(bucket, logits);
     let mut b = GraphBuilder::new(model);
     model.decl.declare(&mut b, &shape).unwrap();
     Plan::new(b.finish(), shape).unwrap()

@@ -98,6 +98,50 @@ pub fn default_checkpoint() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// Uploads `engine`'s weights to its GPU now, with a progress bar (bytes and rate) on a
+/// terminal, and prints the cache pool's size when done. Nothing to upload on the CPU.
+pub fn upload_with_progress(engine: &mut engine::Engine, tool: &str) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    if engine.on_gpu() {
+        let bar = indicatif::ProgressBar::new(0);
+        if std::io::stderr().is_terminal() {
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{prefix} weights to the GPU [{bar:32}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+                )
+                .map_err(|e| anyhow::anyhow!("progress template: {e}"))?
+                .progress_chars("=> "),
+            );
+            bar.set_prefix(tool.to_string());
+        } else {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
+        let t0 = std::time::Instant::now();
+        let mut last = 0;
+        engine.upload_weights(&mut |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+            last = done;
+        })?;
+        bar.finish_and_clear();
+        let s = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "{tool}: uploaded {:.2} GiB of weights in {s:.1} s ({:.2} GiB/s)",
+            last as f64 / (1u64 << 30) as f64,
+            last as f64 / (1u64 << 30) as f64 / s.max(1e-9)
+        );
+    }
+    let pool = engine.pool();
+    eprintln!(
+        "{tool}: KV cache: {} blocks = {} positions ({} sequences of --max-model-len {} at once)",
+        pool.blocks,
+        pool.rows(),
+        pool.rows() / engine.config().max_model_len.max(1),
+        engine.config().max_model_len
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -441,24 +441,28 @@ fn ids(n: usize) -> Vec<u32> {
 
 #[test]
 fn a_repeated_prompt_reuses_its_prefix_and_a_shorter_prompt_does_not_see_the_longer_ones_tail() {
-    let s = Server::start(&[]);
+    // Blocks of 16: a 40-token prompt fills two, and only whole blocks before the last
+    // token are shared.
+    let s = Server::start(&["--block-size", "16"]);
     let long = json!({"prompt": ids(40), "max_tokens": 10, "temperature": 0, "ignore_eos": true});
     let (_, first) = s.post_json("/v1/completions", &long);
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     let (_, again) = s.post_json("/v1/completions", &long);
-    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 39);
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
     assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
     s.wait_metric("xing4_prefix_store_hits_total", 1.0);
-    assert_eq!(s.metric("xing4_prefix_store_reused_tokens_total"), 39.0);
-    assert_eq!(s.metric("xing4_prefix_cache_hits_total"), 39.0);
+    assert_eq!(s.metric("xing4_prefix_store_reused_tokens_total"), 32.0);
+    assert_eq!(s.metric("xing4_prefix_cache_hits_total"), 32.0);
     assert_eq!(s.metric("xing4_prefix_cache_queries_total"), 80.0);
-    assert_eq!(s.metric("xing4_prefix_store_entries"), 1.0);
+    assert_eq!(s.metric("xing4_prefix_store_entries"), 2.0);
     assert!(s.metric("xing4_prefix_store_bytes") > 0.0);
 
+    // The shorter prompt shares the first block only; its second block would hold tokens
+    // 16..20 of it, not the longer prompt's 16..32.
     let short = json!({"prompt": ids(20), "max_tokens": 10, "temperature": 0, "ignore_eos": true});
     let (_, cut) = s.post_json("/v1/completions", &short);
-    assert_eq!(cut["usage"]["prompt_tokens_details"]["cached_tokens"], 19);
-    let fresh = Server::start(&["--prefix-cache-bytes", "0"]);
+    assert_eq!(cut["usage"]["prompt_tokens_details"]["cached_tokens"], 16);
+    let fresh = Server::start(&["--prefix-cache-bytes", "0", "--block-size", "16"]);
     let (_, want) = fresh.post_json("/v1/completions", &short);
     assert_eq!(want["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(cut["choices"][0]["text"], want["choices"][0]["text"]);
@@ -467,16 +471,18 @@ fn a_repeated_prompt_reuses_its_prefix_and_a_shorter_prompt_does_not_see_the_lon
 
 #[test]
 fn a_chat_repeat_reports_cached_tokens_in_usage() {
-    let s = Server::start(&[]);
+    let s = Server::start(&["--block-size", "16"]);
     let body = json!({"messages": user("What is the capital of France?"), "max_tokens": 4, "temperature": 0});
     let (_, a) = s.post_json("/v1/chat/completions", &body);
     let (_, b) = s.post_json("/v1/chat/completions", &body);
     let n = a["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Every whole block before the prompt's last token.
     assert_eq!(
         b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
-        Some(n - 1)
+        Some((n - 1) / 16 * 16)
     );
+    assert!(n > 16, "the chat prompt should span a block: {n}");
     assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
     assert_eq!(
         a["usage"]["total_tokens"].as_u64(),
@@ -709,7 +715,8 @@ fn flags_that_cannot_work_are_refused_at_start_up_with_the_numbers() {
 
 #[test]
 fn a_stream_waiting_in_the_queue_gets_keep_alive_comments_then_its_tokens() {
-    let s = Server::start(&["--sse-keep-alive", "0.05"]);
+    // One sequence at a time, so the second request waits for the first.
+    let s = Server::start(&["--sse-keep-alive", "0.05", "--max-num-seqs", "1"]);
     let busy = json!({"prompt": ids(8), "max_tokens": 400, "ignore_eos": true, "temperature": 0, "stream": true});
     let addr = s.addr.clone();
     let first = std::thread::spawn(move || {

@@ -1,5 +1,6 @@
 //! The official `openai` Python package drives `serve` on loopback: chat (whole and streamed,
-//! equal under greedy decoding), a completion, the models list, and error classes.
+//! equal under greedy decoding), a completion, the models list, and error classes; and sixteen
+//! concurrent streaming chats, batched together, each equal to its whole answer.
 //!
 //! The package lives in a virtualenv that .ci/run makes; its python is `$XING4_TEST_PYTHON`.
 //! Without it a developer run skips with a message; under CI it is a failure.
@@ -11,8 +12,8 @@ use std::process::Command;
 
 use serve_support::{MODEL, Server};
 
-#[test]
-fn the_official_openai_client_works_against_serve_unmodified() {
+/// The python with the `openai` package, or None after saying why (a failure under CI).
+fn python() -> Option<std::ffi::OsString> {
     let Some(python) = std::env::var_os("XING4_TEST_PYTHON") else {
         let msg = "XING4_TEST_PYTHON is not set: it names a python with the `openai` package \
                    (.ci/run makes one: python3 -m venv target/ci-venv && target/ci-venv/bin/pip install openai)";
@@ -20,10 +21,22 @@ fn the_official_openai_client_works_against_serve_unmodified() {
             panic!("{msg}");
         }
         eprintln!("SKIPPED the openai client test: {msg}");
+        return None;
+    };
+    Some(python)
+}
+
+/// Runs `tests/openai_client/{script}` against a server started with `args` (and an API key).
+fn run_script(script: &str, args: &[&str]) {
+    let Some(python) = python() else {
         return;
     };
-    let server = Server::start(&["--api-key", "test-key"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client/check.py");
+    let mut all = vec!["--api-key", "test-key"];
+    all.extend_from_slice(args);
+    let server = Server::start(&all);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/openai_client")
+        .join(script);
     let out = Command::new(&python)
         .arg(&script)
         .arg(format!("http://{}/v1", server.addr))
@@ -41,4 +54,14 @@ fn the_official_openai_client_works_against_serve_unmodified() {
         server.stderr()
     );
     assert!(stdout.contains("checks passed"), "{stdout}");
+}
+
+#[test]
+fn the_official_openai_client_works_against_serve_unmodified() {
+    run_script("check.py", &["--block-size", "16"]);
+}
+
+#[test]
+fn sixteen_concurrent_streaming_chats_decode_together_and_each_equals_its_whole_answer() {
+    run_script("many_streams.py", &[]);
 }

@@ -285,9 +285,10 @@ impl Tokenizer {
 /// Incremental detokenizer for streaming. Each `push` returns the text that became final with that
 /// id; text that still ends in an incomplete UTF-8 sequence (a byte-fallback piece waiting for its
 /// continuation bytes) is held back. The concatenation of all returned text plus `finish()` equals
-/// `decode` of all ids.
-pub struct StreamDecoder<'a> {
-    tok: &'a Tokenizer,
+/// `decode` of all ids. `T` is how the tokenizer is held: `&Tokenizer`, or an `Arc` for a
+/// decoder that outlives the caller's borrow (one per sequence of a batch).
+pub struct StreamDecoder<T: std::ops::Deref<Target = Tokenizer>> {
+    tok: T,
     skip_special: bool,
     ids: Vec<u32>,
     /// `ids[..read]` has been emitted; `ids[prefix..read]` is decoded again as left context so
@@ -296,8 +297,8 @@ pub struct StreamDecoder<'a> {
     read: usize,
 }
 
-impl<'a> StreamDecoder<'a> {
-    pub fn new(tok: &'a Tokenizer, skip_special: bool) -> Self {
+impl<T: std::ops::Deref<Target = Tokenizer>> StreamDecoder<T> {
+    pub fn new(tok: T, skip_special: bool) -> Self {
         StreamDecoder {
             tok,
             skip_special,

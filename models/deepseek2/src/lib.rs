@@ -30,7 +30,8 @@ impl ModelDecl for Deepseek2 {
 
     fn declare(&self, b: &mut GraphBuilder<'_>, shape: &StepShape) -> Result<(), GraphError> {
         let t = &self.trunk;
-        let (tokens, positions) = t.inputs(b, shape);
+        let step = t.inputs(b, shape);
+        let tokens = step.tokens;
         let mut x = t.embed(b, tokens)?;
         for layer in 0..t.h.n_layer {
             x = b.scope(
@@ -39,7 +40,7 @@ impl ModelDecl for Deepseek2 {
                     let w_attn_norm = t.w(b, layer, "attn_norm")?;
                     let w_ffn_norm = t.w(b, layer, "ffn_norm")?;
                     let a = t.rms(b, "attn_norm", x, w_attn_norm)?;
-                    let y = t.attention(b, layer, a, positions, shape)?;
+                    let y = t.attention(b, layer, a, &step, shape)?;
                     let x = b.op1("attn_residual", Add, &[x, y])?;
                     let z = t.rms(b, "ffn_norm", x, w_ffn_norm)?;
                     let y = t.ffn(b, layer, z)?;

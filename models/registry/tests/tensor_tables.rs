@@ -32,10 +32,7 @@ fn each_declaration_reads_exactly_the_trunk_tensors_of_its_table() {
         let model = models::load(&dir.join("model.gguf"), Some(&dir), false)
             .unwrap()
             .model;
-        let shape = StepShape {
-            bucket: Bucket::Prefill { chunk: 8, kv: 64 },
-            logits: LogitRows::All,
-        };
+        let shape = StepShape::single(Bucket::Prefill { chunk: 8, kv: 64 }, LogitRows::All);
         let mut b = GraphBuilder::new(&*model);
         model.decl.declare(&mut b, &shape).unwrap();
         let read: BTreeSet<String> = b

@@ -9,7 +9,7 @@ mod tensors;
 
 pub use tensors::tensors;
 
-use graph::{GraphBuilder, GraphError, LogitRows, StepShape, ValueId};
+use graph::{GraphBuilder, GraphError, StepShape, ValueId};
 use loader::hparams::HParams;
 use ops::TensorMeta;
 use ops::elementwise::{Add, SwiGlu};
@@ -20,6 +20,16 @@ use ops::mla::{KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut};
 use ops::moe::{ExpertDown, ExpertSwiGlu, RoutePlan, Router, TopKSum};
 use ops::norm::RmsNorm;
 use ops::rope::{RopeParams, Yarn, kq_scale};
+
+/// The values a step's rows and sequences bring (see [`Trunk::inputs`]).
+#[derive(Clone, Copy, Debug)]
+pub struct StepInputs {
+    pub tokens: ValueId,
+    pub positions: ValueId,
+    pub kv_slots: ValueId,
+    pub block_table: ValueId,
+    pub row_seq: ValueId,
+}
 
 /// The per-model constants every sub-layer declaration needs.
 #[derive(Clone, Debug)]
@@ -99,12 +109,21 @@ impl Trunk {
         )
     }
 
-    /// The step's inputs: token ids and absolute positions, I32 `[n]`.
-    pub fn inputs(&self, b: &mut GraphBuilder<'_>, shape: &StepShape) -> (ValueId, ValueId) {
+    /// The step's inputs: per row its token id, absolute position, cache slot (the pool row
+    /// its latent goes to; negative for a padding row) and sequence; per sequence its block
+    /// table.
+    pub fn inputs(&self, b: &mut GraphBuilder<'_>, shape: &StepShape) -> StepInputs {
         let n = shape.bucket.n_tokens();
-        let tokens = b.input("tokens", TensorMeta::i32([n]));
-        let positions = b.input("positions", TensorMeta::i32([n]));
-        (tokens, positions)
+        StepInputs {
+            tokens: b.input("tokens", TensorMeta::i32([n])),
+            positions: b.input("positions", TensorMeta::i32([n])),
+            kv_slots: b.input("kv_slots", TensorMeta::i32([n])),
+            block_table: b.input(
+                "block_table",
+                TensorMeta::i32([shape.bucket.seqs(), shape.table_width()]),
+            ),
+            row_seq: b.input("row_seq", TensorMeta::i32([n])),
+        }
     }
 
     /// `E[token]`, f32 `[n, n_embd]`.
@@ -120,13 +139,15 @@ impl Trunk {
         b: &mut GraphBuilder<'_>,
         layer: usize,
         a: ValueId,
-        positions: ValueId,
+        step: &StepInputs,
         shape: &StepShape,
     ) -> Result<ValueId, GraphError> {
         let h = &self.h;
+        let positions = step.positions;
+        // The layer's cache is the session's whole pool of blocks.
         let cache = b.state(
             &format!("blk.{layer}.kv"),
-            TensorMeta::f32([shape.bucket.kv(), self.kv_width()]),
+            TensorMeta::f32([shape.pool.rows(), self.kv_width()]),
         );
         let w_qa = self.w(b, layer, "attn_q_a")?;
         let w_qa_norm = self.w(b, layer, "attn_q_a_norm")?;
@@ -158,14 +179,19 @@ impl Trunk {
                 rope: self.rope,
             };
             let row = b.op1("kv_row", kv_row, &[kv, w_kva_norm, positions])?;
-            let cache = b.op1("kv_to_cache", KvCacheWrite, &[cache, row, positions])?;
+            let cache = b.op1("kv_to_cache", KvCacheWrite, &[cache, row, step.kv_slots])?;
             let attend = MlaAttention {
                 n_head: h.n_head,
                 kv_lora: h.kv_lora_rank,
                 kq_scale: self.kq_scale,
+                block_size: shape.pool.block_size,
                 kernel: Default::default(),
             };
-            let o_lat = b.op1("attend", attend, &[q_abs, cache, positions])?;
+            let o_lat = b.op1(
+                "attend",
+                attend,
+                &[q_abs, cache, positions, step.block_table, step.row_seq],
+            )?;
             let v_out = MlaValueOut {
                 n_head: h.n_head,
                 kv_lora: h.kv_lora_rank,
@@ -255,7 +281,8 @@ impl Trunk {
         })
     }
 
-    /// Final norm and lm head over `x` (`[n, n_embd]`): logits of every row or the last.
+    /// Final norm and lm head over `x` (`[n, n_embd]`): logits of every row, or of each
+    /// sequence's last row (every row of a decode step, the last of a prefill chunk).
     pub fn head(
         &self,
         b: &mut GraphBuilder<'_>,
@@ -263,16 +290,18 @@ impl Trunk {
         shape: &StepShape,
     ) -> Result<ValueId, GraphError> {
         let n = shape.bucket.n_tokens();
-        let x = match shape.logits {
-            LogitRows::Last if n > 1 => b.op1(
+        let rows = shape.logit_rows();
+        let x = if rows < n {
+            b.op1(
                 "last_row",
                 SliceRows {
-                    start: n - 1,
-                    len: 1,
+                    start: n - rows,
+                    len: rows,
                 },
                 &[x],
-            )?,
-            _ => x,
+            )?
+        } else {
+            x
         };
         let w_norm = b.weight("output_norm.weight")?;
         let w_out = b.weight("output.weight")?;

@@ -93,14 +93,15 @@ impl ModelDecl for Xing4 {
 
     fn declare(&self, b: &mut GraphBuilder<'_>, shape: &StepShape) -> Result<(), GraphError> {
         let t = &self.trunk;
-        let (tokens, positions) = t.inputs(b, shape);
+        let step = t.inputs(b, shape);
+        let tokens = step.tokens;
         let e = t.embed(b, tokens)?;
         let mut streams = b.op1("hc_expand", HcExpand { hc: self.hc }, &[e])?;
         for layer in 0..t.h.n_layer {
             streams = b.scope(&format!("blk.{layer}"), |b| -> Result<_, GraphError> {
                 let attn = ("hc_attn", "attn_norm");
                 let [a, post, comb] = self.enter(b, layer, attn, streams)?;
-                let y = t.attention(b, layer, a, positions, shape)?;
+                let y = t.attention(b, layer, a, &step, shape)?;
                 let streams = self.exit(b, "hc_attn", [y, streams, post, comb])?;
 
                 let ffn = ("hc_ffn", "ffn_norm");

@@ -88,6 +88,11 @@ fn attention_bound(rel: f64, abs: f64, rows: usize) -> f64 {
 
 /// Q, a cache of U(−1, 1) whose rows past every position are NaN (a read past a position
 /// shows), the positions.
+/// Positions of a cache block in these cases (the engine's).
+const BLOCK: usize = 64;
+
+/// One sequence over pool rows `0..ctx` in order; rows past the last position are NaN, so a
+/// kernel reading one shows.
 fn attention_inputs(r: &mut Rng, ctx: usize, pos: &[i32]) -> Vec<HostValue> {
     let n = pos.len();
     let last = pos.iter().copied().max().unwrap_or(0).max(0) as usize;
@@ -95,10 +100,70 @@ fn attention_inputs(r: &mut Rng, ctx: usize, pos: &[i32]) -> Vec<HostValue> {
     for v in cache.iter_mut().skip((last + 1) * W) {
         *v = f32::NAN;
     }
+    let blocks = ctx.div_ceil(BLOCK);
     vec![
         uniform(r, &[n, NH, W], -1.0, 1.0),
         HostValue::f32([ctx, W], &cache),
         HostValue::i32([n], pos),
+        HostValue::i32([1, blocks], &(0..blocks as i32).collect::<Vec<_>>()),
+        HostValue::i32([n], &vec![0; n]),
+    ]
+}
+
+/// Rows `(sequence, position)` over a pool whose blocks are handed out in a shuffled order:
+/// each sequence's table names its own blocks, the table is `width` wide (unused entries
+/// name a spare block), and every pool row no sequence may read is NaN.
+fn paged_attention_inputs(r: &mut Rng, rows: &[(i32, i32)], width: usize) -> Vec<HostValue> {
+    let n = rows.len();
+    let seqs = rows.iter().map(|&(s, _)| s).max().unwrap_or(0) as usize + 1;
+    let need: Vec<usize> = (0..seqs)
+        .map(|s| {
+            let last = rows
+                .iter()
+                .filter(|&&(q, _)| q as usize == s)
+                .map(|&(_, p)| p)
+                .max()
+                .unwrap_or(0);
+            last as usize / BLOCK + 1
+        })
+        .collect();
+    let pool_blocks = need.iter().sum::<usize>() + 2;
+    // A Fisher–Yates shuffle of the pool's blocks.
+    let mut order: Vec<i32> = (0..pool_blocks as i32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, r.below(i + 1));
+    }
+    let spare = order[pool_blocks - 1];
+    let mut table = vec![spare; seqs * width];
+    let mut cache = vec![f32::NAN; pool_blocks * BLOCK * W];
+    let mut next = 0;
+    for s in 0..seqs {
+        let last = rows
+            .iter()
+            .filter(|&&(q, _)| q as usize == s)
+            .map(|&(_, p)| p as usize)
+            .max()
+            .unwrap_or(0);
+        for b in 0..need[s] {
+            let block = order[next] as usize;
+            next += 1;
+            table[s * width + b] = block as i32;
+            for p in b * BLOCK..((b + 1) * BLOCK).min(last + 1) {
+                let row = block * BLOCK + p % BLOCK;
+                for v in &mut cache[row * W..(row + 1) * W] {
+                    *v = r.uniform(-1.0, 1.0);
+                }
+            }
+        }
+    }
+    let pos: Vec<i32> = rows.iter().map(|&(_, p)| p).collect();
+    let row_seq: Vec<i32> = rows.iter().map(|&(s, _)| s).collect();
+    vec![
+        uniform(r, &[n, NH, W], -1.0, 1.0),
+        HostValue::f32([pool_blocks * BLOCK, W], &cache),
+        HostValue::i32([n], &pos),
+        HostValue::i32([seqs, width], &table),
+        HostValue::i32([n], &row_seq),
     ]
 }
 
@@ -160,9 +225,16 @@ pub fn cases() -> Vec<ParityCase> {
                     let cache = uniform(r, &[ctx, W], -1.0, 1.0);
                     let kv = uniform(r, &[n, W], -3.0, 3.0);
                     let g = uniform(r, &[LORA], 0.5, 1.5);
-                    // Positions may repeat (the later token wins).
+                    // Positions may repeat (the later token wins); slots are a shuffled
+                    // pool's rows, and the last token is a padding row (slot -1, no write).
                     let pos: Vec<i32> = (0..n).map(|_| r.below(ctx) as i32).collect();
-                    vec![cache, kv, g, HostValue::i32([n], &pos)]
+                    let mut slots: Vec<i32> =
+                        pos.iter().map(|&p| (ctx as i32 - 1 - p) ^ 1).collect();
+                    if n > 1 {
+                        slots[n - 1] = -1;
+                    }
+                    let (pos, slots) = (HostValue::i32([n], &pos), HostValue::i32([n], &slots));
+                    vec![cache, kv, g, pos, slots]
                 },
             )
             .moving(bytes),
@@ -188,6 +260,7 @@ pub fn cases() -> Vec<ParityCase> {
                 n_head: NH,
                 kv_lora: LORA,
                 kq_scale: KQ_SCALE,
+                block_size: BLOCK,
                 kernel,
             },
             pos[0] as u64 + 1,
@@ -196,6 +269,42 @@ pub fn cases() -> Vec<ParityCase> {
         )
         .moving(bytes)
     };
+    // Several sequences in one step over shuffled blocks: a decode batch (one row each, one
+    // of them a padding row at position 0 of a sequence of its own) and a mixed step (decode
+    // rows, then a chunk of a third sequence).
+    let paged = |name: &str, rows: Vec<(i32, i32)>, width: usize| {
+        let n = rows.len();
+        let reach = rows.iter().map(|&(_, p)| p).max().unwrap_or(0) as usize + 1;
+        let bytes: usize = n * NH * W * 4
+            + rows
+                .iter()
+                .map(|&(_, p)| (p as usize + 1) * W * 4)
+                .sum::<usize>()
+                / n.max(1)
+            + n * NH * LORA * 4;
+        ParityCase::new(
+            format!("mla_attention/split-k paged {name} n={n}"),
+            MlaAttention {
+                n_head: NH,
+                kv_lora: LORA,
+                kq_scale: KQ_SCALE,
+                block_size: BLOCK,
+                kernel: AttentionPath::SplitK,
+            },
+            0x9a6e + n as u64,
+            attention_bound(1e-5, 3e-5, reach),
+            move |r| paged_attention_inputs(r, &rows, width),
+        )
+        .moving(bytes)
+    };
+    v.push(paged(
+        "decode batch",
+        vec![(0, 700), (1, 63), (2, 64), (3, 2999), (4, 0)],
+        64,
+    ));
+    let mut mixed = vec![(0, 130), (1, 1100)];
+    mixed.extend((200..232).map(|p| (2, p)));
+    v.push(paged("mixed step", mixed, 32));
     let chunk: Vec<i32> = (960..1024).collect();
     v.push(split("decode", 8192, vec![3000], AttentionPath::SplitK));
     v.push(split(

@@ -207,30 +207,36 @@ impl MlaKvCacheWrite {
         self.kv
             .compute(inputs[1].f32()?, inputs[2].f32()?, pos, &mut rows)?;
         let w = outputs[0].meta.inner();
-        KvCacheWrite::compute(outputs[0].f32_mut()?, w, &rows, pos)
+        KvCacheWrite::compute(outputs[0].f32_mut()?, w, &rows, inputs[4].i32()?)
     }
 }
 
 impl KvCacheWrite {
-    /// Slice-level form: `cache` is `ctx × w`.
-    pub fn compute(
-        cache: &mut [f32],
-        w: usize,
-        k: &[f32],
-        positions: &[i32],
-    ) -> Result<(), OpError> {
-        let ctx = cache.len().checked_div(w).unwrap_or(0);
-        check_positions("kv_cache_write", positions, ctx)?;
-        if k.len() < positions.len() * w {
+    /// Slice-level form: `cache` is `pool rows × w`; a negative slot writes nothing.
+    pub fn compute(cache: &mut [f32], w: usize, k: &[f32], slots: &[i32]) -> Result<(), OpError> {
+        let rows = cache.len().checked_div(w).unwrap_or(0);
+        if let Some((i, &s)) = slots
+            .iter()
+            .enumerate()
+            .find(|&(_, &s)| s >= 0 && s as usize >= rows)
+        {
+            return Err(OpError::data(
+                "kv_cache_write",
+                format!("slot {s} of token {i} is outside the cache pool [0, {rows})"),
+            ));
+        }
+        if k.len() < slots.len() * w {
             return Err(OpError::Type(format!(
                 "kv_cache_write: k has {} values, {} rows of {w} needed",
                 k.len(),
-                positions.len()
+                slots.len()
             )));
         }
-        for (i, &p) in positions.iter().enumerate() {
-            let p = p as usize;
-            cache[p * w..(p + 1) * w].copy_from_slice(&k[i * w..(i + 1) * w]);
+        for (i, &s) in slots.iter().enumerate() {
+            if s >= 0 {
+                let s = s as usize;
+                cache[s * w..(s + 1) * w].copy_from_slice(&k[i * w..(i + 1) * w]);
+            }
         }
         Ok(())
     }
@@ -251,38 +257,134 @@ impl KvCacheWrite {
     }
 }
 
+/// A step's map from (sequence, position) to a row of the paged cache pool.
+#[derive(Clone, Copy, Debug)]
+pub struct Pages<'a> {
+    /// `seqs × width` block ids.
+    pub block_table: &'a [i32],
+    pub width: usize,
+    /// The sequence of each token row.
+    pub row_seq: &'a [i32],
+    pub block_size: usize,
+}
+
+impl Pages<'_> {
+    /// Pool rows of the first `len` positions of token `i`'s sequence, checked against a pool
+    /// of `pool_rows` rows.
+    fn rows_of(&self, i: usize, len: usize, pool_rows: usize) -> Result<Vec<usize>, OpError> {
+        let op = "mla_attention";
+        let s = self.row_seq[i];
+        let seqs = self.block_table.len() / self.width.max(1);
+        if s < 0 || s as usize >= seqs {
+            return Err(OpError::data(
+                op,
+                format!("token {i} names sequence {s}, the block table has {seqs}"),
+            ));
+        }
+        let table = &self.block_table[s as usize * self.width..][..self.width];
+        if len > self.width * self.block_size {
+            return Err(OpError::data(
+                op,
+                format!(
+                    "token {i} attends {len} positions, its block table covers {}",
+                    self.width * self.block_size
+                ),
+            ));
+        }
+        (0..len)
+            .map(|p| {
+                let b = table[p / self.block_size];
+                let row = (b as usize) * self.block_size + p % self.block_size;
+                if b < 0 || row >= pool_rows {
+                    Err(OpError::data(
+                        op,
+                        format!(
+                            "block {b} of sequence {s} (position {p}) is outside the pool of {} blocks",
+                            pool_rows / self.block_size.max(1)
+                        ),
+                    ))
+                } else {
+                    Ok(row)
+                }
+            })
+            .collect()
+    }
+}
+
+/// The block table and row map of one sequence whose positions are pool rows `0..rows`
+/// (blocks in order): what a single-sequence caller and the tests give [`MlaAttention`].
+#[derive(Clone, Debug)]
+pub struct ContiguousPages {
+    pub block_table: Vec<i32>,
+    pub row_seq: Vec<i32>,
+    pub block_size: usize,
+}
+
+impl ContiguousPages {
+    pub fn new(rows: usize, block_size: usize, n_tokens: usize) -> ContiguousPages {
+        ContiguousPages {
+            block_table: (0..rows.div_ceil(block_size) as i32).collect(),
+            row_seq: vec![0; n_tokens],
+            block_size,
+        }
+    }
+
+    pub fn view(&self) -> Pages<'_> {
+        Pages {
+            block_table: &self.block_table,
+            width: self.block_table.len(),
+            row_seq: &self.row_seq,
+            block_size: self.block_size,
+        }
+    }
+}
+
 impl MlaAttention {
-    /// Slice-level form: `q` is `n × n_head × w`, `cache` is `ctx × w`, `out` is
-    /// `n × n_head × kv_lora`, with `w = cache.len() / ctx`.
+    /// Slice-level form: `q` is `n × n_head × w`, `cache` is `pool rows × w`, `out` is
+    /// `n × n_head × kv_lora`, with `w = cache.len() / pool rows`; `pages` places each token's
+    /// positions in the pool.
     pub fn compute(
         &self,
         q: &[f32],
         cache: &[f32],
         w: usize,
         positions: &[i32],
+        pages: Pages<'_>,
         out: &mut [f32],
     ) -> Result<(), OpError> {
         let n = positions.len();
         let (nh, lora) = (self.n_head, self.kv_lora);
-        if w < lora || lora == 0 || q.len() < n * nh * w || out.len() < n * nh * lora {
+        if w < lora
+            || lora == 0
+            || q.len() < n * nh * w
+            || out.len() < n * nh * lora
+            || pages.row_seq.len() < n
+        {
             return Err(OpError::Type(format!(
                 "mla_attention buffers do not fit {n} tokens × {nh} heads of width {w} \
-                 (kv_lora {lora}): q {}, out {}",
+                 (kv_lora {lora}): q {}, out {}, row_seq {}",
                 q.len(),
-                out.len()
+                out.len(),
+                pages.row_seq.len()
             )));
         }
-        let ctx = cache.len() / w;
-        check_positions("mla_attention", positions, ctx)?;
+        let pool_rows = cache.len() / w;
+        check_positions("mla_attention", positions, pages.width * pages.block_size)?;
+        let rows: Vec<Vec<usize>> = positions
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| pages.rows_of(i, p as usize + 1, pool_rows))
+            .collect::<Result<_, _>>()?;
         out[..n * nh * lora]
             .par_chunks_mut(lora)
             .enumerate()
             .for_each(|(ih, o)| {
                 let qv = &q[ih * w..(ih + 1) * w];
-                let rows = positions[ih / nh] as usize + 1;
-                let mut p: Vec<f32> = cache[..rows * w]
-                    .chunks_exact(w)
-                    .map(|k| self.kq_scale * dot(qv, k))
+                let rows = &rows[ih / nh];
+                let key = |r: usize| &cache[r * w..(r + 1) * w];
+                let mut p: Vec<f32> = rows
+                    .iter()
+                    .map(|&r| self.kq_scale * dot(qv, key(r)))
                     .collect();
                 let max = p.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 // The denominator is summed in f64, as ggml's soft_max does: at long contexts
@@ -294,9 +396,9 @@ impl MlaAttention {
                 }
                 let inv = (1.0 / sum) as f32;
                 o.fill(0.0);
-                for (pt, k) in p.iter().zip(cache.chunks_exact(w)) {
+                for (pt, &r) in p.iter().zip(rows) {
                     let pt = pt * inv;
-                    for (a, &v) in o.iter_mut().zip(&k[..lora]) {
+                    for (a, &v) in o.iter_mut().zip(&key(r)[..lora]) {
                         *a += pt * v;
                     }
                 }
@@ -316,7 +418,13 @@ impl MlaAttention {
         let q = inputs[0].f32()?;
         let cache = inputs[1].f32()?;
         let pos = inputs[2].i32()?;
-        self.compute(q, cache, w, pos, outputs[0].f32_mut()?)
+        let pages = Pages {
+            block_table: inputs[3].i32()?,
+            width: inputs[3].meta.shape[1],
+            row_seq: inputs[4].i32()?,
+            block_size: self.block_size,
+        };
+        self.compute(q, cache, w, pos, pages, outputs[0].f32_mut()?)
     }
 }
 

@@ -309,7 +309,8 @@ impl MlaKv {
             self.launch(
                 ctx,
                 op,
-                [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr],
+                // Without the cache the slots are not read: the positions stand in.
+                [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, inputs[2].ptr],
                 outputs[0].ptr,
                 n,
                 None,
@@ -320,7 +321,7 @@ impl MlaKv {
 
 impl MlaKv {
     /// The `mla_kv` kernel over `[kv, norm_w, positions]` of n tokens: rows to `out[t]`, or with
-    /// `cache_rows` to `out[positions[t]]` of a cache of that many rows (skipping positions
+    /// `cache_rows` to `out[slots[t]]` of a cache of that many rows (skipping slots
     /// outside it and all but the last token naming a row).
     ///
     /// # Safety
@@ -330,7 +331,7 @@ impl MlaKv {
         &self,
         ctx: &GpuCtx,
         op: &'static str,
-        [kv, norm_w, positions]: [u64; 3],
+        [kv, norm_w, positions, slots]: [u64; 4],
         out: u64,
         n: usize,
         cache_rows: Option<usize>,
@@ -346,6 +347,7 @@ impl MlaKv {
                 .arg(kv)
                 .arg(norm_w)
                 .arg(positions)
+                .arg(slots)
                 .arg(out)
                 .arg(dim_i32(op, "kv_lora", self.kv_lora)?)
                 .arg(dim_i32(op, "qk_rope", self.qk_rope)?)
@@ -382,7 +384,7 @@ impl MlaKvCacheWrite {
             return Ok(());
         }
         let rows = outputs[0].meta.shape[0];
-        let ins = [inputs[1].ptr, inputs[2].ptr, inputs[3].ptr];
+        let ins = [inputs[1].ptr, inputs[2].ptr, inputs[3].ptr, inputs[4].ptr];
         // SAFETY: check_device verified the token inputs and the rows×W cache.
         unsafe { self.kv.launch(ctx, op, ins, outputs[0].ptr, n, Some(rows)) }
     }
@@ -439,9 +441,11 @@ impl MlaAttention {
         outputs: &[DeviceTensor<'_>],
         scratch: Scratch,
     ) -> Result<(), OpError> {
+        // The positions a sequence may attend: its table's blocks.
         let rows = inputs
-            .get(1)
-            .map_or(0, |c| c.meta.shape.first().copied().unwrap_or(0));
+            .get(3)
+            .map_or(0, |t| t.meta.shape.get(1).copied().unwrap_or(0))
+            * self.block_size;
         let n = inputs
             .get(2)
             .map_or(0, |p| p.meta.shape.first().copied().unwrap_or(0));
@@ -475,6 +479,7 @@ impl MlaAttention {
                     inputs[0].ptr,
                     inputs[1].ptr,
                     inputs[2].ptr,
+                    self.pages(inputs),
                     outputs[0].ptr,
                     n,
                     self.n_head,
@@ -495,6 +500,17 @@ impl MlaAttention {
 }
 
 impl MlaAttention {
+    /// Inputs 3 and 4 (block table, row map) as the kernels take them; `check_device` has
+    /// verified their shapes.
+    fn pages(&self, inputs: &[DeviceTensor<'_>]) -> DevicePages {
+        DevicePages {
+            block_table: inputs[3].ptr,
+            row_seq: inputs[4].ptr,
+            table_width: inputs[3].meta.shape[1],
+            block_size: self.block_size,
+        }
+    }
+
     /// Whether the flash kernel takes cache rows of width `w`.
     pub fn flash_supports(&self, w: usize) -> bool {
         w == self.kv_lora + 64 && self.kv_lora.is_multiple_of(64) && self.kv_lora <= 512
@@ -515,7 +531,10 @@ impl MlaAttention {
         let op = self.name();
         let (q, cache, pos, out) = (&inputs[0], &inputs[1], &inputs[2], &outputs[0]);
         let n = pos.meta.shape[0];
-        let (rows, w) = (cache.meta.shape[0], cache.meta.shape[1]);
+        let pages = self.pages(inputs);
+        let bshift = pages.block_shift(op)?;
+        // `rows`: the positions a sequence may attend (its table's), which fix the split.
+        let (rows, w) = (pages.table_width * self.block_size, cache.meta.shape[1]);
         let (nh, lora) = (self.n_head, self.kv_lora);
         if n == 0 {
             return Ok(());
@@ -581,6 +600,10 @@ impl MlaAttention {
                 .arg(q.ptr)
                 .arg(cache.ptr)
                 .arg(pos.ptr)
+                .arg(pages.block_table)
+                .arg(pages.row_seq)
+                .arg(i("table width", pages.table_width)?)
+                .arg(bshift)
                 .arg(out.ptr)
                 .arg(part_o)
                 .arg(part_ml)

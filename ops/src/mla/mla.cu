@@ -482,24 +482,25 @@ HEAD_MMA_KERNEL(head_mma_bf16_64x128, 64, 128, 2, 4, 2)
 
 extern "C" __global__ void __launch_bounds__(256)
 mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
-       const int* __restrict__ positions, float* __restrict__ out, int kv_lora, int qk_rope,
-       float eps, float theta_scale, float freq_scale, float ext_factor, float corr_low,
-       float corr_high, float mscale, int to_cache, int n, int ctx) {
+       const int* __restrict__ positions, const int* __restrict__ slots,
+       float* __restrict__ out, int kv_lora, int qk_rope, float eps, float theta_scale,
+       float freq_scale, float ext_factor, float corr_low, float corr_high, float mscale,
+       int to_cache, int n, int ctx) {
     PDL_ENTER();
     __shared__ double red[8];
     __shared__ float scale_s;
     const int t = blockIdx.x, tid = threadIdx.x;
     const int w = kv_lora + qk_rope;
     const float* src = kv + (long long)t * w;
-    // to_cache: `out` is the cache and the row goes to the token's position, as
-    // kv_cache_write would put it (skipped outside the cache or when a later token of the
-    // chunk names the same row).
+    // to_cache: `out` is the cache pool and the row goes to the token's slot, as
+    // kv_cache_write would put it (skipped for a padding row's negative slot, outside the
+    // pool, or when a later token of the step names the same slot).
     long long row = t;
     if (to_cache) {
-        const int p = positions[t];
+        const int p = slots[t];
         if (p < 0 || p >= ctx) return;
         int later = 0;
-        for (int j = t + 1 + tid; j < n; j += blockDim.x) later |= positions[j] == p;
+        for (int j = t + 1 + tid; j < n; j += blockDim.x) later |= slots[j] == p;
         if (__syncthreads_or(later)) return;
         row = p;
     }
@@ -529,19 +530,20 @@ mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
 
 // ---- KvCacheWrite ----------------------------------------------------------------------
 
-// cache[positions[i]] = k[i]. A position outside [0, ctx) is skipped (the engine refuses it
-// on the host); when two tokens name one row the later one writes it, as the CPU's loop.
+// cache[slots[i]] = k[i]. A negative slot (a padding row) or one outside [0, ctx) is
+// skipped (the CPU refuses the latter, the engine never makes one); when two tokens name one
+// row the later one writes it, as the CPU's loop.
 extern "C" __global__ void __launch_bounds__(256)
 kv_cache_write(float* __restrict__ cache, const float* __restrict__ k,
-               const int* __restrict__ positions, int n, int w, int ctx) {
+               const int* __restrict__ slots, int n, int w, int ctx) {
     PDL_ENTER();
     const int i = blockIdx.x;
-    const int p = positions[i];
+    const int p = slots[i];
     if (p < 0 || p >= ctx) return;
-    // The last token with this position writes the row; the block's threads split the scan
+    // The last token with this slot writes the row; the block's threads split the scan
     // (one thread walking every later position made a 1024-token chunk's write take 62 µs).
     int later = 0;
-    for (int j = i + 1 + threadIdx.x; j < n; j += blockDim.x) later |= positions[j] == p;
+    for (int j = i + 1 + threadIdx.x; j < n; j += blockDim.x) later |= slots[j] == p;
     if (__syncthreads_or(later)) return;
     const float* src = k + (long long)i * w;
     float* dst = cache + (long long)p * w;

@@ -107,11 +107,20 @@ __device__ __forceinline__ int att_rows_per_chunk(int nrows, int n_chunks, int t
     return (per + tile - 1) / tile * tile;
 }
 
+// The pool row of position r of a sequence whose block table is `tbl` (blocks of
+// 1 << bshift positions).
+__device__ __forceinline__ long long att_pool_row(const int* __restrict__ tbl, int r, int bshift) {
+    return ((long long)tbl[r >> bshift] << bshift) | (r & ((1 << bshift) - 1));
+}
+
 template <int T, int NBUF, bool BF16>
 __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                                            const float* __restrict__ cache,
                                            const int* __restrict__ positions,
-                                           float* __restrict__ out, float* __restrict__ part_o,
+                                           const int* __restrict__ block_table,
+                                           const int* __restrict__ row_seq, int table_width,
+                                           int bshift, float* __restrict__ out,
+                                           float* __restrict__ part_o,
                                            float* __restrict__ part_ml, int n_head, int w,
                                            int lora, int ctx, int n_chunks, float kq_scale) {
     constexpr int MT = T / 16;  // m16 row tiles of the score product
@@ -132,6 +141,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     const int nrows = pos < 0 ? 0 : min(pos, ctx - 1) + 1;
     const int per = att_rows_per_chunk(nrows, n_chunks, T);
     const int r0 = chunk * per, r1 = min(r0 + per, nrows);
+    const int* tbl = block_table + (long long)row_seq[t] * table_width;
     if (r0 >= r1) {
         // Only a position outside the cache leaves the single chunk empty: write zeros.
         if (n_chunks == 1)
@@ -157,7 +167,8 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
 #pragma unroll 1
             for (int k = 0; k < T * (ATT_W / 4) / 256; ++k) {
                 const bool v = jr + j < r1 && c < w4;
-                const float* src = v ? cache + (long long)(jr + j) * w + 4 * c : cache;
+                const float* src =
+                    v ? cache + att_pool_row(tbl, jr + j, bshift) * w + 4 * c : cache;
                 cp_async16_zfill(dst + j * ATT_WS + 4 * c, src, v ? 16 : 0);
                 j += 256 / (ATT_W / 4);
                 c += 256 % (ATT_W / 4);
@@ -472,12 +483,14 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
 #define ATT_SPLIT_KERNEL(NAME, T, NBUF, BF16)                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1)                                       \
         NAME(const float* __restrict__ q, const float* __restrict__ cache,                     \
-             const int* __restrict__ positions, float* __restrict__ out,                       \
-             float* __restrict__ part_o, float* __restrict__ part_ml, int n_head, int w,       \
-             int lora, int ctx, int n_chunks, float kq_scale) {                                \
+             const int* __restrict__ positions, const int* __restrict__ block_table,           \
+             const int* __restrict__ row_seq, int table_width, int bshift,                     \
+             float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, \
+             int n_head, int w, int lora, int ctx, int n_chunks, float kq_scale) {             \
         PDL_ENTER();                                                                           \
-        attn_split<T, NBUF, BF16>(q, cache, positions, out, part_o, part_ml, n_head, w, lora,  \
-                                  ctx, n_chunks, kq_scale);                                    \
+        attn_split<T, NBUF, BF16>(q, cache, positions, block_table, row_seq, table_width,      \
+                                  bshift, out, part_o, part_ml, n_head, w, lora, ctx,          \
+                                  n_chunks, kq_scale);                                         \
     }
 ATT_SPLIT_KERNEL(mla_attn_split_t32, 32, 2, false)
 ATT_SPLIT_KERNEL(mla_attn_split_t16, 16, 4, false)

@@ -94,11 +94,14 @@ __device__ __forceinline__ float mlap_sat(float x) {
     return fminf(fmaxf(x, -MLAP_F16_MAX), MLAP_F16_MAX);
 }
 
-// kh[r] = f16(cache[r]) for rows r below (largest valid position + 1); 16 rows a block. Rows
-// past it are left alone: the attention zero-fills instead of reading them.
+// kh[r] = f16(cache[pool row of position r]) for positions r below (largest valid position
+// + 1) of the chunk's sequence (row_seq[0]'s block table, blocks of 1 << bshift positions); 16
+// rows a block. Rows past it are left alone: the attention zero-fills instead of reading them.
 extern "C" __global__ void __launch_bounds__(256)
 mla_prefill_convert(const float* __restrict__ cache, const int* __restrict__ positions,
-                    unsigned short* __restrict__ kh, int n_tok, int w, int ctx) {
+                    const int* __restrict__ block_table, const int* __restrict__ row_seq,
+                    int table_width, int bshift, unsigned short* __restrict__ kh, int n_tok,
+                    int w, int ctx) {
     PDL_ENTER();
     __shared__ int red[8];
     const int tid = threadIdx.x;
@@ -115,10 +118,14 @@ mla_prefill_convert(const float* __restrict__ cache, const int* __restrict__ pos
     const int r0 = blockIdx.x * 16;
     const int w4 = w >> 2;
     const int n = (min(rows, r0 + 16) - r0) * w4;
+    const int* tbl = block_table + (long long)row_seq[0] * table_width;
     for (int idx = tid; idx < n; idx += 256) {
         const int i = idx / w4, c = idx - i * w4;
-        const long long off = (long long)(r0 + i) * w + 4 * c;
-        const float4 v = *reinterpret_cast<const float4*>(cache + off);
+        const int r = r0 + i;
+        const long long off = (long long)r * w + 4 * c;
+        const long long prow =
+            ((long long)tbl[r >> bshift] << bshift) | (r & ((1 << bshift) - 1));
+        const float4 v = *reinterpret_cast<const float4*>(cache + prow * w + 4 * c);
         uint2 h;
         h.x = mlap_pack(mlap_sat(v.x), mlap_sat(v.y));
         h.y = mlap_pack(mlap_sat(v.z), mlap_sat(v.w));

@@ -20,6 +20,7 @@ use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 use prefill::mla_prefill_scratch_bytes;
 
+pub use cpu::{ContiguousPages, Pages};
 pub(crate) use cuda::MLA_CU;
 
 // ---- MlaQuery ------------------------------------------------------------------------
@@ -208,10 +209,11 @@ impl Op for MlaKv {
 
 /// [`MlaKv`] straight into the cache ([`KvCacheWrite`] of its rows): the cache row of each
 /// token is formed where it is stored, so a step has one launch and no `[n, W]` intermediate
-/// for it. Same rows, same bits, same rules (a later token wins a shared position).
+/// for it. Same rows, same bits, same rules (a later token wins a shared slot, a negative
+/// slot is a padding row and writes nothing).
 ///
-/// Inputs: cache F32 `[ctx, W]` (aliased by output 0), then kv, norm_w, positions as
-/// [`MlaKv`]. Output: the cache.
+/// Inputs: cache F32 `[pool rows, W]` (aliased by output 0), then kv, norm_w, positions as
+/// [`MlaKv`], then slots I32 `[n]` as [`KvCacheWrite`]. Output: the cache.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MlaKvCacheWrite {
     pub kv: MlaKv,
@@ -224,9 +226,9 @@ impl Op for MlaKvCacheWrite {
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         let op = self.name();
-        expect_inputs(op, inputs, 4)?;
-        let rows = self.kv.infer(&inputs[1..])?;
-        KvCacheWrite.infer(&[inputs[0], &rows[0], inputs[3]])
+        expect_inputs(op, inputs, 5)?;
+        let rows = self.kv.infer(&inputs[1..4])?;
+        KvCacheWrite.infer(&[inputs[0], &rows[0], inputs[4]])
     }
 
     fn cpu(
@@ -258,11 +260,13 @@ impl Op for MlaKvCacheWrite {
 
 // ---- KvCacheWrite --------------------------------------------------------------------
 
-/// Writes `cache[positions[i]] = k[i]` in place.
+/// Writes `cache[slots[i]] = k[i]` in place: `slots[i]` is the pool row of token `i`'s
+/// position (its sequence's block for that position, and the offset in it).
 ///
-/// Inputs: cache F32 `[ctx, W]` (persistent; aliased by output 0), k F32 `[n, W]`,
-/// positions I32 `[n]`. Output: the cache. A position outside `[0, ctx)` is an
-/// `OpError::Data` and nothing is written.
+/// Inputs: cache F32 `[pool rows, W]` (persistent; aliased by output 0), k F32 `[n, W]`,
+/// slots I32 `[n]`. Output: the cache. A negative slot is a padding row of a batch bucket
+/// and writes nothing; a slot at or past the pool's end is an `OpError::Data` and nothing
+/// is written.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct KvCacheWrite;
 
@@ -283,7 +287,7 @@ impl Op for KvCacheWrite {
         }
         let w = cache.shape[1];
         let n = inputs[2].shape.first().copied().unwrap_or(0);
-        expect(op, "positions", inputs[2], DType::I32, &[n])?;
+        expect(op, "slots", inputs[2], DType::I32, &[n])?;
         expect(op, "k", inputs[1], DType::F32, &[n, w])?;
         Ok(vec![cache.clone()])
     }
@@ -317,16 +321,21 @@ impl Op for KvCacheWrite {
 
 // ---- MlaAttention --------------------------------------------------------------------
 
-/// Causal attention of every head over the shared latent cache.
+/// Causal attention of every head over its own sequence's part of the paged latent cache.
 ///
-/// Inputs: Q F32 `[n, n_head, W]`, cache F32 `[ctx, W]`, positions I32 `[n]`.
-/// Output: o_lat F32 `[n, n_head, kv_lora]`. Query `i` reads rows `0..=positions[i]`; rows
-/// past it are never read, so `ctx` may be any bucket larger than the last position.
+/// Inputs: Q F32 `[n, n_head, W]`, cache F32 `[pool rows, W]` (blocks of `block_size` rows),
+/// positions I32 `[n]`, block_table I32 `[seqs, blocks a sequence]`, row_seq I32 `[n]`.
+/// Output: o_lat F32 `[n, n_head, kv_lora]`. Query `i` belongs to sequence `s = row_seq[i]`
+/// and reads that sequence's positions `0..=positions[i]`, position `p` at pool row
+/// `block_table[s][p / block_size] · block_size + p % block_size`. Positions past it are
+/// never read, so the table may be any bucket wider than the last position needs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MlaAttention {
     pub n_head: usize,
     pub kv_lora: usize,
     pub kq_scale: f32,
+    /// Positions of a cache block (the pool's, see `graph::KvPool`).
+    pub block_size: usize,
     pub kernel: AttentionPath,
 }
 
@@ -361,8 +370,15 @@ impl Op for MlaAttention {
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         let op = self.name();
-        nonzero(op, &[("n_head", self.n_head), ("kv_lora", self.kv_lora)])?;
-        expect_inputs(op, inputs, 3)?;
+        nonzero(
+            op,
+            &[
+                ("n_head", self.n_head),
+                ("kv_lora", self.kv_lora),
+                ("block_size", self.block_size),
+            ],
+        )?;
+        expect_inputs(op, inputs, 5)?;
         let cache = inputs[1];
         if cache.dtype != DType::F32 || cache.shape.len() != 2 || cache.shape[1] < self.kv_lora {
             return Err(OpError::shape(
@@ -373,10 +389,27 @@ impl Op for MlaAttention {
                 ),
             ));
         }
+        if !cache.shape[0].is_multiple_of(self.block_size) {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the cache's {} rows are not whole blocks of {}",
+                    cache.shape[0], self.block_size
+                ),
+            ));
+        }
         let w = cache.shape[1];
         let n = inputs[2].shape.first().copied().unwrap_or(0);
         expect(op, "positions", inputs[2], DType::I32, &[n])?;
         expect(op, "Q", inputs[0], DType::F32, &[n, self.n_head, w])?;
+        let table = inputs[3];
+        if table.dtype != DType::I32 || table.shape.len() != 2 || table.shape[0] == 0 {
+            return Err(OpError::shape(
+                op,
+                format!("block_table must be I32[seqs, blocks] with seqs > 0, found {table}"),
+            ));
+        }
+        expect(op, "row_seq", inputs[4], DType::I32, &[n])?;
         Ok(vec![TensorMeta::f32([n, self.n_head, self.kv_lora])])
     }
 
@@ -390,10 +423,11 @@ impl Op for MlaAttention {
 
     fn describe(&self) -> String {
         format!(
-            "mla_attention n_head={} kv_lora={} kq_scale={:?}{}",
+            "mla_attention n_head={} kv_lora={} kq_scale={:?} block={}{}",
             self.n_head,
             self.kv_lora,
             self.kq_scale,
+            self.block_size,
             self.kernel.label()
         )
     }
@@ -409,11 +443,12 @@ impl Op for MlaAttention {
     }
 
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
-        match (inputs.get(1), inputs.get(2)) {
-            (Some(cache), Some(pos)) => {
+        match (inputs.get(1), inputs.get(2), inputs.get(3)) {
+            (Some(cache), Some(pos), Some(table)) => {
+                // The rows a sequence may attend: its table's blocks.
                 let (n, rows) = (
                     pos.shape.first().copied().unwrap_or(0),
-                    cache.shape.first().copied().unwrap_or(0),
+                    table.shape.get(1).copied().unwrap_or(0) * self.block_size,
                 );
                 let w = cache.shape.get(1).copied().unwrap_or(0);
                 let split = attention_scratch(n, rows, self.n_head, self.kv_lora);
@@ -490,6 +525,34 @@ fn attention_scratch(n: usize, rows: usize, n_head: usize, kv_lora: usize) -> us
         0
     } else {
         n * chunks * n_head * (kv_lora + 2) * 4
+    }
+}
+
+/// A step's block table and row map on the device, as [`Pages`] describes them on the host.
+#[derive(Clone, Copy, Debug)]
+pub struct DevicePages {
+    /// I32 `[seqs, table_width]` block ids.
+    pub block_table: u64,
+    /// I32 `[n]`: the sequence of each token row.
+    pub row_seq: u64,
+    pub table_width: usize,
+    pub block_size: usize,
+}
+
+impl DevicePages {
+    /// log2 of the block size: the kernels map a position to its block with a shift, so the
+    /// size must be a power of two (the engine's 64 is).
+    pub(crate) fn block_shift(&self, op: &'static str) -> Result<i32, OpError> {
+        if !self.block_size.is_power_of_two() {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the CUDA kernels need a power-of-two cache block, found {}",
+                    self.block_size
+                ),
+            ));
+        }
+        Ok(self.block_size.trailing_zeros() as i32)
     }
 }
 

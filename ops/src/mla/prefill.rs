@@ -10,6 +10,7 @@
 //! bits), as llama.cpp's default f16 KV cache does; the error is a few f16 units of the value
 //! scale (see the parity tests for the bound used).
 
+use super::DevicePages;
 use crate::OpError;
 use crate::gpu::{GpuCtx, Scratch, dev_err};
 
@@ -79,8 +80,9 @@ fn check_shapes(
     Ok(())
 }
 
-/// Enqueues the prefill attention: `out[t][h] = Σ_j softmax_j(kq_scale·q[t][h]·cache[j])·
-/// cache[j][..kv_lora]` over rows `j ≤ positions[t]`; a token whose position is outside
+/// Enqueues the prefill attention: `out[t][h] = Σ_j softmax_j(kq_scale·q[t][h]·K[j])·
+/// K[j][..kv_lora]` over positions `j ≤ positions[t]`, `K[j]` the pool row of position `j` of
+/// the chunk's sequence (`pages`, the sequence of row 0; `ctx_rows` is its table's positions); a token whose position is outside
 /// `[0, ctx_rows)` gets zeros. Two launches (narrow the cache rows up to the largest valid
 /// position to f16 into `scratch`, then the attention); no host synchronization, so it can be
 /// captured into a graph: the grids depend on `n_tok`, `n_head` and `ctx_rows` only.
@@ -96,8 +98,8 @@ fn check_shapes(
 ///
 /// # Safety
 /// Every address must be a live device allocation on `ctx`'s device, unchanged until the
-/// kernels have run: `q` F32 `[n_tok, n_head, w]`, `cache` F32 `[ctx_rows, w]`, `positions` I32
-/// `[n_tok]`, `out` F32 `[n_tok, n_head, kv_lora]`, `scratch` as above. `out` and `scratch`
+/// kernels have run: `q` F32 `[n_tok, n_head, w]`, `cache` F32 `[pool rows, w]` holding every
+/// block `pages` names, `positions` I32 `[n_tok]`, `out` F32 `[n_tok, n_head, kv_lora]`, `scratch` as above. `out` and `scratch`
 /// must not overlap each other or any input.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn launch_mla_prefill(
@@ -105,6 +107,7 @@ pub unsafe fn launch_mla_prefill(
     q: u64,
     cache: u64,
     positions: u64,
+    pages: DevicePages,
     out: u64,
     n_tok: usize,
     n_head: usize,
@@ -118,6 +121,7 @@ pub unsafe fn launch_mla_prefill(
     if n_tok == 0 {
         return Ok(());
     }
+    let bshift = pages.block_shift(OP)?;
     for (what, ptr) in [
         ("q", q),
         ("cache", cache),
@@ -156,6 +160,10 @@ pub unsafe fn launch_mla_prefill(
                 .block(256)
                 .arg(cache)
                 .arg(positions)
+                .arg(pages.block_table)
+                .arg(pages.row_seq)
+                .arg(i32::try_from(pages.table_width).unwrap_or(i32::MAX))
+                .arg(bshift)
                 .arg(scratch.ptr)
                 .arg(n_tok_i)
                 .arg(w_i)

@@ -14,7 +14,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use engine::{CacheSnapshot, Device, Engine, EngineConfig};
+use engine::scheduler::{Scheduler, SchedulerConfig, SeqEvent};
+use engine::{CacheSnapshot, Device, Engine, EngineConfig, GenerateRequest, SamplingParams};
 
 #[derive(Parser, Debug)]
 #[command(about = "Prefill/decode rates of a checkpoint, llama-bench style")]
@@ -72,6 +73,12 @@ struct Args {
     /// without its layer prefix.
     #[arg(long)]
     profile: bool,
+    /// Batched mode, in the shape of llama-batched-bench: for each count B, B sequences of
+    /// `-p` prompt tokens each generate `-n` tokens through the scheduler (continuous
+    /// batching); prints prefill t/s, aggregate decode t/s and per-sequence decode t/s.
+    /// Replaces the single-sequence tests.
+    #[arg(short = 'b', long = "batch", value_delimiter = ',')]
+    batch: Vec<usize>,
 }
 
 /// `blk.12.attn.q_a` → `attn.q_a`, and in a node fused across layers every part loses its
@@ -232,6 +239,9 @@ fn main() -> Result<()> {
     let loaded = models::load(&gguf, release_dir.as_deref(), true)?;
     let model = loaded.model.clone();
     let vocab = model.decl.n_vocab();
+    if !a.batch.is_empty() {
+        return batched(&a, model, device);
+    }
     let max_d = a.depth.iter().copied().max().unwrap_or(0);
     let max_n = a.gen_len.iter().copied().max().unwrap_or(1);
     let max_p = a.prompt.iter().copied().max().unwrap_or(1);
@@ -246,6 +256,7 @@ fn main() -> Result<()> {
     let t_load = Instant::now();
     let mut engine = Engine::new(model.clone(), config.clone())
         .with_context(|| format!("starting the engine on {device}"))?;
+    tools::upload_with_progress(&mut engine, "bench")?;
     let h = &model.hparams;
     let model_desc = format!(
         "{} {}L {:.2} GiB",
@@ -436,6 +447,155 @@ fn main() -> Result<()> {
     }
     println!(
         "(t/s: decode steps after the first, mean ± sd over {} reps; depth by tiling a real 512-token prefill's cache rows)",
+        a.reps
+    );
+    Ok(())
+}
+
+/// One batched run's figures.
+struct BatchRun {
+    /// Seconds until every sequence had its first token.
+    prefill_s: f64,
+    /// Tokens generated while every sequence was decoding, and the seconds that took.
+    steady_tokens: usize,
+    steady_s: f64,
+    total_tokens: usize,
+    total_s: f64,
+}
+
+/// `b` sequences of `p` distinct synthetic prompt tokens, `n` greedy tokens each.
+fn batch_run(
+    engine: Engine,
+    b: usize,
+    p: usize,
+    n: usize,
+    vocab: usize,
+    seed: u64,
+) -> Result<(Engine, BatchRun)> {
+    let mut s = Scheduler::new(
+        engine,
+        SchedulerConfig {
+            max_num_seqs: b,
+            max_num_batched_tokens: usize::MAX / 2,
+            prefix_caching: false,
+        },
+        None,
+    );
+    for k in 0..b {
+        s.add(GenerateRequest {
+            prompt: synthetic_ids(p, vocab, seed * 1000 + k as u64),
+            max_tokens: n,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: vec![],
+            stop_strings: vec![],
+            want_logits: false,
+        });
+    }
+    let t0 = Instant::now();
+    let mut started = std::collections::HashSet::new();
+    let (mut prefill_s, mut steady_from) = (None, None);
+    let (mut steady_tokens, mut steady_s, mut total_tokens, mut finished) = (0, 0.0, 0, 0);
+    while s.has_work() {
+        let before = t0.elapsed().as_secs_f64();
+        let events = s.step();
+        let after = t0.elapsed().as_secs_f64();
+        let mut tokens = 0;
+        for ev in events {
+            match ev {
+                SeqEvent::Token { seq, .. } => {
+                    tokens += 1;
+                    started.insert(seq);
+                }
+                SeqEvent::Finished { .. } => finished += 1,
+                SeqEvent::Failed { error, .. } => bail!("a sequence failed: {error}"),
+            }
+        }
+        total_tokens += tokens;
+        // The steady window: from the step after the last first token to the first finish.
+        if steady_from.is_some() && finished == 0 {
+            steady_tokens += tokens;
+            steady_s += after - before;
+        }
+        if prefill_s.is_none() && started.len() == b {
+            prefill_s = Some(after);
+            steady_from = Some(after);
+        }
+    }
+    let total_s = t0.elapsed().as_secs_f64();
+    Ok((
+        s.into_engine(),
+        BatchRun {
+            prefill_s: prefill_s.unwrap_or(total_s),
+            steady_tokens,
+            steady_s,
+            total_tokens,
+            total_s,
+        },
+    ))
+}
+
+fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Result<()> {
+    if a.batch.contains(&0) {
+        bail!("-b counts must be at least 1");
+    }
+    let vocab = model.decl.n_vocab();
+    let p = a.prompt.iter().copied().max().unwrap_or(512);
+    let n = a.gen_len.iter().copied().max().unwrap_or(128).max(2);
+    let max_b = a.batch.iter().copied().max().unwrap_or(1);
+    let config = EngineConfig {
+        max_model_len: p + n + 1,
+        prefill_chunk: a.prefill_chunk,
+        device,
+        cuda_graphs: true,
+        lowering: a.lowering.options()?,
+        max_num_seqs: max_b,
+        ..EngineConfig::default()
+    };
+    let t_load = Instant::now();
+    let mut engine = Engine::new(model.clone(), config.clone())
+        .with_context(|| format!("starting the engine on {device}"))?;
+    tools::upload_with_progress(&mut engine, "bench")?;
+    let pool = engine.pool();
+    eprintln!(
+        "{} on {} ({}), engine ready in {:.1} s; KV cache: {} blocks = {} positions",
+        model.decl.arch(),
+        device,
+        engine.device_name(),
+        t_load.elapsed().as_secs_f64(),
+        pool.blocks,
+        pool.rows()
+    );
+    println!(
+        "| B | prompt | gen | prefill t/s | aggregate decode t/s | per-sequence decode t/s | total t/s |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for &b in &a.batch {
+        // One warm-up: kernels compile, plans are built and the batch buckets captured.
+        let (e, _) = batch_run(engine, b, p, n.min(8), vocab, 1)?;
+        engine = e;
+        let mut pre = Vec::new();
+        let mut agg = Vec::new();
+        let mut tot = Vec::new();
+        for r in 0..a.reps {
+            let (e, run) = batch_run(engine, b, p, n, vocab, 2 + r as u64)?;
+            engine = e;
+            pre.push((b * p) as f64 / run.prefill_s);
+            if run.steady_s > 0.0 {
+                agg.push(run.steady_tokens as f64 / run.steady_s);
+            }
+            tot.push(run.total_tokens as f64 / run.total_s);
+        }
+        let (pm, _) = mean_sd(&pre);
+        let (am, asd) = mean_sd(&agg);
+        let (tm, _) = mean_sd(&tot);
+        eprintln!("  B={b}: decode {am:.1} t/s aggregate");
+        println!(
+            "| {b} | {p} | {n} | {pm:.1} | {am:.1} ± {asd:.1} | {:.1} | {tm:.1} |",
+            am / b as f64
+        );
+    }
+    println!(
+        "(decode: tokens of the steps where all B sequences decode, from the last first token to the first finish; mean ± sd over {} reps; prefill: B·prompt over the time until every sequence had its first token, decode steps of early sequences included)",
         a.reps
     );
     Ok(())

@@ -135,6 +135,7 @@ fn main() -> Result<()> {
     };
     let mut engine = Engine::new(loaded.model.clone(), config)
         .with_context(|| format!("starting the engine on {device}"))?;
+    tools::upload_with_progress(&mut engine, "run-model")?;
     match engine.device_budget() {
         Some(b) => eprintln!(
             "device: {device} ({}), {:.1} MiB weights + {:.1} MiB cache + {:.1} MiB step arena, cuda graphs {}",

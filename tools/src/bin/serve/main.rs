@@ -1,8 +1,9 @@
 //! `serve`: an OpenAI-compatible HTTP server over one engine (DESIGN §7).
 //!
-//! The engine holds one sequence, so requests are queued in arrival order and decoded one at a
-//! time by a thread that owns it; HTTP runs on tokio. The server listens while the model loads
-//! (`/health` answers 503 until it is ready).
+//! Requests are continuously batched by the engine's scheduler on a thread that owns it: they
+//! join the running batch between decode steps and leave when they finish or their client goes
+//! away. HTTP runs on tokio. The server listens while the model loads (`/health` answers 503
+//! until it is ready).
 
 mod api;
 mod metrics;
@@ -25,7 +26,7 @@ use crate::api::Defaults;
 use crate::metrics::Metrics;
 use crate::routes::{App, Ready};
 use crate::worker::ThinkIds;
-use engine::prefix::PrefixStore;
+use engine::scheduler::SchedulerConfig;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -56,9 +57,23 @@ struct Args {
     /// start-up. Default: 4096, or the checkpoint's context length when that is shorter.
     #[arg(long)]
     max_model_len: Option<usize>,
-    /// Host bytes for the prefix store (0 disables it).
+    /// Prefix caching: full prompt blocks of the KV cache pool are shared between requests
+    /// with the same token prefix (0 disables it; any other value enables it, the pool's
+    /// unreferenced blocks are the cache).
     #[arg(long, default_value_t = 1 << 30)]
     prefix_cache_bytes: usize,
+    /// Sequences decoded together in one step.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Tokens one step may carry (decode rows plus a prefill chunk).
+    #[arg(long, default_value_t = 4096)]
+    max_num_batched_tokens: usize,
+    /// Blocks of the KV cache pool (0: sized from the free memory at load).
+    #[arg(long, default_value_t = 0)]
+    kv_cache_blocks: usize,
+    /// Positions of a KV cache block (a power of two): the granularity of prefix sharing.
+    #[arg(long, default_value_t = 64)]
+    block_size: usize,
     /// Require `Authorization: Bearer <KEY>` on the API endpoints.
     #[arg(long)]
     api_key: Option<String>,
@@ -112,8 +127,17 @@ fn main() -> Result<()> {
         prefill_chunk: args.prefill_chunk,
         device,
         lowering: args.lowering.options()?,
+        max_num_seqs: args.max_num_seqs,
+        kv_blocks: args.kv_cache_blocks,
+        block_size: args.block_size,
         ..EngineConfig::default()
     };
+    if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
+        bail!("--max-num-seqs and --max-num-batched-tokens must be at least 1");
+    }
+    if !args.block_size.is_power_of_two() {
+        bail!("--block-size {} must be a power of two", args.block_size);
+    }
     check_memory(&loaded, &config)?;
     let served = args
         .served_model_name
@@ -208,11 +232,15 @@ async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig)
     eprintln!("serve: loading on http://{local}; /health answers 503 until the model is ready");
 
     let loader_app = app.clone();
-    let budget = args.prefix_cache_bytes;
+    let sched = SchedulerConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        prefix_caching: args.prefix_cache_bytes > 0,
+    };
     std::thread::Builder::new()
         .name("load".into())
         .spawn(move || {
-            if let Err(e) = finish_loading(&loader_app, loaded, config, budget, local) {
+            if let Err(e) = finish_loading(&loader_app, loaded, config, sched, local) {
                 eprintln!("serve: error: {e:#}");
                 std::process::exit(1);
             }
@@ -229,7 +257,7 @@ fn finish_loading(
     app: &Arc<App>,
     loaded: Loaded,
     config: EngineConfig,
-    budget: usize,
+    sched: SchedulerConfig,
     addr: SocketAddr,
 ) -> Result<()> {
     let gguf = &loaded.model.gguf;
@@ -247,6 +275,8 @@ fn finish_loading(
     app.metrics
         .kv_cache_bytes
         .store(engine.cache_bytes() as u64, Relaxed);
+    let mut engine = engine;
+    tools::upload_with_progress(&mut engine, "serve")?;
 
     let think = ThinkIds::of(&tokenizer);
     let mut eos_stops: Vec<u32> = tokenizer.eos_id().into_iter().collect();
@@ -290,14 +320,8 @@ fn finish_loading(
         Some(true) => tokenizer.bos_id(),
         _ => None,
     };
-    let jobs = worker::spawn(
-        engine,
-        tokenizer.clone(),
-        PrefixStore::new(budget),
-        think,
-        app.metrics.clone(),
-    )
-    .context("starting the engine thread")?;
+    let jobs = worker::spawn(engine, tokenizer.clone(), sched, think, app.metrics.clone())
+        .context("starting the engine thread")?;
     let ready = Ready {
         tokenizer,
         template: loaded.chat_template,

@@ -15,6 +15,9 @@ const TTFT_BUCKETS: [f64; 24] = [
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
+/// Sequences in a decode step: the batch buckets.
+const BATCH_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
 const ITL_BUCKETS: [f64; 21] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -72,8 +75,16 @@ pub struct Metrics {
     pub kv_cache_bytes: AtomicU64,
     pub context_positions: AtomicU64,
     pub loaded: AtomicU64,
+    /// Requests the scheduler holds but has not admitted (beside `waiting`, those not yet
+    /// handed to it).
+    pub queued: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub kv_cache_blocks: AtomicU64,
+    /// Referenced cache blocks over all, in millionths.
+    pub cache_usage_ppm: AtomicU64,
     ttft: Mutex<Histogram>,
     itl: Mutex<Histogram>,
+    batch: Mutex<Histogram>,
     prefix: Mutex<PrefixStats>,
 }
 
@@ -93,8 +104,13 @@ impl Metrics {
             kv_cache_bytes: AtomicU64::new(0),
             context_positions: AtomicU64::new(context_positions as u64),
             loaded: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
+            kv_cache_blocks: AtomicU64::new(0),
+            cache_usage_ppm: AtomicU64::new(0),
             ttft: Mutex::new(Histogram::new(&TTFT_BUCKETS)),
             itl: Mutex::new(Histogram::new(&ITL_BUCKETS)),
+            batch: Mutex::new(Histogram::new(&BATCH_BUCKETS)),
             prefix: Mutex::new(PrefixStats {
                 budget: prefix_budget,
                 ..PrefixStats::default()
@@ -111,6 +127,18 @@ impl Metrics {
     pub fn observe_itl(&self, d: Duration) {
         if let Ok(mut h) = self.itl.lock() {
             h.observe(d.as_secs_f64());
+        }
+    }
+
+    /// `--prefix-cache-bytes` as published.
+    pub fn prefix_budget(&self) -> usize {
+        self.prefix.lock().map(|p| p.budget).unwrap_or(0)
+    }
+
+    /// Sequences of one decode step.
+    pub fn observe_batch(&self, n: usize) {
+        if let Ok(mut h) = self.batch.lock() {
+            h.observe(n as f64);
         }
     }
 
@@ -171,8 +199,30 @@ impl Metrics {
         gauge(
             &mut out,
             "num_requests_waiting",
-            "Requests waiting in the queue.",
-            self.waiting.load(Relaxed),
+            "Requests waiting to be admitted to the running batch.",
+            self.waiting.load(Relaxed) + self.queued.load(Relaxed),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {PREFIX}gpu_cache_usage_perc Fraction of the KV cache pool's blocks held by running sequences (1 = full)."
+        );
+        let _ = writeln!(out, "# TYPE {PREFIX}gpu_cache_usage_perc gauge");
+        let _ = writeln!(
+            out,
+            "{PREFIX}gpu_cache_usage_perc {}",
+            self.cache_usage_ppm.load(Relaxed) as f64 / 1e6
+        );
+        gauge(
+            &mut out,
+            "kv_cache_blocks",
+            "Blocks of the KV cache pool.",
+            self.kv_cache_blocks.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "num_preemptions_total",
+            "Sequences preempted (blocks freed, recomputed later) because the pool was full.",
+            self.preemptions.load(Relaxed),
         );
         counter(
             &mut out,
@@ -227,53 +277,60 @@ impl Metrics {
                 "Time between consecutive tokens of a request.",
             );
         }
+        if let Ok(h) = self.batch.lock() {
+            h.render(
+                &mut out,
+                "batch_size",
+                "Sequences decoded together in one step.",
+            );
+        }
         let p = self.prefix.lock().map(|p| *p).unwrap_or_default();
         counter(
             &mut out,
             "prefix_cache_queries_total",
-            "Prompt tokens looked up in the prefix store (vLLM semantics: tokens).",
+            "Prompt tokens looked up in the prefix cache (vLLM semantics: tokens).",
             p.queried_tokens,
         );
         counter(
             &mut out,
             "prefix_cache_hits_total",
-            "Prompt tokens restored from the prefix store (vLLM semantics: tokens).",
+            "Prompt tokens served from shared cache blocks (vLLM semantics: tokens).",
             p.reused_tokens,
         );
         counter(
             &mut out,
             "prefix_store_hits_total",
-            "Requests that restored a stored prefix.",
+            "Requests that reused cached prefix blocks.",
             p.hits,
         );
         counter(
             &mut out,
             "prefix_store_misses_total",
-            "Requests that found no stored prefix.",
+            "Requests that found no cached prefix block.",
             p.misses,
         );
         counter(
             &mut out,
             "prefix_store_reused_tokens_total",
-            "Positions restored instead of forwarded.",
+            "Positions reused instead of forwarded.",
             p.reused_tokens,
         );
         gauge(
             &mut out,
             "prefix_store_entries",
-            "Prompts held by the prefix store.",
+            "Full cache blocks registered under their token prefix.",
             p.entries as u64,
         );
         gauge(
             &mut out,
             "prefix_store_bytes",
-            "Bytes held by the prefix store.",
+            "Bytes of the registered prefix blocks.",
             p.bytes as u64,
         );
         gauge(
             &mut out,
             "prefix_store_budget_bytes",
-            "The prefix store's budget (--prefix-cache-bytes).",
+            "--prefix-cache-bytes (0: prefix caching off).",
             p.budget as u64,
         );
         out

@@ -1,19 +1,21 @@
-//! The engine's thread. The engine holds one sequence, so one thread owns it and serves the
-//! queue in arrival order; the reset or the prefix restore before each request belongs to this
-//! loop, never to a caller (seed §7: a request never sees its predecessor's cache rows).
+//! The engine's thread: it owns the scheduler (continuous batching in `engine`), feeds it the
+//! queued requests between steps, turns its events into each request's stream, and cancels a
+//! sequence whose client went away at the next step boundary. Each sequence has its own cache
+//! blocks, so a request never sees another's rows (seed §7).
 
-use std::ops::ControlFlow;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::mpsc;
 use std::time::Instant;
 
+use engine::prefix::PrefixStats;
+use engine::scheduler::{Scheduler, SchedulerConfig, SeqEvent, SeqId};
 use engine::{Engine, FinishReason, GenerateRequest};
 use loader::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
-use engine::prefix::PrefixStore;
 
 pub struct Job {
     pub req: GenerateRequest,
@@ -221,148 +223,198 @@ fn token_logprob(tok: &Tokenizer, id: u32, logits: &[f32], top: usize) -> TokenL
 pub fn spawn(
     engine: Engine,
     tokenizer: Arc<Tokenizer>,
-    store: PrefixStore,
+    config: SchedulerConfig,
     think: ThinkIds,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<mpsc::Sender<Job>> {
     let (tx, rx) = mpsc::channel::<Job>();
+    let pool = engine.pool();
+    let block_bytes = engine.cache_bytes() / pool.blocks.max(1);
+    metrics.kv_cache_blocks.store(pool.blocks as u64, Relaxed);
     std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || {
             let mut w = Worker {
-                engine,
+                sched: Scheduler::new(engine, config, Some(tokenizer.clone())),
                 tokenizer,
-                store,
                 think,
                 metrics,
+                live: HashMap::new(),
+                prefix: PrefixStats::default(),
+                block_bytes,
             };
-            for job in rx {
-                w.metrics.waiting.fetch_sub(1, Relaxed);
-                w.serve(job);
-            }
+            w.prefix.budget = w.metrics.prefix_budget();
+            w.run(rx);
         })?;
     Ok(tx)
 }
 
+/// A request the scheduler is running, and its stream's state.
+struct Live {
+    job: Job,
+    splitter: Option<Splitter>,
+    last: Option<Instant>,
+}
+
 struct Worker {
-    engine: Engine,
+    sched: Scheduler,
     tokenizer: Arc<Tokenizer>,
-    store: PrefixStore,
     think: ThinkIds,
     metrics: Arc<Metrics>,
+    live: HashMap<SeqId, Live>,
+    prefix: PrefixStats,
+    block_bytes: usize,
 }
 
 impl Worker {
-    fn serve(&mut self, job: Job) {
+    fn run(&mut self, rx: mpsc::Receiver<Job>) {
+        loop {
+            // Idle: wait for a request. Busy: take whatever arrived since the last step.
+            if !self.sched.has_work() {
+                match rx.recv() {
+                    Ok(job) => self.admit(job),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(job) = rx.try_recv() {
+                self.admit(job);
+            }
+            for (&id, l) in &self.live {
+                if l.job.cancel.load(Relaxed) || l.job.events.is_closed() {
+                    self.sched.cancel(id);
+                }
+            }
+            if !self.sched.has_work() {
+                continue;
+            }
+            let events = self.sched.step();
+            for ev in events {
+                self.dispatch(ev);
+            }
+            let st = self.sched.stats();
+            let m = &self.metrics;
+            if st.last_batch > 0 {
+                m.observe_batch(st.last_batch);
+            }
+            m.running.store(st.running as u64, Relaxed);
+            m.queued.store(st.waiting as u64, Relaxed);
+            m.preemptions.store(st.preemptions, Relaxed);
+            m.cache_usage_ppm
+                .store((st.cache_usage * 1e6) as u64, Relaxed);
+            let p = self.sched.pool().stats();
+            self.prefix.entries = p.cached_blocks;
+            self.prefix.bytes = p.cached_blocks * self.block_bytes;
+            m.set_prefix(self.prefix);
+        }
+    }
+
+    fn admit(&mut self, job: Job) {
+        self.metrics.waiting.fetch_sub(1, Relaxed);
         if job.cancel.load(Relaxed) || job.events.is_closed() {
             // Gone while it waited: nothing to decode.
             self.metrics.cancellations.fetch_add(1, Relaxed);
             return;
         }
-        self.metrics.running.store(1, Relaxed);
-        let reuse = self.restore_prefix(&job.req.prompt);
-        let tok = self.tokenizer.clone();
-        let metrics = self.metrics.clone();
-        let mut splitter = job.reasoning.map(|r| Splitter::new(self.think, r));
-        let mut emitted = 0usize;
-        let mut last: Option<Instant> = None;
-        let result = self
-            .engine
-            .generate_from(&job.req, reuse, Some(&tok), |ev| {
+        let id = self.sched.add(job.req.clone());
+        let splitter = job.reasoning.map(|r| Splitter::new(self.think, r));
+        self.live.insert(
+            id,
+            Live {
+                job,
+                splitter,
+                last: None,
+            },
+        );
+    }
+
+    fn dispatch(&mut self, ev: SeqEvent) {
+        match ev {
+            SeqEvent::Token {
+                seq,
+                id,
+                text,
+                logits,
+            } => {
+                let Some(l) = self.live.get_mut(&seq) else {
+                    return;
+                };
                 let now = Instant::now();
-                match last {
-                    None => metrics.observe_ttft(now - job.arrived),
-                    Some(t) => metrics.observe_itl(now - t),
+                match l.last {
+                    None => self.metrics.observe_ttft(now - l.job.arrived),
+                    Some(t) => self.metrics.observe_itl(now - t),
                 }
-                last = Some(now);
-                emitted += ev.text.len();
+                l.last = Some(now);
                 let mut d = Delta::default();
-                match splitter.as_mut() {
-                    Some(s) => s.push(Some(ev.id), ev.text, &mut d),
-                    None => d.content.push_str(ev.text),
+                match l.splitter.as_mut() {
+                    Some(s) => s.push(Some(id), &text, &mut d),
+                    None => d.content.push_str(&text),
                 }
-                if let Some(top) = job.logprobs {
-                    d.logprob = Some(token_logprob(&tok, ev.id, ev.logits, top));
+                if let Some(top) = l.job.logprobs {
+                    d.logprob = Some(token_logprob(
+                        &self.tokenizer,
+                        id,
+                        logits.as_deref().unwrap_or_default(),
+                        top,
+                    ));
                 }
-                if job.cancel.load(Relaxed) || job.events.send(Event::Token(d)).is_err() {
-                    return ControlFlow::Break(());
+                if l.job.events.send(Event::Token(d)).is_err() {
+                    self.sched.cancel(seq);
                 }
-                ControlFlow::Continue(())
-            });
-        match result {
-            Ok(g) => {
-                // Text the engine released only at the end (a held stop-string prefix, a partial UTF-8 sequence).
+            }
+            SeqEvent::Finished {
+                seq,
+                finish,
+                rest,
+                usage,
+            } => {
+                let Some(mut l) = self.live.remove(&seq) else {
+                    return;
+                };
+                // Text the stream released only at the end (a held stop-string prefix, a
+                // partial UTF-8 sequence).
                 let mut d = Delta::default();
-                let rest = g.text.get(emitted..).unwrap_or_default();
-                match splitter.as_mut() {
+                match l.splitter.as_mut() {
                     Some(s) => {
-                        s.push(None, rest, &mut d);
+                        s.push(None, &rest, &mut d);
                         s.finish(&mut d);
                     }
-                    None => d.content.push_str(rest),
+                    None => d.content.push_str(&rest),
                 }
                 if !d.is_empty() {
-                    let _ = job.events.send(Event::Token(d));
+                    let _ = l.job.events.send(Event::Token(d));
                 }
                 let m = &self.metrics;
                 m.prompt_tokens
-                    .fetch_add(g.stats.prompt_tokens as u64, Relaxed);
+                    .fetch_add(usage.prompt_tokens as u64, Relaxed);
                 m.generation_tokens
-                    .fetch_add(g.tokens.len() as u64, Relaxed);
-                match g.finish {
+                    .fetch_add(usage.completion_tokens as u64, Relaxed);
+                match finish {
                     FinishReason::Stop => m.success_stop.fetch_add(1, Relaxed),
                     FinishReason::Length => m.success_length.fetch_add(1, Relaxed),
                     FinishReason::Cancelled => m.cancellations.fetch_add(1, Relaxed),
                 };
-                let _ = job.events.send(Event::Done(Done {
-                    finish: g.finish,
-                    prompt_tokens: g.stats.prompt_tokens,
-                    completion_tokens: g.tokens.len(),
-                    cached_tokens: reuse,
+                let p = &mut self.prefix;
+                p.queried_tokens += usage.prompt_tokens as u64;
+                p.reused_tokens += usage.cached_tokens as u64;
+                if usage.cached_tokens > 0 {
+                    p.hits += 1;
+                } else {
+                    p.misses += 1;
+                }
+                let _ = l.job.events.send(Event::Done(Done {
+                    finish,
+                    prompt_tokens: usage.prompt_tokens,
+                    completion_tokens: usage.completion_tokens,
+                    cached_tokens: usage.cached_tokens,
                 }));
-                self.store_prompt(&job.req.prompt);
             }
-            Err(e) => {
-                self.metrics.errors.fetch_add(1, Relaxed);
-                let _ = job.events.send(Event::Error(e.to_string()));
-            }
-        }
-        self.metrics.running.store(0, Relaxed);
-    }
-
-    /// Restores the longest stored prefix of `prompt`, or empties the cache; returns the
-    /// positions restored.
-    fn restore_prefix(&mut self, prompt: &[u32]) -> usize {
-        let reuse = match self.store.lookup(prompt) {
-            Some(hit) => {
-                let len = hit.len;
-                match self.engine.restore(hit.snapshot, len) {
-                    Ok(()) => len,
-                    Err(e) => {
-                        eprintln!("serve: prefix restore failed, forwarding the whole prompt: {e}");
-                        0
-                    }
+            SeqEvent::Failed { seq, error } => {
+                if let Some(l) = self.live.remove(&seq) {
+                    self.metrics.errors.fetch_add(1, Relaxed);
+                    let _ = l.job.events.send(Event::Error(error));
                 }
             }
-            None => 0,
-        };
-        if reuse == 0 {
-            self.engine.reset();
         }
-        self.metrics.set_prefix(self.store.stats());
-        reuse
-    }
-
-    fn store_prompt(&mut self, prompt: &[u32]) {
-        if !self.store.enabled()
-            || self.engine.cached_len() < prompt.len()
-            || self.store.covers(prompt)
-        {
-            return;
-        }
-        let snap = self.engine.snapshot(prompt.len());
-        self.store.insert(prompt.to_vec(), snap);
-        self.metrics.set_prefix(self.store.stats());
     }
 }
 

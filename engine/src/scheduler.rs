@@ -1,0 +1,571 @@
+//! Continuous batching over one [`Engine`]: requests join the running batch between steps
+//! and leave when they finish or are cancelled (vLLM's scheduler, in miniature).
+//!
+//! Queues: `waiting` (first come, first served; a preempted sequence goes back to its front)
+//! and `running` (holding cache blocks, in admission order). Each [`Scheduler::step`]:
+//! 1. drops cancelled sequences, returning their blocks;
+//! 2. admits waiting sequences while fewer than `max_num_seqs` run and the pool has the
+//!    blocks their whole prompt needs (after the prefix cache's shared blocks), in order;
+//! 3. runs one prefill chunk of the oldest sequence still prefilling, within the token budget
+//!    `max_num_batched_tokens` less the decode rows;
+//! 4. runs one decode step of every sequence with one token to go, each getting a block when
+//!    its position starts one; when the pool is out of blocks the newest running sequence is
+//!    preempted (its blocks freed, its tokens so far kept) and recomputed when it is admitted
+//!    again, so a full pool costs time, never an error or a different answer.
+//!
+//! Sampling is per sequence (its own parameters and seeded generator), stop tokens and stop
+//! strings per sequence. Greedy steps end in the device argmax, so only token ids come back.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use loader::tokenizer::Tokenizer;
+
+use crate::output::TextStream;
+use crate::paged::BlockPool;
+use crate::sampling::{Sampler, argmax};
+use crate::{Engine, EngineError, FinishReason, GenerateRequest, SeqSlice, StepOutput};
+
+/// Limits of a scheduler.
+#[derive(Clone, Copy, Debug)]
+pub struct SchedulerConfig {
+    /// Sequences running at once (at most the engine's `max_num_seqs`).
+    pub max_num_seqs: usize,
+    /// Tokens one step may carry: decode rows plus the prefill chunk.
+    pub max_num_batched_tokens: usize,
+    /// Share full prompt blocks between sequences by the hash of their token prefix.
+    pub prefix_caching: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_num_seqs: 64,
+            max_num_batched_tokens: 4096,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// A sequence's handle.
+pub type SeqId = u64;
+
+/// What a step produced for the callers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SeqEvent {
+    /// A generated token and the text that became final with it; its logits row when the
+    /// request asked for logits.
+    Token {
+        seq: SeqId,
+        id: u32,
+        text: String,
+        logits: Option<Vec<f32>>,
+    },
+    /// The sequence ended; its blocks are back in the pool. `text` is what the stream had
+    /// not yet handed out (held stop-string prefixes, incomplete UTF-8).
+    Finished {
+        seq: SeqId,
+        finish: FinishReason,
+        rest: String,
+        usage: SeqUsage,
+    },
+    /// The request cannot run (a prompt longer than the context, an id outside the
+    /// vocabulary); nothing was generated.
+    Failed { seq: SeqId, error: String },
+}
+
+/// Token counts of a finished sequence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SeqUsage {
+    pub prompt_tokens: usize,
+    /// Prompt positions served from the prefix cache at first admission.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    /// Times the sequence was preempted and recomputed.
+    pub preemptions: usize,
+}
+
+/// Counters since the scheduler started.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SchedulerStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub preemptions: u64,
+    pub steps: u64,
+    /// Sequences in the last decode step.
+    pub last_batch: usize,
+    /// Referenced blocks over all blocks.
+    pub cache_usage: f64,
+    pub blocks_total: usize,
+    pub blocks_available: usize,
+}
+
+struct Seq {
+    id: SeqId,
+    req: GenerateRequest,
+    /// The prompt and every token generated so far.
+    tokens: Vec<u32>,
+    /// Positions whose cache rows are written (`tokens[..computed]`).
+    computed: usize,
+    blocks: Vec<u32>,
+    sampler: Sampler,
+    out: TextStream<Arc<Tokenizer>>,
+    usage: SeqUsage,
+    admitted_once: bool,
+    cancelled: bool,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.req.prompt.len()
+    }
+
+    fn greedy_on_device(&self) -> bool {
+        let p = &self.req.sampling;
+        !self.req.want_logits && p.temperature == 0.0 && p.repetition_penalty == 1.0
+    }
+}
+
+/// The continuous-batching loop's state over one engine.
+pub struct Scheduler {
+    engine: Engine,
+    pool: BlockPool,
+    config: SchedulerConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    next_id: SeqId,
+    preemptions: u64,
+    steps: u64,
+    last_batch: usize,
+}
+
+impl Scheduler {
+    /// A scheduler owning `engine` and every block of its pool. `tokenizer` turns tokens
+    /// into text and stop strings (without one, only stop tokens end a sequence early).
+    pub fn new(
+        engine: Engine,
+        config: SchedulerConfig,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Scheduler {
+        let pool = engine.pool();
+        let max_num_seqs = config
+            .max_num_seqs
+            .clamp(1, engine.config().max_num_seqs.max(1));
+        Scheduler {
+            engine,
+            pool: BlockPool::new(pool.blocks, pool.block_size),
+            config: SchedulerConfig {
+                max_num_seqs,
+                max_num_batched_tokens: config.max_num_batched_tokens.max(1),
+                ..config
+            },
+            tokenizer,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            preemptions: 0,
+            steps: 0,
+            last_batch: 0,
+        }
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub fn engine_mut(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
+
+    /// The engine back, for a caller that runs another scheduler on it; whatever is queued
+    /// or running is dropped.
+    pub fn into_engine(self) -> Engine {
+        self.engine
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Queues a request; it runs once admitted.
+    pub fn add(&mut self, req: GenerateRequest) -> SeqId {
+        let id = self.next_id;
+        self.next_id += 1;
+        let seq = Seq {
+            id,
+            tokens: req.prompt.clone(),
+            computed: 0,
+            blocks: Vec::new(),
+            sampler: Sampler::new(req.sampling.clone()),
+            out: TextStream::new(self.tokenizer.clone()),
+            usage: SeqUsage {
+                prompt_tokens: req.prompt.len(),
+                ..SeqUsage::default()
+            },
+            admitted_once: false,
+            cancelled: false,
+            req,
+        };
+        self.waiting.push_back(seq);
+        id
+    }
+
+    /// Marks `seq` cancelled: it leaves at the next step boundary with
+    /// [`FinishReason::Cancelled`]. False when no such sequence is queued or running.
+    pub fn cancel(&mut self, seq: SeqId) -> bool {
+        match self
+            .waiting
+            .iter_mut()
+            .chain(self.running.iter_mut())
+            .find(|s| s.id == seq)
+        {
+            Some(s) => {
+                s.cancelled = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// True while any sequence is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            preemptions: self.preemptions,
+            steps: self.steps,
+            last_batch: self.last_batch,
+            cache_usage: self.pool.usage(),
+            blocks_total: self.pool.total(),
+            blocks_available: self.pool.available(),
+        }
+    }
+
+    /// One scheduling iteration (see the module doc). Events come in the order they
+    /// happened; an engine error fails the sequences of the step that hit it, and the
+    /// others go on.
+    pub fn step(&mut self) -> Vec<SeqEvent> {
+        let mut events = Vec::new();
+        self.reap_cancelled(&mut events);
+        self.admit(&mut events);
+        let decoding: Vec<SeqId> = self
+            .running
+            .iter()
+            .filter(|s| s.tokens.len() - s.computed == 1)
+            .map(|s| s.id)
+            .collect();
+        let budget = self
+            .config
+            .max_num_batched_tokens
+            .saturating_sub(decoding.len());
+        if let Some(i) = self
+            .running
+            .iter()
+            .position(|s| s.tokens.len() - s.computed > 1)
+        {
+            self.prefill(i, budget, &mut events);
+        }
+        self.decode(&decoding, &mut events);
+        self.steps += 1;
+        events
+    }
+
+    /// Runs steps until every queued sequence has finished; returns all events.
+    pub fn run_to_completion(&mut self) -> Vec<SeqEvent> {
+        let mut all = Vec::new();
+        while self.has_work() {
+            all.extend(self.step());
+        }
+        all
+    }
+
+    fn reap_cancelled(&mut self, events: &mut Vec<SeqEvent>) {
+        let mut k = 0;
+        while k < self.running.len() {
+            if self.running[k].cancelled {
+                let s = self.running.remove(k);
+                self.finish(s, FinishReason::Cancelled, events);
+            } else {
+                k += 1;
+            }
+        }
+        let (gone, kept): (Vec<Seq>, Vec<Seq>) = self.waiting.drain(..).partition(|s| s.cancelled);
+        self.waiting = kept.into();
+        for s in gone {
+            self.finish(s, FinishReason::Cancelled, events);
+        }
+    }
+
+    /// Moves waiting sequences to running while they fit, first come first served: a
+    /// sequence that does not fit stops admission (no overtaking).
+    fn admit(&mut self, events: &mut Vec<SeqEvent>) {
+        let max_len = self.engine.config().max_model_len;
+        let block = self.pool.block_size();
+        while self.running.len() < self.config.max_num_seqs {
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            if s.tokens.is_empty() {
+                events.push(SeqEvent::Failed {
+                    seq: s.id,
+                    error: EngineError::EmptyPrompt.to_string(),
+                });
+                continue;
+            }
+            if s.tokens.len() > max_len {
+                let e = EngineError::ContextFull {
+                    cached: 0,
+                    adding: s.tokens.len(),
+                    max: max_len,
+                };
+                events.push(SeqEvent::Failed {
+                    seq: s.id,
+                    error: e.to_string(),
+                });
+                continue;
+            }
+            // Full blocks of everything but the last token: that one must be forwarded for
+            // its logits, so no shared block is ever written.
+            let shared = if self.config.prefix_caching {
+                self.pool.lookup_prefix(&s.tokens[..s.tokens.len() - 1])
+            } else {
+                Vec::new()
+            };
+            let need = s.tokens.len().div_ceil(block).saturating_sub(shared.len());
+            match self.pool.allocate_n(need) {
+                Some(fresh) => {
+                    s.computed = shared.len() * block;
+                    if !s.admitted_once {
+                        s.usage.cached_tokens = s.computed;
+                        s.admitted_once = true;
+                    }
+                    s.blocks = shared;
+                    s.blocks.extend(fresh);
+                    self.running.push(s);
+                }
+                None => {
+                    let _ = self.pool.release_all(&shared);
+                    self.waiting.push_front(s);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// One chunk of running sequence `i`'s remaining tokens.
+    fn prefill(&mut self, i: usize, budget: usize, events: &mut Vec<SeqEvent>) {
+        let s = &self.running[i];
+        let remaining = s.tokens.len() - s.computed;
+        let chunk = remaining
+            .min(self.engine.config().prefill_chunk.max(1))
+            .min(budget.max(self.pool.block_size()));
+        let ends = chunk == remaining;
+        let argmax = ends && s.greedy_on_device();
+        let slice = SeqSlice {
+            blocks: &s.blocks,
+            start: s.computed,
+            tokens: &s.tokens[s.computed..s.computed + chunk],
+        };
+        let out = self.engine.step_sequences(&[slice], argmax);
+        match out {
+            Ok(out) => {
+                let s = &mut self.running[i];
+                s.computed += chunk;
+                if self.config.prefix_caching {
+                    self.pool
+                        .register_prefix(&s.blocks, &s.tokens[..s.computed]);
+                }
+                if ends {
+                    let id = self.running[i].id;
+                    self.sampled(vec![(id, row_of(&out, 0, self.vocab()))], events);
+                }
+            }
+            Err(e) => {
+                let s = self.running.remove(i);
+                self.fail(s, e, events);
+            }
+        }
+    }
+
+    fn vocab(&self) -> usize {
+        self.engine.model().decl.n_vocab()
+    }
+
+    /// One decode step of the sequences `ids` (those still running after block allocation).
+    fn decode(&mut self, ids: &[SeqId], events: &mut Vec<SeqEvent>) {
+        let block = self.pool.block_size();
+        // A block for each sequence whose next position starts one, preempting the newest
+        // running sequence while the pool has none.
+        for &id in ids {
+            while let Some(k) = self.running.iter().position(|s| s.id == id) {
+                let s = &self.running[k];
+                if s.computed < s.blocks.len() * block {
+                    break;
+                }
+                if let Some(b) = self.pool.allocate() {
+                    self.running[k].blocks.push(b);
+                    break;
+                }
+                self.preempt_newest();
+            }
+        }
+        let rows: Vec<usize> = ids
+            .iter()
+            .filter_map(|&id| self.running.iter().position(|s| s.id == id))
+            .collect();
+        self.last_batch = rows.len();
+        if rows.is_empty() {
+            return;
+        }
+        let argmax = rows.iter().all(|&k| self.running[k].greedy_on_device());
+        let slices: Vec<SeqSlice<'_>> = rows
+            .iter()
+            .map(|&k| {
+                let s = &self.running[k];
+                SeqSlice {
+                    blocks: &s.blocks,
+                    start: s.computed,
+                    tokens: &s.tokens[s.computed..],
+                }
+            })
+            .collect();
+        let out = self.engine.step_sequences(&slices, argmax);
+        match out {
+            Ok(out) => {
+                let vocab = self.vocab();
+                let mut picks = Vec::with_capacity(rows.len());
+                for (j, &k) in rows.iter().enumerate() {
+                    self.running[k].computed += 1;
+                    picks.push((self.running[k].id, row_of(&out, j, vocab)));
+                }
+                self.sampled(picks, events);
+            }
+            Err(e) => {
+                // The step as a whole failed: every sequence in it is failed, the rest go on.
+                let msg = e.to_string();
+                let failed: Vec<SeqId> = rows.iter().map(|&k| self.running[k].id).collect();
+                for id in failed {
+                    if let Some(k) = self.running.iter().position(|s| s.id == id) {
+                        let s = self.running.remove(k);
+                        let _ = self.pool.release_all(&s.blocks);
+                        events.push(SeqEvent::Failed {
+                            seq: s.id,
+                            error: msg.clone(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Frees the newest running sequence's blocks and puts it at the front of the queue; its
+    /// tokens so far are recomputed when it is admitted again.
+    fn preempt_newest(&mut self) {
+        if let Some(mut s) = self.running.pop() {
+            let _ = self.pool.release_all(&s.blocks);
+            s.blocks.clear();
+            s.computed = 0;
+            s.usage.preemptions += 1;
+            self.preemptions += 1;
+            self.waiting.push_front(s);
+        }
+    }
+
+    /// Takes each sequence's next token from its row and ends the ones that are done.
+    fn sampled(&mut self, picks: Vec<(SeqId, Row)>, events: &mut Vec<SeqEvent>) {
+        let max_len = self.engine.config().max_model_len;
+        for (id, row) in picks {
+            let Some(k) = self.running.iter().position(|s| s.id == id) else {
+                continue;
+            };
+            let s = &mut self.running[k];
+            let (token, logits) = match row {
+                Row::Token(t) => (t, None),
+                Row::Logits(l) => {
+                    let t = if s.req.sampling.temperature == 0.0
+                        && s.req.sampling.repetition_penalty == 1.0
+                    {
+                        argmax(&l) as u32
+                    } else {
+                        s.sampler.sample(&l, &s.tokens)
+                    };
+                    (t, s.req.want_logits.then_some(l))
+                }
+            };
+            if s.req.stop_tokens.contains(&token) {
+                let s = self.running.remove(k);
+                self.finish(s, FinishReason::Stop, events);
+                continue;
+            }
+            s.tokens.push(token);
+            s.usage.completion_tokens = s.generated();
+            let (text, stop_hit) = match s.out.push(token, &s.req.stop_strings) {
+                Ok(v) => v,
+                Err(e) => {
+                    let s = self.running.remove(k);
+                    self.fail(s, e, events);
+                    continue;
+                }
+            };
+            events.push(SeqEvent::Token {
+                seq: id,
+                id: token,
+                text,
+                logits,
+            });
+            let done = if stop_hit {
+                Some(FinishReason::Stop)
+            } else if s.generated() >= s.req.max_tokens || s.tokens.len() >= max_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(finish) = done {
+                let s = self.running.remove(k);
+                self.finish(s, finish, events);
+            }
+        }
+    }
+
+    fn finish(&mut self, mut s: Seq, finish: FinishReason, events: &mut Vec<SeqEvent>) {
+        let _ = self.pool.release_all(&s.blocks);
+        let emitted = s.out.emitted();
+        let text = s.out.finish();
+        events.push(SeqEvent::Finished {
+            seq: s.id,
+            finish,
+            rest: text.get(emitted..).unwrap_or_default().to_string(),
+            usage: s.usage,
+        });
+    }
+
+    fn fail(&mut self, s: Seq, e: EngineError, events: &mut Vec<SeqEvent>) {
+        let _ = self.pool.release_all(&s.blocks);
+        events.push(SeqEvent::Failed {
+            seq: s.id,
+            error: e.to_string(),
+        });
+    }
+}
+
+/// One sequence's part of a step's output.
+enum Row {
+    Token(u32),
+    Logits(Vec<f32>),
+}
+
+fn row_of(out: &StepOutput, j: usize, vocab: usize) -> Row {
+    match out {
+        StepOutput::Tokens(t) => Row::Token(t[j]),
+        StepOutput::Logits(l) => Row::Logits(l[j * vocab..(j + 1) * vocab].to_vec()),
+    }
+}

@@ -1,0 +1,122 @@
+//! What the batching tests share: the `tiny` checkpoint, a scheduler over it with blocks of 16
+//! positions, prompts of different lengths, and each sequence's tokens from a run's events.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use engine::scheduler::{Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqUsage};
+use engine::{Device, Engine, EngineConfig, FinishReason, GenerateRequest, Model, SamplingParams};
+use loader::hparams::Arch;
+use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+
+pub fn tiny() -> Arc<Model> {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("batching_tiny_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        write_checkpoint(&SynthOptions {
+            arch: Arch::Xing4_0,
+            dims: Dims::preset(Preset::Tiny),
+            seed: 11,
+            out: d.clone(),
+            force: true,
+            progress: false,
+        })
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        d
+    });
+    models::load(&dir.join("model.gguf"), Some(dir), false)
+        .unwrap()
+        .model
+}
+
+pub fn gpu_present() -> bool {
+    ops::parity::test_gpu().is_some()
+}
+
+/// An engine with blocks of 16 positions (so short prompts span several) and `kv_blocks`
+/// blocks (0: sized for `max_num_seqs` sequences).
+pub fn scheduler(device: Device, kv_blocks: usize, prefix_caching: bool) -> Scheduler {
+    let config = EngineConfig {
+        max_model_len: 128,
+        prefill_chunk: 24,
+        device,
+        max_num_seqs: 8,
+        block_size: 16,
+        kv_blocks,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(tiny(), config).unwrap_or_else(|e| panic!("{device}: {e}"));
+    Scheduler::new(
+        engine,
+        SchedulerConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 64,
+            prefix_caching,
+        },
+        None,
+    )
+}
+
+pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 37 + salt * 101 + 5) % 500 + 3)
+        .collect()
+}
+
+pub fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: vec![],
+        stop_strings: vec![],
+        want_logits: false,
+    }
+}
+
+/// Each sequence's tokens, finish and usage from a run's events.
+#[derive(Default)]
+pub struct Outcome {
+    pub tokens: HashMap<SeqId, Vec<u32>>,
+    pub finished: HashMap<SeqId, (FinishReason, SeqUsage)>,
+}
+
+impl Outcome {
+    pub fn take(&mut self, events: Vec<SeqEvent>) {
+        for ev in events {
+            match ev {
+                SeqEvent::Token { seq, id, .. } => self.tokens.entry(seq).or_default().push(id),
+                SeqEvent::Finished {
+                    seq, finish, usage, ..
+                } => {
+                    self.finished.insert(seq, (finish, usage));
+                }
+                SeqEvent::Failed { seq, error } => panic!("sequence {seq} failed: {error}"),
+            }
+        }
+    }
+
+    pub fn of(&self, seq: SeqId) -> Vec<u32> {
+        self.tokens.get(&seq).cloned().unwrap_or_default()
+    }
+}
+
+/// The greedy tokens of `req` decoded alone on a fresh scheduler.
+pub fn alone(device: Device, req: &GenerateRequest) -> Vec<u32> {
+    let mut s = scheduler(device, 0, false);
+    let id = s.add(req.clone());
+    let mut out = Outcome::default();
+    out.take(s.run_to_completion());
+    out.of(id)
+}
+
+pub fn prompts() -> Vec<GenerateRequest> {
+    [(3, 0, 20), (17, 1, 14), (40, 2, 25), (1, 3, 9), (70, 4, 18)]
+        .into_iter()
+        .map(|(len, salt, n)| request(prompt(len, salt), n))
+        .collect()
+}

@@ -1,0 +1,124 @@
+//! Continuous batching on the `tiny` checkpoint on the CPU: sequences decoded together give
+//! the tokens each gives alone (exactly: the CPU kernels compute every row the same way at any
+//! batch size), a sequence that joins mid-decode or is cancelled disturbs nobody, a pool too
+//! small for two sequences preempts and recomputes without changing an answer, and shared
+//! prefix blocks survive one sharer diverging. `gpu_batching.rs` runs the batch on the GPU.
+
+mod batch_support;
+
+use batch_support::*;
+use engine::scheduler::SeqId;
+use engine::{Device, Engine, EngineConfig, FinishReason};
+
+#[test]
+fn sequences_decoded_together_give_the_tokens_each_gives_alone_on_the_cpu() {
+    let reqs = prompts();
+    let solo: Vec<Vec<u32>> = reqs.iter().map(|r| alone(Device::Cpu, r)).collect();
+    let mut s = scheduler(Device::Cpu, 0, false);
+    let mut out = Outcome::default();
+    // Four start together; the fifth joins while they are mid-decode.
+    let mut ids: Vec<SeqId> = reqs[..4].iter().map(|r| s.add(r.clone())).collect();
+    for _ in 0..6 {
+        out.take(s.step());
+    }
+    assert!(
+        s.stats().running > 1,
+        "the first four should be running together"
+    );
+    ids.push(s.add(reqs[4].clone()));
+    out.take(s.run_to_completion());
+    for (k, id) in ids.iter().enumerate() {
+        assert_eq!(out.of(*id), solo[k], "sequence {k}");
+        assert_eq!(out.finished[id].0, FinishReason::Length, "sequence {k}");
+    }
+    assert_eq!(s.pool().available(), s.pool().total());
+}
+
+#[test]
+fn the_single_sequence_engine_and_a_scheduler_of_one_agree() {
+    let req = request(prompt(33, 7), 16);
+    let config = EngineConfig {
+        max_model_len: 128,
+        prefill_chunk: 24,
+        block_size: 16,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(tiny(), config).unwrap();
+    let g = e
+        .generate(&req, None, |_| std::ops::ControlFlow::Continue(()))
+        .unwrap();
+    assert_eq!(g.tokens, alone(Device::Cpu, &req));
+}
+
+#[test]
+fn a_cancelled_sequence_leaves_at_the_next_step_and_the_others_are_undisturbed() {
+    let reqs = prompts();
+    let solo: Vec<Vec<u32>> = reqs.iter().map(|r| alone(Device::Cpu, r)).collect();
+    let mut s = scheduler(Device::Cpu, 0, false);
+    let ids: Vec<SeqId> = reqs.iter().map(|r| s.add(r.clone())).collect();
+    let mut out = Outcome::default();
+    for _ in 0..8 {
+        out.take(s.step());
+    }
+    assert!(s.cancel(ids[2]));
+    let before = out.of(ids[2]).len();
+    out.take(s.step());
+    assert_eq!(out.finished[&ids[2]].0, FinishReason::Cancelled);
+    assert_eq!(out.of(ids[2]).len(), before, "no token after the cancel");
+    assert_eq!(out.of(ids[2])[..], solo[2][..before]);
+    out.take(s.run_to_completion());
+    for k in [0, 1, 3, 4] {
+        assert_eq!(out.of(ids[k]), solo[k], "sequence {k}");
+    }
+    assert_eq!(s.pool().available(), s.pool().total());
+}
+
+#[test]
+fn a_pool_too_small_for_two_sequences_preempts_and_both_get_their_tokens_alone() {
+    // 128 positions a sequence = 8 blocks of 16; the pool holds 10, and each sequence grows
+    // to 40 + 60 = 100 positions (7 blocks): the two cannot run side by side to the end.
+    let reqs = [request(prompt(40, 8), 60), request(prompt(40, 9), 60)];
+    let solo: Vec<Vec<u32>> = reqs.iter().map(|r| alone(Device::Cpu, r)).collect();
+    let mut s = scheduler(Device::Cpu, 10, false);
+    assert_eq!(s.pool().total(), 10);
+    let ids: Vec<SeqId> = reqs.iter().map(|r| s.add(r.clone())).collect();
+    let mut out = Outcome::default();
+    out.take(s.run_to_completion());
+    assert!(s.stats().preemptions > 0, "the pool should have run out");
+    let preempted: usize = ids.iter().map(|id| out.finished[id].1.preemptions).sum();
+    assert!(preempted > 0);
+    for (k, id) in ids.iter().enumerate() {
+        assert_eq!(out.of(*id), solo[k], "sequence {k}");
+    }
+    assert_eq!(s.pool().available(), s.pool().total());
+}
+
+#[test]
+fn prefix_blocks_shared_by_two_sequences_survive_one_of_them_diverging() {
+    // 40 shared tokens = two full blocks of 16, then different tails.
+    let head = prompt(40, 12);
+    let with_tail = |salt| {
+        let mut p = head.clone();
+        p.extend(prompt(9, salt));
+        request(p, 20)
+    };
+    let (a, b) = (with_tail(1), with_tail(2));
+    let solo = [alone(Device::Cpu, &a), alone(Device::Cpu, &b)];
+    let mut s = scheduler(Device::Cpu, 0, true);
+    // The first run registers the head's blocks; then both run together on them.
+    let warm = s.add(a.clone());
+    let mut out = Outcome::default();
+    out.take(s.run_to_completion());
+    assert_eq!(out.of(warm), solo[0]);
+    let ids = [s.add(a.clone()), s.add(b.clone())];
+    out.take(s.run_to_completion());
+    for (k, id) in ids.iter().enumerate() {
+        assert_eq!(out.of(*id), solo[k], "sequence {k}");
+        assert!(
+            out.finished[id].1.cached_tokens >= 32,
+            "sequence {k} should reuse the two shared blocks: {:?}",
+            out.finished[id].1
+        );
+    }
+    assert_eq!(s.pool().in_use(), 0);
+}
