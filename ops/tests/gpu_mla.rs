@@ -1,5 +1,6 @@
 //! CUDA parity of the MLA ops (`MlaQuery` and `MlaKv` with their rope, `KvCacheWrite`,
-//! `MlaAttention`, `MlaValueOut`) against their CPU references; skips without a GPU, saying
+//! `MlaAttention` over one sequence's cache and over several sequences' blocks shuffled in a
+//! paged pool, `MlaValueOut`) against their CPU references; skips without a GPU, saying
 //! why. Timings at the real Xing4.0 shapes are ignored (run on the GPU host with
 //! `--include-ignored`).
 //!
@@ -46,7 +47,7 @@ use ops::{DType, Op, OpError, TensorMeta};
 use proptest::prelude::*;
 
 mod support;
-use support::{attention_for, head_for};
+use support::{PagedPool, attention_for, head_for};
 
 /// The released model's YaRN block (spec §1.1) over `n_rot` rotated dims.
 fn rope(n_rot: usize) -> RopeParams {
@@ -216,11 +217,15 @@ fn mla_kv_into_the_cache_gives_mla_kv_then_kv_cache_write() {
         n in prop_oneof![1usize..6, 250usize..400], ctx in 1usize..50, lora in 1usize..600,
         rot2 in 1usize..33, seed in any::<u64>(),
     )| {
+        // Inputs (cache, kv, norm_w, positions, slots): the positions (up to 2^18, for the
+        // rope) are apart from the slots (the pool rows), which repeat and now and then are
+        // a padding row's -1.
         let (kv, mut ins) = kv_case(seed, n, lora, 2 * rot2);
         let mut r = Rng::new(seed ^ 0xcace);
         let w = lora + 2 * rot2;
-        ins[2] = HostValue::i32([n], &positions(&mut r, n, ctx));
+        let slots: Vec<i32> = positions(&mut r, n, ctx + 1).iter().map(|&s| s - 1).collect();
         ins.insert(0, HostValue::f32([ctx, w], &r.vec(ctx * w, -1.0, 1.0)));
+        ins.push(HostValue::i32([n], &slots));
         check(&gpu, &MlaKvCacheWrite { kv }, &ins, Tolerance::F32).map_err(TestCaseError::fail)?;
     });
 }
@@ -236,27 +241,31 @@ fn kv_cache_write_matches_its_cpu_reference() {
         seed in any::<u64>(),
     )| {
         let mut r = Rng::new(seed);
-        // Positions may repeat: the later token's row wins, as in the CPU's loop.
+        // Slots may repeat (the later token's row wins, as in the CPU's loop) and be a padding
+        // row's -1 (nothing written).
+        let slots: Vec<i32> = positions(&mut r, n, ctx + 1).iter().map(|&s| s - 1).collect();
         let ins = vec![
             HostValue::f32([ctx, w], &r.vec(ctx * w, -1.0, 1.0)),
             HostValue::f32([n, w], &r.vec(n * w, -1.0, 1.0)),
-            HostValue::i32([n], &positions(&mut r, n, ctx)),
+            HostValue::i32([n], &slots),
         ];
         check(&gpu, &KvCacheWrite, &ins, Tolerance::F32).map_err(TestCaseError::fail)?;
     });
 }
 
 #[test]
-fn kv_cache_write_skips_positions_outside_the_cache() {
+fn kv_cache_write_skips_padding_slots_and_slots_outside_the_pool() {
     let Some(gpu) = test_gpu() else { return };
+    // Padding rows' negative slots write nothing; slots past the pool (which the CPU refuses
+    // and the engine never makes) are skipped too.
     let (ctx, w) = (6, 5);
     let mut r = Rng::new(3);
     let cache = r.vec(ctx * w, -1.0, 1.0);
-    let k = r.vec(4 * w, 2.0, 3.0);
+    let k = r.vec(5 * w, 2.0, 3.0);
     let ins = vec![
         HostValue::f32([ctx, w], &cache),
-        HostValue::f32([4, w], &k),
-        HostValue::i32([4], &[-1, 2, ctx as i32, i32::MAX]),
+        HostValue::f32([5, w], &k),
+        HostValue::i32([5], &[-1, 2, ctx as i32, i32::MAX, i32::MIN]),
     ];
     let out = run_gpu(&gpu, &KvCacheWrite, &ins).expect("kv_cache_write");
     let got: Vec<f32> = out[0]
@@ -271,21 +280,99 @@ fn kv_cache_write_skips_positions_outside_the_cache() {
 
 // ---- MlaAttention ---------------------------------------------------------------------
 
-/// Q, a cache whose rows past every position are NaN (so a read past the position shows),
-/// and the positions.
-fn attention_inputs(seed: u64, nh: usize, w: usize, ctx: usize, pos: &[i32]) -> Vec<HostValue> {
+/// Positions of a cache block at the real shapes (the engine's).
+const BLOCK: usize = 64;
+
+/// The inputs of one sequence over a cache of `ctx` rows padded to whole blocks of `block`
+/// (its blocks in order): Q, the cache, whose rows past every position are NaN (so a read past
+/// the position shows), the positions, the identity block table `[1, blocks]` and the row map
+/// (all sequence 0).
+fn attention_inputs(
+    seed: u64,
+    nh: usize,
+    w: usize,
+    ctx: usize,
+    block: usize,
+    pos: &[i32],
+) -> Vec<HostValue> {
     let mut r = Rng::new(seed);
     let n = pos.len();
+    let rows = ctx.next_multiple_of(block);
     let last = pos.iter().copied().max().unwrap_or(0).max(0) as usize;
-    let mut cache = r.vec(ctx * w, -1.0, 1.0);
+    let mut cache = r.vec(rows * w, -1.0, 1.0);
     for v in cache.iter_mut().skip((last + 1) * w) {
         *v = f32::NAN;
     }
+    let blocks = rows / block;
     vec![
         HostValue::f32([n, nh, w], &r.vec(n * nh * w, -1.0, 1.0)),
-        HostValue::f32([ctx, w], &cache),
+        HostValue::f32([rows, w], &cache),
         HostValue::i32([n], pos),
+        HostValue::i32([1, blocks], &(0..blocks as i32).collect::<Vec<_>>()),
+        HostValue::i32([n], &vec![0; n]),
     ]
+}
+
+/// The inputs of a step over `pool`: Q, the pool holding `seqs` (NaN in every row no sequence
+/// holds), the positions, the block table and the row map.
+fn paged_inputs(
+    pool: &PagedPool,
+    seqs: &[Vec<f32>],
+    q: &[f32],
+    nh: usize,
+    w: usize,
+    pos: &[i32],
+    row_seq: &[i32],
+) -> Vec<HostValue> {
+    let n = pos.len();
+    vec![
+        HostValue::f32([n, nh, w], q),
+        HostValue::f32([pool.pool_rows(), w], &pool.scatter(seqs, w)),
+        HostValue::i32([n], pos),
+        HostValue::i32([pool.seqs(), pool.width], &pool.table),
+        HostValue::i32([n], row_seq),
+    ]
+}
+
+/// The CPU reference of a step over `pool` computed as each sequence's tokens alone over that
+/// sequence's own contiguous cache (same reach, blocks in order): the output's bytes.
+fn per_sequence_reference(
+    att: &MlaAttention,
+    pool: &PagedPool,
+    seqs: &[Vec<f32>],
+    q: &[f32],
+    w: usize,
+    pos: &[i32],
+    row_seq: &[i32],
+) -> Result<Vec<u8>, OpError> {
+    let (n, nh, lora) = (pos.len(), att.n_head, att.kv_lora);
+    let tok = nh * lora * 4;
+    let mut out = vec![0u8; n * tok];
+    for (s, rows) in seqs.iter().enumerate() {
+        let mine: Vec<usize> = (0..n).filter(|&i| row_seq[i] as usize == s).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let k = mine.len();
+        let qs: Vec<f32> = mine
+            .iter()
+            .flat_map(|&i| q[i * nh * w..(i + 1) * nh * w].iter().copied())
+            .collect();
+        let ps: Vec<i32> = mine.iter().map(|&i| pos[i]).collect();
+        let ins = vec![
+            HostValue::f32([k, nh, w], &qs),
+            HostValue::f32([pool.reach(), w], &pool.contiguous(rows, w)),
+            HostValue::i32([k], &ps),
+            HostValue::i32([1, pool.width], &pool.contiguous_table()),
+            HostValue::i32([k], &vec![0; k]),
+        ];
+        let alone = run_cpu(att, &ins)?;
+        let b = alone[0].1.bytes();
+        for (j, &i) in mine.iter().enumerate() {
+            out[i * tok..(i + 1) * tok].copy_from_slice(&b[j * tok..(j + 1) * tok]);
+        }
+    }
+    Ok(out)
 }
 
 /// The attention with the split kernel fixed, so every variant faces every case.
@@ -369,26 +456,85 @@ fn attention_parity(
 fn mla_attention_matches_its_cpu_reference_on_random_shapes() {
     let Some(gpu) = test_gpu() else { return };
     // Up to ~3000 rows (many chunks of several tiles), head counts across one and two groups
-    // of 32, widths up to the real 576/512; each token at row 0, at the bucket's last row or
-    // anywhere.
+    // of 32, widths up to the real 576/512, cache blocks of 1 to 64 rows (the cache padded to
+    // whole blocks); each token at row 0, at the bucket's last row or anywhere.
     proptest!(ProptestConfig::with_cases(24), |(
         n in 1usize..5, nh in 1usize..70, lora4 in 1usize..129, rot4 in 0usize..17,
-        ctx in 1usize..3000, seed in any::<u64>(),
+        ctx in 1usize..3000, bshift in 0usize..7, seed in any::<u64>(),
     )| {
-        let (lora, w) = (4 * lora4, 4 * (lora4 + rot4).min(144));
+        let (lora, w, block) = (4 * lora4, 4 * (lora4 + rot4).min(144), 1 << bshift);
         let att = MlaAttention {
-            n_head: nh, kv_lora: lora, kq_scale: 0.1, kernel: AttentionPath::SplitK,
+            n_head: nh, kv_lora: lora, kq_scale: 0.1, block_size: block,
+            kernel: AttentionPath::SplitK,
         };
+        let bucket = ctx.next_multiple_of(block);
         let mut r = Rng::new(seed ^ 0x55);
         let pos: Vec<i32> = (0..n)
             .map(|_| match r.below(3) {
                 0 => 0,
-                1 => ctx as i32 - 1,
-                _ => r.below(ctx) as i32,
+                1 => bucket as i32 - 1,
+                _ => r.below(bucket) as i32,
             })
             .collect();
-        let ins = attention_inputs(seed, nh, w, ctx, &pos);
+        let ins = attention_inputs(seed, nh, w, ctx, block, &pos);
         attention_parity(&gpu, &att, &ins).map_err(TestCaseError::fail)?;
+    });
+}
+
+#[test]
+fn attention_over_shuffled_blocks_equals_attention_over_each_sequence_s_contiguous_copy() {
+    let Some(gpu) = test_gpu() else { return };
+    // Up to 4 sequences of up to ~2000 positions in one step, a few tokens of each in a random
+    // order (at position 0, at the sequence's last or anywhere), blocks of 1 to 64 rows handed
+    // out in a shuffled order, every pool row no sequence holds NaN (so a read of one shows).
+    // Each split kernel over the pool is held to the CPU over each sequence's own contiguous
+    // cache, and gives the bits it gives over the same blocks in their natural order.
+    proptest!(ProptestConfig::with_cases(16), |(
+        lens in prop::collection::vec(1usize..2000, 1..5), n in 1usize..9, nh in 1usize..70,
+        lora4 in 1usize..129, rot4 in 0usize..17, bshift in 0usize..7, extra_width in 0usize..3,
+        seed in any::<u64>(),
+    )| {
+        let (lora, w, block) = (4 * lora4, 4 * (lora4 + rot4).min(144), 1 << bshift);
+        let att = MlaAttention {
+            n_head: nh, kv_lora: lora, kq_scale: 0.1, block_size: block,
+            kernel: AttentionPath::SplitK,
+        };
+        let mut r = Rng::new(seed ^ 0x9a6e);
+        let shuffled = PagedPool::new(&mut r, &lens, block, extra_width, true);
+        let in_order = PagedPool::new(&mut r, &lens, block, extra_width, false);
+        let seqs: Vec<Vec<f32>> = lens.iter().map(|&l| r.vec(l * w, -1.0, 1.0)).collect();
+        let row_seq: Vec<i32> = (0..n).map(|_| r.below(lens.len()) as i32).collect();
+        let pos: Vec<i32> = row_seq
+            .iter()
+            .map(|&s| {
+                let l = lens[s as usize];
+                (match r.below(3) {
+                    0 => 0,
+                    1 => l - 1,
+                    _ => r.below(l),
+                }) as i32
+            })
+            .collect();
+        let q = r.vec(n * nh * w, -1.0, 1.0);
+        let ins = paged_inputs(&shuffled, &seqs, &q, nh, w, &pos, &row_seq);
+        let natural = paged_inputs(&in_order, &seqs, &q, nh, w, &pos, &row_seq);
+        let want = per_sequence_reference(&att, &shuffled, &seqs, &q, w, &pos, &row_seq)
+            .map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
+        let meta = TensorMeta::f32([n, nh, lora]);
+        for kernel in KERNELS {
+            let op = Tiled(att.clone(), kernel);
+            let got = run_gpu(&gpu, &op, &ins)
+                .map_err(|e| TestCaseError::fail(format!("{}: {e}", op.describe())))?;
+            compare(&meta, &want, &got[0].1, ATT_TOL)
+                .map_err(|e| TestCaseError::fail(format!("{} lens={lens:?}: {e}", op.describe())))?;
+            let nat = run_gpu(&gpu, &op, &natural)
+                .map_err(|e| TestCaseError::fail(format!("{}: {e}", op.describe())))?;
+            prop_assert!(
+                got[0].1 == nat[0].1,
+                "{}: the shuffled pool gives other bits than the blocks in order",
+                op.describe()
+            );
+        }
     });
 }
 
@@ -399,6 +545,7 @@ fn real_attention() -> MlaAttention {
         n_head: 32,
         kv_lora: 512,
         kq_scale: 0.144_679_63,
+        block_size: BLOCK,
         kernel: AttentionPath::SplitK,
     }
 }
@@ -427,7 +574,7 @@ fn attention_at_the_real_shapes_reads_only_rows_up_to_the_position() {
         (4096, &[4000, 17, 2048, 4095]),
     ];
     for (bucket, pos) in cases {
-        let ins = attention_inputs(pos[0] as u64 + 1, 32, 576, bucket, pos);
+        let ins = attention_inputs(pos[0] as u64 + 1, 32, 576, bucket, BLOCK, pos);
         for (k, r, f32_ok) in attention_parity(&gpu, &op, &ins).expect("parity") {
             report(
                 &format!(
@@ -451,7 +598,7 @@ fn attention_gives_the_same_bits_on_every_run() {
             n_head: nh,
             ..op.clone()
         };
-        let ins = attention_inputs(3, nh, 576, bucket, &[pos]);
+        let ins = attention_inputs(3, nh, 576, bucket, BLOCK, &[pos]);
         for kernel in KERNELS {
             let tiled = Tiled(att.clone(), kernel);
             let a = run_gpu(&gpu, &tiled, &ins).expect("first run");
@@ -481,7 +628,7 @@ fn decode_equals_the_last_row_of_a_chunked_prefill_on_the_gpu() {
     // 8 tokens split into several chunks each; 200 tokens take one chunk a token (no combine).
     for n in [8usize, 200] {
         let pos: Vec<i32> = (0..n as i32).map(|i| p - (n as i32 - 1) + i).collect();
-        let prefill = attention_inputs(21, 32, 576, ctx, &pos);
+        let prefill = attention_inputs(21, 32, 576, ctx, BLOCK, &pos);
         let chunks = attention_chunks(n, ctx, 32);
         assert!(
             if n == 8 { chunks > 1 } else { chunks == 1 },
@@ -492,6 +639,8 @@ fn decode_equals_the_last_row_of_a_chunked_prefill_on_the_gpu() {
             HostValue::from_bytes(TensorMeta::f32([1, 32, 576]), q_last),
             prefill[1].clone(),
             HostValue::i32([1], &[p]),
+            prefill[3].clone(),
+            HostValue::i32([1], &[0]),
         ];
         let a = last_row(&run_gpu(&gpu, &real_attention_for(n, 576), &prefill).expect("prefill"));
         let b = last_row(&run_gpu(&gpu, &real_attention_for(1, 576), &decode).expect("decode"));
@@ -589,13 +738,32 @@ fn the_cuda_kernels_refuse_shapes_they_do_not_cover() {
         n_head: 2,
         kv_lora: 5,
         kq_scale: 0.1,
+        block_size: 4,
         kernel: AttentionPath::SplitK,
     };
-    let e = run_gpu(&gpu, &op, &attention_inputs(1, 2, 6, 4, &[1])).unwrap_err();
+    let e = run_gpu(&gpu, &op, &attention_inputs(1, 2, 6, 4, 4, &[1])).unwrap_err();
     assert!(
         matches!(e, OpError::Shape { .. }) && e.to_string().contains("multiples of 4"),
         "{e}"
     );
+    // A cache block that is not a power of two (the kernels map positions with shifts), on
+    // both kernels; the CPU reference takes it.
+    for kernel in [AttentionPath::SplitK, AttentionPath::Flash] {
+        let op = MlaAttention {
+            n_head: 2,
+            kv_lora: 64,
+            kq_scale: 0.1,
+            block_size: 3,
+            kernel,
+        };
+        let ins = attention_inputs(1, 2, 128, 6, 3, &[4]);
+        let e = run_gpu(&gpu, &op, &ins).unwrap_err();
+        assert!(
+            matches!(e, OpError::Shape { .. }) && e.to_string().contains("power-of-two"),
+            "{kernel:?}: {e}"
+        );
+        assert!(run_cpu(&op, &ins).is_ok());
+    }
     // A per-head weight that is not BF16.
     let (op, mut ins) = value_case(1, 1, 2, 8, 3);
     let w: Vec<f32> = vec![0.5; 2 * 3 * 8];
@@ -652,14 +820,21 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
         .flat_map(|i| ((first_pos + i) as i32).to_le_bytes())
         .collect();
     let pb = upload(gpu, &pos);
+    // One sequence over the bucket, its blocks in order.
+    let blocks = bucket / BLOCK;
+    let table: Vec<u8> = (0..blocks as i32).flat_map(|b| b.to_le_bytes()).collect();
+    let tb = upload(gpu, &table);
+    let rb = upload(gpu, &vec![0u8; n * 4]);
     let out = upload(gpu, &vec![0u8; n * 32 * 512 * 4]);
-    let (qm, cm, pm, om) = (
+    let (qm, cm, pm, tm, rm, om) = (
         TensorMeta::f32([n, 32, w]),
         TensorMeta::f32([bucket, w]),
         TensorMeta::i32([n]),
+        TensorMeta::i32([1, blocks]),
+        TensorMeta::i32([n]),
         TensorMeta::f32([n, 32, 512]),
     );
-    let sbytes = op.cuda_scratch_bytes(&[&qm, &cm, &pm]);
+    let sbytes = op.cuda_scratch_bytes(&[&qm, &cm, &pm, &tm, &rm]);
     let scratch = upload(gpu, &vec![0u8; sbytes.max(16)]);
     let default = attention_tile(n, bucket, 32);
     for kernel in std::iter::once(None).chain(KERNELS.map(Some)) {
@@ -668,6 +843,8 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
                 view(&qm, &q),
                 view(&cm, &caches[i % layers]),
                 view(&pm, &pb),
+                view(&tm, &tb),
+                view(&rm, &rb),
             ];
             let outs = [view(&om, &out)];
             let scratch = Scratch {

@@ -1,5 +1,6 @@
 //! CUDA parity of the tensor-core prefill attention (`launch_mla_prefill`) against
-//! `MlaAttention`'s CPU reference; skips without a GPU, saying why. The timing table at the real
+//! `MlaAttention`'s CPU reference, over one sequence's cache and over a chunk's sequence whose
+//! blocks are shuffled in a paged pool among others'; skips without a GPU, saying why. The timing table at the real
 //! Xing4.0 shapes (against the split kernel, `AttentionPath::SplitK`, which the graph's lowering
 //! chooses below 256 tokens or where `MlaAttention::flash_supports` refuses the width) is
 //! ignored: run it on the GPU host with `--include-ignored`.
@@ -16,7 +17,7 @@
 
 use cuda::DeviceBuffer;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::mla::{AttentionKernel, AttentionPath, MlaAttention, attention_tile};
+use ops::mla::{AttentionKernel, AttentionPath, DevicePages, MlaAttention, Pages, attention_tile};
 use ops::mla_prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
 use ops::parity::{HostValue, Rng, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::tensor::{HostTensor, HostTensorMut};
@@ -24,6 +25,7 @@ use ops::{Op, OpError, TensorMeta};
 use proptest::prelude::*;
 
 mod support;
+use support::PagedPool;
 
 const PREFILL_TOL: Tolerance = Tolerance {
     rel: 4e-3,
@@ -32,6 +34,15 @@ const PREFILL_TOL: Tolerance = Tolerance {
 
 /// The model's softmax scale (1/√192 with the YaRN magnitude), as the engine passes it.
 const KQ_SCALE: f32 = 0.144_679_63;
+
+/// Positions of a cache block (the engine's).
+const BLOCK: usize = 64;
+
+/// The positions a step's block table reaches (inputs 3, the table, and the op's block size):
+/// the cache's extent for the kernels.
+fn table_reach(att: &MlaAttention, table: &TensorMeta) -> usize {
+    table.shape.get(1).copied().unwrap_or(0) * att.block_size
+}
 
 /// The split kernel whatever the token count and whatever `att.kernel` says (a lowered plan
 /// gives 256 tokens and more `AttentionPath::Flash`, the prefill kernel), with its default
@@ -44,7 +55,7 @@ fn split_kernel(
     scratch: Scratch,
 ) -> Result<(), OpError> {
     let n = inputs[2].meta.shape[0];
-    let rows = inputs[1].meta.shape[0];
+    let rows = table_reach(att, inputs[3].meta);
     let kernel = AttentionKernel {
         tile: attention_tile(n, rows, att.n_head),
         bf16_corrections: true,
@@ -88,8 +99,9 @@ impl Op for Split {
 }
 
 /// The prefill kernel behind the `Op` interface, so the parity harness can run it: the CPU side
-/// is `MlaAttention`'s reference, which refuses a position outside the cache; for those tokens
-/// it gives the kernel's documented answer, zeros, and runs the reference on the others.
+/// is `MlaAttention`'s reference, which refuses a position outside the block table's reach; for
+/// those tokens it gives the kernel's documented answer, zeros, and runs the reference on the
+/// others.
 #[derive(Debug)]
 struct Prefill(MlaAttention);
 
@@ -107,7 +119,7 @@ impl Op for Prefill {
         inputs: &[HostTensor<'_>],
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
-        let (rows, w) = (inputs[1].meta.shape[0], inputs[1].meta.inner());
+        let (rows, w) = (table_reach(&self.0, inputs[3].meta), inputs[1].meta.inner());
         let pos = inputs[2].i32()?;
         let valid: Vec<usize> = (0..pos.len())
             .filter(|&t| pos[t] >= 0 && (pos[t] as usize) < rows)
@@ -122,8 +134,17 @@ impl Op for Prefill {
             .flat_map(|&t| q[t * nh * w..(t + 1) * nh * w].iter().copied())
             .collect();
         let pv: Vec<i32> = valid.iter().map(|&t| pos[t]).collect();
+        let row_seq = inputs[4].i32()?;
+        let sv: Vec<i32> = valid.iter().map(|&t| row_seq[t]).collect();
+        let pages = Pages {
+            block_table: inputs[3].i32()?,
+            width: inputs[3].meta.shape[1],
+            row_seq: &sv,
+            block_size: self.0.block_size,
+        };
         let mut ov = vec![0f32; valid.len() * nh * lora];
-        self.0.compute(&qv, inputs[1].f32()?, w, &pv, &mut ov)?;
+        self.0
+            .compute(&qv, inputs[1].f32()?, w, &pv, pages, &mut ov)?;
         let out = outputs[0].f32_mut()?;
         out.fill(0.0);
         let tok = nh * lora;
@@ -152,9 +173,15 @@ impl Op for Prefill {
         assert_eq!(outputs[0].meta, &want[0]);
         let (n, rows, w) = (
             inputs[2].meta.shape[0],
-            inputs[1].meta.shape[0],
+            table_reach(&self.0, inputs[3].meta),
             inputs[1].meta.shape[1],
         );
+        let pages = DevicePages {
+            block_table: inputs[3].ptr,
+            row_seq: inputs[4].ptr,
+            table_width: inputs[3].meta.shape[1],
+            block_size: self.0.block_size,
+        };
         // SAFETY: the harness allocated every view with the bytes its metadata needs, the output
         // and scratch apart from the inputs, and synchronizes before freeing them.
         unsafe {
@@ -163,6 +190,7 @@ impl Op for Prefill {
                 inputs[0].ptr,
                 inputs[1].ptr,
                 inputs[2].ptr,
+                pages,
                 outputs[0].ptr,
                 n,
                 self.0.n_head,
@@ -176,9 +204,10 @@ impl Op for Prefill {
     }
 
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
-        inputs
-            .get(1)
-            .map_or(0, |c| mla_prefill_scratch_bytes(c.shape[0], c.inner()))
+        match (inputs.get(1), inputs.get(3)) {
+            (Some(c), Some(t)) => mla_prefill_scratch_bytes(table_reach(&self.0, t), c.inner()),
+            _ => 0,
+        }
     }
 }
 
@@ -189,13 +218,17 @@ fn attention(n_head: usize, kv_lora: usize) -> MlaAttention {
         n_head,
         kv_lora,
         kq_scale: KQ_SCALE,
+        block_size: BLOCK,
         kernel: AttentionPath::SplitK,
     }
 }
 
-/// Q and a cache of U(−1, 1) whose rows past the largest valid position are NaN (so a read past
-/// it shows), and the positions.
-fn inputs(seed: u64, nh: usize, w: usize, ctx: usize, pos: &[i32]) -> Vec<HostValue> {
+/// One sequence over a cache of `ctx` rows (a whole number of blocks of `block`, in order): Q,
+/// the cache of U(−1, 1) whose rows past the largest valid position are NaN (so a read past it
+/// shows), the positions, the identity block table `[1, ctx / block]` and the row map (all
+/// sequence 0).
+fn inputs(seed: u64, nh: usize, w: usize, ctx: usize, block: usize, pos: &[i32]) -> Vec<HostValue> {
+    assert!(ctx.is_multiple_of(block), "{ctx} rows in blocks of {block}");
     let mut r = Rng::new(seed);
     let n = pos.len();
     let last = pos
@@ -207,10 +240,13 @@ fn inputs(seed: u64, nh: usize, w: usize, ctx: usize, pos: &[i32]) -> Vec<HostVa
     for v in cache.iter_mut().skip(last * w) {
         *v = f32::NAN;
     }
+    let blocks = ctx / block;
     vec![
         HostValue::f32([n, nh, w], &r.vec(n * nh * w, -1.0, 1.0)),
         HostValue::f32([ctx, w], &cache),
         HostValue::i32([n], pos),
+        HostValue::i32([1, blocks], &(0..blocks as i32).collect::<Vec<_>>()),
+        HostValue::i32([n], &vec![0; n]),
     ]
 }
 
@@ -222,12 +258,14 @@ fn consecutive(first: i32, n: usize) -> Vec<i32> {
 fn prefill_attention_matches_the_cpu_reference_on_random_shapes() {
     let Some(gpu) = test_gpu() else { return };
     // Consecutive positions from a random start (below 0 or running past the cache: those tokens
-    // get zeros), now and then one replaced by a position outside the cache.
+    // get zeros), now and then one replaced by a position outside the cache; cache blocks of 1
+    // to 64 rows, the cache a whole number of them.
     proptest!(ProptestConfig::with_cases(32), |(
         nh in 1usize..41, lora64 in 1usize..9, n in 1usize..71, ctx in 1usize..601,
-        start in 0usize..10_000, stray in 0usize..3, seed in any::<u64>(),
+        bshift in 0usize..7, start in 0usize..10_000, stray in 0usize..3, seed in any::<u64>(),
     )| {
-        let (lora, w) = (64 * lora64, 64 * lora64 + 64);
+        let (lora, w, block) = (64 * lora64, 64 * lora64 + 64, 1 << bshift);
+        let ctx = ctx.next_multiple_of(block);
         let mut r = Rng::new(seed ^ 0x9e37);
         let first = (start % (ctx + 8)) as i32 - 8;
         let pos: Vec<i32> = consecutive(first, n)
@@ -238,9 +276,65 @@ fn prefill_attention_matches_the_cpu_reference_on_random_shapes() {
                 _ => p,
             })
             .collect();
-        let ins = inputs(seed, nh, w, ctx, &pos);
-        check(&gpu, &Prefill(attention(nh, lora)), &ins, PREFILL_TOL)
-            .map_err(TestCaseError::fail)?;
+        let ins = inputs(seed, nh, w, ctx, block, &pos);
+        let att = MlaAttention { block_size: block, ..attention(nh, lora) };
+        check(&gpu, &Prefill(att), &ins, PREFILL_TOL).map_err(TestCaseError::fail)?;
+    });
+}
+
+#[test]
+fn prefill_attention_over_shuffled_blocks_equals_attention_over_the_sequence_s_contiguous_copy() {
+    let Some(gpu) = test_gpu() else { return };
+    // A chunk of one sequence among up to 4 whose blocks (1 to 64 rows) are handed out in a
+    // shuffled order, every pool row no sequence holds NaN (the kernel's narrowing would turn
+    // one finite: the reference, over the sequence's own contiguous cache, shows it). Held to
+    // that reference, and to the bits of the same blocks in their natural order.
+    proptest!(ProptestConfig::with_cases(24), |(
+        lens in prop::collection::vec(1usize..600, 1..5), pick in any::<prop::sample::Index>(),
+        nh in 1usize..41, lora64 in 1usize..9, n in 1usize..71, bshift in 0usize..7,
+        extra_width in 0usize..3, at in any::<prop::sample::Index>(), seed in any::<u64>(),
+    )| {
+        let (lora, w, block) = (64 * lora64, 64 * lora64 + 64, 1 << bshift);
+        let att = MlaAttention { block_size: block, ..attention(nh, lora) };
+        let mut r = Rng::new(seed ^ 0x5eed);
+        let shuffled = PagedPool::new(&mut r, &lens, block, extra_width, true);
+        let in_order = PagedPool::new(&mut r, &lens, block, extra_width, false);
+        let seqs: Vec<Vec<f32>> = lens.iter().map(|&l| r.vec(l * w, -1.0, 1.0)).collect();
+        // The chunk: consecutive positions of sequence `s`, all below its length.
+        let s = pick.index(lens.len());
+        let n = n.min(lens[s]);
+        let first = at.index(lens[s] - n + 1) as i32;
+        let pos = consecutive(first, n);
+        let q = r.vec(n * nh * w, -1.0, 1.0);
+        let paged = |pool: &PagedPool| {
+            vec![
+                HostValue::f32([n, nh, w], &q),
+                HostValue::f32([pool.pool_rows(), w], &pool.scatter(&seqs, w)),
+                HostValue::i32([n], &pos),
+                HostValue::i32([pool.seqs(), pool.width], &pool.table),
+                HostValue::i32([n], &vec![s as i32; n]),
+            ]
+        };
+        let alone = vec![
+            HostValue::f32([n, nh, w], &q),
+            HostValue::f32([shuffled.reach(), w], &shuffled.contiguous(&seqs[s], w)),
+            HostValue::i32([n], &pos),
+            HostValue::i32([1, shuffled.width], &shuffled.contiguous_table()),
+            HostValue::i32([n], &vec![0; n]),
+        ];
+        let op = Prefill(att);
+        let want = run_cpu(&op, &alone).map_err(|e| TestCaseError::fail(format!("cpu: {e}")))?;
+        let got = run_gpu(&gpu, &op, &paged(&shuffled))
+            .map_err(|e| TestCaseError::fail(format!("shuffled: {e}")))?;
+        compare(&want[0].0, want[0].1.bytes(), &got[0].1, PREFILL_TOL)
+            .map_err(|e| TestCaseError::fail(format!("lens={lens:?} s={s} pos={first}..: {e}")))?;
+        let nat = run_gpu(&gpu, &op, &paged(&in_order))
+            .map_err(|e| TestCaseError::fail(format!("in order: {e}")))?;
+        prop_assert!(
+            got[0].1 == nat[0].1,
+            "lens={:?} s={} pos={}..: the shuffled pool gives other bits than the blocks in order",
+            lens, s, first
+        );
     });
 }
 
@@ -250,7 +344,14 @@ fn prefill_attention_at_the_real_shapes_matches_the_cpu_reference() {
     let op = Prefill(attention(32, 512));
     // A 64-token chunk at the start of the cache and at the end of a 1024-row bucket.
     for first in [0, 960] {
-        let ins = inputs(first as u64 + 5, 32, 576, 1024, &consecutive(first, 64));
+        let ins = inputs(
+            first as u64 + 5,
+            32,
+            576,
+            1024,
+            BLOCK,
+            &consecutive(first, 64),
+        );
         let cpu = run_cpu(&op, &ins).expect("cpu");
         let gpu_out = run_gpu(&gpu, &op, &ins).expect("gpu");
         let (meta, want, got) = (&cpu[0].0, cpu[0].1.bytes(), &gpu_out[0].1);
@@ -266,9 +367,13 @@ fn prefill_attention_at_the_real_shapes_matches_the_cpu_reference() {
 #[test]
 fn prefill_attention_gives_the_same_bits_on_every_run() {
     let Some(gpu) = test_gpu() else { return };
-    for (nh, n, ctx, first) in [(32, 64, 1024, 900), (40, 19, 300, 250)] {
-        let op = Prefill(attention(nh, 512));
-        let ins = inputs(9, nh, 576, ctx, &consecutive(first, n));
+    // A 300-row cache in blocks of 4 (the engine's 64 would not divide it).
+    for (nh, n, ctx, block, first) in [(32, 64, 1024, BLOCK, 900), (40, 19, 300, 4, 250)] {
+        let op = Prefill(MlaAttention {
+            block_size: block,
+            ..attention(nh, 512)
+        });
+        let ins = inputs(9, nh, 576, ctx, block, &consecutive(first, n));
         let a = run_gpu(&gpu, &op, &ins).expect("first run");
         let b = run_gpu(&gpu, &op, &ins).expect("second run");
         assert!(a[0].1 == b[0].1, "nh={nh} n={n}: two runs differ");
@@ -282,7 +387,7 @@ fn a_512_token_chunk_matches_the_split_kernel() {
     let Some(gpu) = test_gpu() else { return };
     let att = attention(32, 512);
     for (first, bucket) in [(3584, 4096), (0, 512)] {
-        let ins = inputs(17, 32, 576, bucket, &consecutive(first, 512));
+        let ins = inputs(17, 32, 576, bucket, BLOCK, &consecutive(first, 512));
         let new = run_gpu(&gpu, &Prefill(att.clone()), &ins).expect("prefill kernel");
         let old = run_gpu(&gpu, &Split(att.clone()), &ins).expect("split kernel");
         let r = compare(&old[0].0, &old[0].1, &new[0].1, PREFILL_TOL)
@@ -307,7 +412,7 @@ fn a_512_token_chunk_matches_the_split_kernel() {
 fn shapes_the_kernel_does_not_cover_are_refused_before_any_launch() {
     let Some(gpu) = test_gpu() else { return };
     // Rope of 32 instead of 64: a shape error naming the op.
-    let ins = inputs(1, 4, 96, 16, &[3]);
+    let ins = inputs(1, 4, 96, 64, BLOCK, &[3]);
     let e = run_gpu(&gpu, &Prefill(attention(4, 64)), &ins).unwrap_err();
     assert!(
         matches!(
@@ -364,15 +469,28 @@ fn time_chunk(gpu: &GpuCtx, first: usize, bucket: usize) {
         .flat_map(|p| p.to_le_bytes())
         .collect();
     let pb = upload(gpu, &pos);
+    // One sequence over the bucket, its blocks in order.
+    let blocks = bucket / BLOCK;
+    let table: Vec<u8> = (0..blocks as i32).flat_map(|b| b.to_le_bytes()).collect();
+    let tb = upload(gpu, &table);
+    let rb = upload(gpu, &vec![0u8; n * 4]);
+    let pages = DevicePages {
+        block_table: tb.device_ptr(),
+        row_seq: rb.device_ptr(),
+        table_width: blocks,
+        block_size: BLOCK,
+    };
     let out = upload(gpu, &vec![0u8; n * nh * lora * 4]);
-    let (qm, cm, pm, om) = (
+    let (qm, cm, pm, tm, rm, om) = (
         TensorMeta::f32([n, nh, w]),
         TensorMeta::f32([bucket, w]),
+        TensorMeta::i32([n]),
+        TensorMeta::i32([1, blocks]),
         TensorMeta::i32([n]),
         TensorMeta::f32([n, nh, lora]),
     );
     let new_bytes = mla_prefill_scratch_bytes(bucket, w);
-    let old_bytes = att.cuda_scratch_bytes(&[&qm, &cm, &pm]);
+    let old_bytes = att.cuda_scratch_bytes(&[&qm, &cm, &pm, &tm, &rm]);
     let scratch = upload(gpu, &vec![0u8; new_bytes.max(old_bytes).max(16)]);
     let view = |meta, b: &DeviceBuffer<u8>| DeviceTensor {
         meta,
@@ -388,6 +506,7 @@ fn time_chunk(gpu: &GpuCtx, first: usize, bucket: usize) {
                 q.device_ptr(),
                 caches[i % copies].device_ptr(),
                 pb.device_ptr(),
+                pages,
                 out.device_ptr(),
                 n,
                 nh,
@@ -410,6 +529,8 @@ fn time_chunk(gpu: &GpuCtx, first: usize, bucket: usize) {
                 view(&qm, &q),
                 view(&cm, &caches[i % copies]),
                 view(&pm, &pb),
+                view(&tm, &tb),
+                view(&rm, &rb),
             ],
             &[view(&om, &out)],
             Scratch {

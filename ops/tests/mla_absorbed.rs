@@ -1,19 +1,23 @@
 //! Absorbed MLA (spec §3.5, §5): the five ops chained against the expanded HF form in f64,
-//! causal masking, decode against chunked prefill, and cache-write errors.
+//! causal masking, decode against chunked prefill, attention over a paged pool against each
+//! sequence's contiguous copy, and cache-write and block-table errors.
 
 use half::bf16;
-use ops::mla::{KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut};
+use ops::mla::{ContiguousPages, KvCacheWrite, MlaAttention, MlaKv, MlaQuery, MlaValueOut};
 use ops::rope::{RopeParams, Yarn, kq_scale};
 use ops::{DType, HostTensor, HostTensorMut, Op, OpError, TensorMeta};
 use proptest::prelude::*;
 
 mod support;
 use ops::parity::Rng;
-use support::{Buf, bytes_mut, run, run_into};
+use support::{Buf, PagedPool, bytes_mut, run, run_into};
 
 // ---- the model under test ----------------------------------------------------------------
 
 const FACTOR: f64 = 4.0;
+
+/// Positions of a cache block in the chained tests: small, so their caches span several.
+const BLOCK: usize = 4;
 
 struct Mla {
     h: usize,
@@ -94,10 +98,14 @@ impl Mla {
         kq_scale(&self.p, 1.0, self.nope + self.rope)
     }
 
-    /// One chunk through MlaKv → KvCacheWrite → MlaQuery → MlaAttention → MlaValueOut.
+    /// One chunk through MlaKv → KvCacheWrite → MlaQuery → MlaAttention → MlaValueOut, over a
+    /// cache of one sequence (blocks of [`BLOCK`] in order, so its slots are its positions).
     fn chunk(&self, cache: &mut Buf, q: &[f32], kv: &[f32], pos: &[i32]) -> Vec<f32> {
         let n = pos.len();
         let posb = Buf::i32(&[n], pos);
+        let pages = ContiguousPages::new(cache.meta.shape[0], BLOCK, n);
+        let table = Buf::i32(&[1, pages.block_table.len()], &pages.block_table);
+        let row_seq = Buf::i32(&[n], &pages.row_seq);
         let kv_op = MlaKv {
             kv_lora: self.lora,
             qk_rope: self.rope,
@@ -134,9 +142,12 @@ impl Mla {
             n_head: self.h,
             kv_lora: self.lora,
             kq_scale: self.scale(),
+            block_size: BLOCK,
             kernel: Default::default(),
         };
-        let o_lat = run(&att, &[&qq, cache, &posb]).unwrap().remove(0);
+        let o_lat = run(&att, &[&qq, cache, &posb, &table, &row_seq])
+            .unwrap()
+            .remove(0);
         let vo = MlaValueOut {
             n_head: self.h,
             kv_lora: self.lora,
@@ -232,8 +243,10 @@ fn rope_f64(v: &[f32], pos: f64, n_rot: usize) -> Vec<f64> {
     out
 }
 
+/// A zero cache of at least `ctx` rows, whole blocks of [`BLOCK`].
 fn empty_cache(ctx: usize, w: usize) -> Buf {
-    Buf::f32(&[ctx, w], &vec![0.0; ctx * w])
+    let rows = ctx.next_multiple_of(BLOCK);
+    Buf::f32(&[rows, w], &vec![0.0; rows * w])
 }
 
 fn flat(rows: &[Vec<f32>]) -> Vec<f32> {
@@ -288,8 +301,12 @@ fn cache_rows_past_a_querys_position_do_not_change_its_output() {
         n_head: nh,
         kv_lora: lora,
         kq_scale: 0.3,
+        block_size: BLOCK,
         kernel: Default::default(),
     };
+    let pages = ContiguousPages::new(ctx, BLOCK, 1);
+    let table = Buf::i32(&[1, ctx / BLOCK], &pages.block_table);
+    let row_seq = Buf::i32(&[1], &pages.row_seq);
     let rows = rng.unit_vec(ctx * w);
     for p in [0usize, 3, 7, ctx - 1] {
         let q = Buf::f32(&[1, nh, w], &rng.unit_vec(nh * w));
@@ -305,19 +322,28 @@ fn cache_rows_past_a_querys_position_do_not_change_its_output() {
             *z = 0.0;
             *hv = if i % 2 == 0 { 1e30 } else { -1e30 };
         }
-        let a = run(&att, &[&q, &Buf::f32(&[ctx, w], &zeros), &pos])
-            .unwrap()
-            .remove(0);
-        let b = run(&att, &[&q, &Buf::f32(&[ctx, w], &huge), &pos])
-            .unwrap()
-            .remove(0);
+        let a = run(
+            &att,
+            &[&q, &Buf::f32(&[ctx, w], &zeros), &pos, &table, &row_seq],
+        )
+        .unwrap()
+        .remove(0);
+        let b = run(
+            &att,
+            &[&q, &Buf::f32(&[ctx, w], &huge), &pos, &table, &row_seq],
+        )
+        .unwrap()
+        .remove(0);
         assert_eq!(a.words, b.words, "position {p}");
         assert!(a.f32s().iter().all(|x| x.is_finite()));
         // The test can fail: a row at the position itself does move the output.
         zeros[p * w] += 1.0;
-        let c = run(&att, &[&q, &Buf::f32(&[ctx, w], &zeros), &pos])
-            .unwrap()
-            .remove(0);
+        let c = run(
+            &att,
+            &[&q, &Buf::f32(&[ctx, w], &zeros), &pos, &table, &row_seq],
+        )
+        .unwrap()
+        .remove(0);
         assert_ne!(a.words, c.words, "position {p}");
     }
 }
@@ -347,34 +373,61 @@ fn decoding_one_token_at_a_time_equals_a_chunked_prefill() {
     assert_eq!(chunked.words, stepped.words);
 }
 
+/// `KvCacheWrite` of `k` at `slots` into a copy of `cache`, through the aliased output as the
+/// executor runs it: the result, and the cache after it (unchanged on an error).
+fn write_slots(cache: &Buf, k: &Buf, slots: &[i32]) -> (Result<(), OpError>, Vec<f32>) {
+    let slots = Buf::i32(&[slots.len()], slots);
+    let mut outs = [cache.clone()];
+    let ins: Vec<HostTensor<'_>> = [cache, k, &slots]
+        .iter()
+        .map(|b| HostTensor::new(&b.meta, b.bytes()))
+        .collect();
+    let res = {
+        let mut views: Vec<HostTensorMut<'_>> = outs
+            .iter_mut()
+            .map(|b| HostTensorMut::new(&b.meta, bytes_mut(&mut b.words)))
+            .collect();
+        KvCacheWrite.cpu(&ins, &mut views)
+    };
+    (res, outs[0].f32s())
+}
+
 #[test]
-fn kv_cache_write_refuses_a_position_outside_the_cache_and_writes_nothing() {
+fn kv_cache_write_refuses_a_slot_outside_the_pool_and_writes_nothing() {
     let (ctx, w) = (4, 3);
     let before: Vec<f32> = (0..ctx * w).map(|i| i as f32).collect();
+    let cache = Buf::f32(&[ctx, w], &before);
     let k = Buf::f32(&[2, w], &[9.0; 6]);
-    for bad in [4, -1, i32::MAX] {
-        let cache = Buf::f32(&[ctx, w], &before);
-        let pos = Buf::i32(&[2], &[1, bad]);
-        let mut outs = [cache.clone()];
-        let ins: Vec<HostTensor<'_>> = [&cache, &k, &pos]
-            .iter()
-            .map(|b| HostTensor::new(&b.meta, b.bytes()))
-            .collect();
-        let err = {
-            let mut views: Vec<HostTensorMut<'_>> = outs
-                .iter_mut()
-                .map(|b| HostTensorMut::new(&b.meta, bytes_mut(&mut b.words)))
-                .collect();
-            KvCacheWrite.cpu(&ins, &mut views).unwrap_err()
-        };
-        match err {
+    for bad in [4, i32::MAX] {
+        let (res, after) = write_slots(&cache, &k, &[1, bad]);
+        match res.unwrap_err() {
             OpError::Data { op, msg } => {
                 assert_eq!(op, "kv_cache_write");
-                assert!(msg.contains(&bad.to_string()), "{msg}");
+                assert!(
+                    msg.contains(&format!(
+                        "slot {bad} of token 1 is outside the cache pool [0, {ctx})"
+                    )),
+                    "{msg}"
+                );
             }
             other => panic!("expected a data error, got {other:?}"),
         }
-        assert_eq!(outs[0].f32s(), before, "position {bad}");
+        assert_eq!(after, before, "slot {bad}");
+    }
+}
+
+#[test]
+fn kv_cache_write_skips_a_padding_row_s_negative_slot() {
+    let (ctx, w) = (4, 3);
+    let before: Vec<f32> = (0..ctx * w).map(|i| i as f32).collect();
+    let cache = Buf::f32(&[ctx, w], &before);
+    let k = Buf::f32(&[3, w], &[9.0, 9.0, 9.0, 7.0, 7.0, 7.0, 5.0, 5.0, 5.0]);
+    for pad in [-1, i32::MIN] {
+        let (res, after) = write_slots(&cache, &k, &[pad, 2, pad]);
+        res.unwrap_or_else(|e| panic!("slot {pad}: {e}"));
+        let mut want = before.clone();
+        want[2 * w..3 * w].fill(7.0);
+        assert_eq!(after, want, "only row 2 (token 1) may change, slot {pad}");
     }
 }
 
@@ -397,16 +450,18 @@ fn kv_cache_write_updates_its_output_in_place_without_reading_the_aliased_input(
 }
 
 #[test]
-fn attention_refuses_a_position_past_the_cache() {
+fn attention_refuses_a_position_past_the_block_table() {
     let att = MlaAttention {
         n_head: 1,
         kv_lora: 2,
         kq_scale: 1.0,
+        block_size: 2,
         kernel: Default::default(),
     };
     let q = Buf::f32(&[1, 1, 3], &[0.0; 3]);
-    let cache = empty_cache(4, 3);
-    let err = run(&att, &[&q, &cache, &Buf::i32(&[1], &[4])]).unwrap_err();
+    let cache = Buf::f32(&[4, 3], &[0.0; 12]);
+    let (table, row_seq) = (Buf::i32(&[1, 2], &[0, 1]), Buf::i32(&[1], &[0]));
+    let err = run(&att, &[&q, &cache, &Buf::i32(&[1], &[4]), &table, &row_seq]).unwrap_err();
     assert!(
         matches!(
             err,
@@ -417,6 +472,170 @@ fn attention_refuses_a_position_past_the_cache() {
         ),
         "{err:?}"
     );
+    // Position 3 is the table's last; it runs.
+    run(&att, &[&q, &cache, &Buf::i32(&[1], &[3]), &table, &row_seq]).unwrap();
+}
+
+#[test]
+fn attention_refuses_a_block_outside_the_pool_or_a_sequence_outside_the_table() {
+    let att = MlaAttention {
+        n_head: 1,
+        kv_lora: 2,
+        kq_scale: 1.0,
+        block_size: 2,
+        kernel: Default::default(),
+    };
+    let q = Buf::f32(&[1, 1, 3], &[0.0; 3]);
+    // A pool of two blocks; two sequences' tables of two entries.
+    let cache = Buf::f32(&[4, 3], &[0.0; 12]);
+    let pos = Buf::i32(&[1], &[3]);
+    for (table, seq, what) in [
+        ([1, 2, 0, 1], 0, "block 2 past the pool"),
+        ([1, 0, 0, 1], 2, "sequence 2 of a table of 2"),
+        ([1, 0, 0, 1], -1, "a negative sequence"),
+    ] {
+        let ins = [
+            &q,
+            &cache,
+            &pos,
+            &Buf::i32(&[2, 2], &table),
+            &Buf::i32(&[1], &[seq]),
+        ];
+        let err = run(&att, &ins).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                OpError::Data {
+                    op: "mla_attention",
+                    ..
+                }
+            ),
+            "{what}: {err:?}"
+        );
+    }
+    // Entries past the position are never read: a bad one there is no error.
+    let ins = [
+        &q,
+        &cache,
+        &Buf::i32(&[1], &[1]),
+        &Buf::i32(&[2, 2], &[1, 7, 0, 1]),
+        &Buf::i32(&[1], &[0]),
+    ];
+    run(&att, &ins).unwrap();
+}
+
+#[test]
+fn attention_refuses_a_negative_block_id() {
+    let att = MlaAttention {
+        n_head: 1,
+        kv_lora: 2,
+        kq_scale: 1.0,
+        block_size: 2,
+        kernel: Default::default(),
+    };
+    let ins = [
+        &Buf::f32(&[1, 1, 3], &[0.0; 3]),
+        &Buf::f32(&[4, 3], &[0.0; 12]),
+        &Buf::i32(&[1], &[3]),
+        &Buf::i32(&[1, 2], &[1, -1]),
+        &Buf::i32(&[1], &[0]),
+    ];
+    let err = run(&att, &ins).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OpError::Data {
+                op: "mla_attention",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn attention_over_shuffled_blocks_equals_attention_over_each_sequence_s_contiguous_copy(
+        lens in prop::collection::vec(1usize..40, 1..5),
+        block in 1usize..9,
+        extra_width in 0usize..3,
+        nh in 1usize..4,
+        lora in 1usize..9,
+        rope in 0usize..5,
+        n in 1usize..12,
+        seed in any::<u64>(),
+    ) {
+        // Blocks of any size (the CPU needs no power of two), tokens of every sequence in one
+        // step in a random order, each at a random position of its sequence (often its last);
+        // every pool row no sequence holds is NaN, so a read of one shows.
+        let mut r = Rng::new(seed);
+        let w = lora + rope;
+        let pool = PagedPool::new(&mut r, &lens, block, extra_width, true);
+        let seqs: Vec<Vec<f32>> = lens.iter().map(|&l| r.unit_vec(l * w)).collect();
+        let row_seq: Vec<i32> = (0..n).map(|_| r.below(lens.len()) as i32).collect();
+        let pos: Vec<i32> = row_seq
+            .iter()
+            .map(|&s| {
+                let l = lens[s as usize];
+                (if r.below(2) == 0 { l - 1 } else { r.below(l) }) as i32
+            })
+            .collect();
+        let q = r.unit_vec(n * nh * w);
+        let att = MlaAttention {
+            n_head: nh,
+            kv_lora: lora,
+            kq_scale: 0.7,
+            block_size: block,
+            kernel: Default::default(),
+        };
+        let paged = run(
+            &att,
+            &[
+                &Buf::f32(&[n, nh, w], &q),
+                &Buf::f32(&[pool.pool_rows(), w], &pool.scatter(&seqs, w)),
+                &Buf::i32(&[n], &pos),
+                &Buf::i32(&[pool.seqs(), pool.width], &pool.table),
+                &Buf::i32(&[n], &row_seq),
+            ],
+        )
+        .unwrap()
+        .remove(0);
+        let tok = nh * lora;
+        prop_assert!(paged.f32s().iter().all(|x| x.is_finite()));
+        for (s, rows) in seqs.iter().enumerate() {
+            let mine: Vec<usize> = (0..n).filter(|&i| row_seq[i] as usize == s).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let k = mine.len();
+            let qs: Vec<f32> = mine
+                .iter()
+                .flat_map(|&i| q[i * nh * w..(i + 1) * nh * w].iter().copied())
+                .collect();
+            let ps: Vec<i32> = mine.iter().map(|&i| pos[i]).collect();
+            let alone = run(
+                &att,
+                &[
+                    &Buf::f32(&[k, nh, w], &qs),
+                    &Buf::f32(&[pool.reach(), w], &pool.contiguous(rows, w)),
+                    &Buf::i32(&[k], &ps),
+                    &Buf::i32(&[1, pool.width], &pool.contiguous_table()),
+                    &Buf::i32(&[k], &vec![0; k]),
+                ],
+            )
+            .unwrap()
+            .remove(0);
+            for (j, &i) in mine.iter().enumerate() {
+                prop_assert_eq!(
+                    &paged.words[i * tok..(i + 1) * tok],
+                    &alone.words[j * tok..(j + 1) * tok],
+                    "token {} (sequence {}, position {})", i, s, pos[i]
+                );
+            }
+        }
+    }
 }
 
 #[test]

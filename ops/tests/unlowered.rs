@@ -193,6 +193,7 @@ fn the_lowering_mirror_switches_at_the_default_sizes() {
         n_head: 32,
         kv_lora: 512,
         kq_scale: 0.1,
+        block_size: 64,
         kernel: AttentionPath::Unlowered,
     };
     assert_eq!(

@@ -294,8 +294,12 @@ impl Pages<'_> {
         (0..len)
             .map(|p| {
                 let b = table[p / self.block_size];
-                let row = (b as usize) * self.block_size + p % self.block_size;
-                if b < 0 || row >= pool_rows {
+                // A negative id is refused before it becomes a (huge) row.
+                let row = usize::try_from(b)
+                    .ok()
+                    .and_then(|b| b.checked_mul(self.block_size))
+                    .map_or(usize::MAX, |r| r + p % self.block_size);
+                if row >= pool_rows {
                     Err(OpError::data(
                         op,
                         format!(

@@ -1,6 +1,7 @@
 //! The harness the op tests share: for the CPU tests, tensors in 4-byte-aligned storage, ops
 //! run through the `Op` trait with NaN-poisoned outputs (the generator is `ops::parity::Rng`);
-//! for the GPU tests, the kernel variant the graph's lowering would give an op of a given size.
+//! for the GPU tests, the kernel variant the graph's lowering would give an op of a given size;
+//! for the attention tests of both, sequences laid out in a paged cache pool ([`PagedPool`]).
 
 #![allow(dead_code)]
 
@@ -9,6 +10,7 @@ use ops::linear::{GEMV_ROWS_LIMIT, LinearKernel};
 use ops::mla::{AttentionPath, HEAD_GEMV_ROWS_LIMIT, HeadKernel, MlaAttention};
 use ops::moe::{ExpertKernel, GEMV_ROUTES_LIMIT, RouterKernel, TopKKernel};
 use ops::moe_prefill::TcKernel;
+use ops::parity::Rng;
 use ops::{DType, HostTensor, HostTensorMut, Op, OpError, TensorMeta};
 
 #[derive(Clone, Debug)]
@@ -183,5 +185,112 @@ pub fn attention_for(att: &MlaAttention, tokens: usize, width: usize) -> Attenti
         AttentionPath::Flash
     } else {
         AttentionPath::SplitK
+    }
+}
+
+// ---- paged latent caches ------------------------------------------------------------------
+
+/// Several sequences' positions in a pool of cache blocks, the table the attention reads them
+/// through: each sequence's blocks are drawn from a shuffled (or, with `shuffle` off, the
+/// natural) order of the pool, every table is `width` entries wide (entries past a sequence's
+/// last block name a spare block), and the pool has blocks no sequence owns.
+#[derive(Clone, Debug)]
+pub struct PagedPool {
+    pub block_size: usize,
+    /// Table entries a sequence: its attention may reach `width · block_size` positions.
+    pub width: usize,
+    pub pool_blocks: usize,
+    /// `seqs × width` block ids.
+    pub table: Vec<i32>,
+    /// The positions each sequence holds.
+    pub lens: Vec<usize>,
+}
+
+impl PagedPool {
+    /// Sequences of `lens` positions (each at least 1) in blocks of `block_size`, tables
+    /// `extra_width` entries wider than the longest needs, two blocks of the pool owned by none.
+    pub fn new(
+        r: &mut Rng,
+        lens: &[usize],
+        block_size: usize,
+        extra_width: usize,
+        shuffle: bool,
+    ) -> PagedPool {
+        assert!(
+            !lens.is_empty() && lens.iter().all(|&l| l > 0) && block_size > 0,
+            "sequences {lens:?} in blocks of {block_size}"
+        );
+        let need: Vec<usize> = lens.iter().map(|&l| l.div_ceil(block_size)).collect();
+        let width = need.iter().copied().max().unwrap_or(0) + extra_width;
+        let pool_blocks = need.iter().sum::<usize>() + 2;
+        let mut order: Vec<i32> = (0..pool_blocks as i32).collect();
+        if shuffle {
+            // Fisher–Yates.
+            for i in (1..order.len()).rev() {
+                order.swap(i, r.below(i + 1));
+            }
+        }
+        let spare = order[pool_blocks - 1];
+        let mut table = vec![spare; lens.len() * width];
+        let mut next = 0;
+        for (s, &k) in need.iter().enumerate() {
+            for b in 0..k {
+                table[s * width + b] = order[next];
+                next += 1;
+            }
+        }
+        PagedPool {
+            block_size,
+            width,
+            pool_blocks,
+            table,
+            lens: lens.to_vec(),
+        }
+    }
+
+    pub fn seqs(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// The positions a sequence's table reaches (what the attention's split is sized by).
+    pub fn reach(&self) -> usize {
+        self.width * self.block_size
+    }
+
+    pub fn pool_rows(&self) -> usize {
+        self.pool_blocks * self.block_size
+    }
+
+    /// The pool row of position `p` of sequence `s`.
+    pub fn row(&self, s: usize, p: usize) -> usize {
+        self.table[s * self.width + p / self.block_size] as usize * self.block_size
+            + p % self.block_size
+    }
+
+    /// The pool (`pool_rows × w`) holding `seqs[s]` (`lens[s] × w` values) at each sequence's
+    /// rows, NaN in every row no sequence holds.
+    pub fn scatter(&self, seqs: &[Vec<f32>], w: usize) -> Vec<f32> {
+        let mut pool = vec![f32::NAN; self.pool_rows() * w];
+        for (s, rows) in seqs.iter().enumerate() {
+            assert_eq!(rows.len(), self.lens[s] * w, "sequence {s}");
+            for (p, row) in rows.chunks_exact(w).enumerate() {
+                let at = self.row(s, p);
+                pool[at * w..(at + 1) * w].copy_from_slice(row);
+            }
+        }
+        pool
+    }
+
+    /// `rows` (one sequence's `len × w` values) as a cache of its own over the same reach
+    /// (`reach() × w`, blocks in order), NaN past its positions.
+    pub fn contiguous(&self, rows: &[f32], w: usize) -> Vec<f32> {
+        let mut cache = vec![f32::NAN; self.reach() * w];
+        cache[..rows.len()].copy_from_slice(rows);
+        cache
+    }
+
+    /// The identity table of [`PagedPool::contiguous`]'s cache: one sequence, blocks in order.
+    pub fn contiguous_table(&self) -> Vec<i32> {
+        (0..self.width as i32).collect()
     }
 }
