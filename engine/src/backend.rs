@@ -279,6 +279,9 @@ impl Backend {
                 ..
             } => {
                 exec.upload_weights(plan, model)?;
+                // The sizing plans bound every step the engine makes; a caller's own shape
+                // (a wider chunk through `Engine::plan`) grows the arena instead of failing.
+                exec.reserve_arena(plan.device_arena_bytes)?;
                 let decode = matches!(plan.shape.bucket, Bucket::Decode { .. });
                 if std::mem::take(profile_next) {
                     *profile = exec.profile_eager(plan, inputs)?;
@@ -479,8 +482,8 @@ pub(crate) struct Sizing<'a> {
 }
 
 impl Sizing<'_> {
-    /// The widest decode step at the full bucket and, for a GPU, the widest prefill chunk at
-    /// the full bucket, over `pool`.
+    /// The widest decode step at the full bucket and, for a GPU, the widest step with a
+    /// prefill chunk at the full bucket, over `pool`.
     pub fn plans(&self, model: &Model, pool: KvPool) -> Result<(Plan, Option<Plan>), EngineError> {
         let shape = |bucket| StepShape {
             bucket,
@@ -498,10 +501,21 @@ impl Sizing<'_> {
             self.lowering,
         )?;
         let chunk = self.prefill_chunk.min(self.max_model_len);
+        // The widest step with a chunk: the chunk beside a full batch of decode rows (a mixed
+        // step), or alone when sequences are decoded one at a time.
+        let widest = if self.max_batch > 1 {
+            Bucket::Mixed {
+                chunk,
+                batch: self.max_batch,
+                kv: self.kv,
+            }
+        } else {
+            Bucket::Prefill { chunk, kv: self.kv }
+        };
         let prefill = match self.target {
             Target::Cuda { .. } if chunk > 1 => Some(build_plan(
                 model,
-                shape(Bucket::Prefill { chunk, kv: self.kv }),
+                shape(widest),
                 false,
                 self.target,
                 self.lowering,

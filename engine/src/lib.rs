@@ -441,7 +441,8 @@ impl Engine {
     }
 
     /// One step over `seqs`: a decode of several sequences (one token each, padded to the
-    /// batch bucket) or a chunk of one sequence. Per sequence, the next token's argmax
+    /// batch bucket), a chunk of one sequence, or a mixed step (a chunk of the first sequence
+    /// and one token of each other, as chunked prefill runs). Per sequence, the next token's argmax
     /// (`argmax`, computed where the step ran) or its logits row (`vocab` floats each), in
     /// the order of `seqs`. Every sequence must hold the blocks its positions need.
     pub fn step_sequences(
@@ -475,23 +476,15 @@ impl Engine {
         argmax: bool,
     ) -> Result<PlanKey, EngineError> {
         let block = self.pool.block_size;
-        let decode = match seqs {
-            [] => return Err(EngineError::EmptyPrompt),
-            [one] => {
-                if one.tokens.is_empty() {
-                    return Err(EngineError::EmptyPrompt);
-                }
-                one.tokens.len() == 1
-            }
-            many => {
-                if many.iter().any(|s| s.tokens.len() != 1) {
-                    return Err(EngineError::Config(
-                        "a step of several sequences decodes one token of each".into(),
-                    ));
-                }
-                true
-            }
-        };
+        let (first, rest) = seqs.split_first().ok_or(EngineError::EmptyPrompt)?;
+        if first.tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if rest.iter().any(|s| s.tokens.len() != 1) {
+            return Err(EngineError::Config(
+                "a step of several sequences carries one token of each after the first".into(),
+            ));
+        }
         let mut reach = 0;
         for s in seqs {
             self.check_vocab(s.tokens)?;
@@ -518,16 +511,18 @@ impl Engine {
             reach = reach.max(end);
         }
         let kv = Bucket::kv_bucket_for(reach, self.config.min_kv_bucket);
-        let bucket = if decode {
-            Bucket::Decode {
+        let chunk = first.tokens.len();
+        let bucket = match (chunk, rest.len()) {
+            (1, _) => Bucket::Decode {
                 batch: batch_bucket(seqs.len()),
                 kv,
-            }
-        } else {
-            Bucket::Prefill {
-                chunk: seqs[0].tokens.len(),
+            },
+            (_, 0) => Bucket::Prefill { chunk, kv },
+            (_, decode) => Bucket::Mixed {
+                chunk,
+                batch: batch_bucket(decode),
                 kv,
-            }
+            },
         };
         let shape = StepShape {
             bucket,
@@ -539,7 +534,7 @@ impl Engine {
         let mut tokens = vec![0i32; rows];
         let mut positions = vec![0i32; rows];
         let mut slots = vec![-1i32; rows];
-        let mut row_seq: Vec<i32> = (0..rows as i32).collect();
+        let mut row_seq = vec![0i32; rows];
         let mut table = vec![0i32; bucket.seqs() * width];
         let mut r = 0;
         for (k, s) in seqs.iter().enumerate() {
@@ -554,6 +549,11 @@ impl Engine {
                 row_seq[r] = k as i32;
                 r += 1;
             }
+        }
+        // Padding rows (the last ones) each read position 0 of an all-zero table row of
+        // their own and write nothing.
+        for (i, seq) in row_seq[r..].iter_mut().enumerate() {
+            *seq = (seqs.len() + i) as i32;
         }
         let key = (shape, argmax);
         self.plan_for(key)?;

@@ -6,12 +6,13 @@
 //! 1. drops cancelled sequences, returning their blocks;
 //! 2. admits waiting sequences while fewer than `max_num_seqs` run and the pool has the
 //!    blocks their whole prompt needs (after the prefix cache's shared blocks), in order;
-//! 3. runs one prefill chunk of the oldest sequence still prefilling, within the token budget
-//!    `max_num_batched_tokens` less the decode rows;
-//! 4. runs one decode step of every sequence with one token to go, each getting a block when
-//!    its position starts one; when the pool is out of blocks the newest running sequence is
-//!    preempted (its blocks freed, its tokens so far kept) and recomputed when it is admitted
-//!    again, so a full pool costs time, never an error or a different answer.
+//! 3. gives every sequence with one token to go a block when its position starts one; when the
+//!    pool is out of blocks the newest running sequence is preempted (its blocks freed, its
+//!    tokens so far kept) and recomputed when it is admitted again, so a full pool costs time,
+//!    never an error or a different answer;
+//! 4. runs one step: a chunk of the oldest sequence still prefilling, within the token budget
+//!    `max_num_batched_tokens` less the decode rows, together with one token of every decoding
+//!    sequence (a mixed step, as vLLM's chunked prefill), or either alone.
 //!
 //! Sampling is per sequence (its own parameters and seeded generator), stop tokens and stop
 //! strings per sequence. Greedy steps end in the device argmax, so only token ids come back.
@@ -92,6 +93,8 @@ pub struct SchedulerStats {
     pub waiting: usize,
     pub preemptions: u64,
     pub steps: u64,
+    /// Steps that carried a prefill chunk and decode rows together.
+    pub mixed_steps: u64,
     /// Sequences in the last decode step.
     pub last_batch: usize,
     /// Referenced blocks over all blocks.
@@ -137,6 +140,7 @@ pub struct Scheduler {
     next_id: SeqId,
     preemptions: u64,
     steps: u64,
+    mixed_steps: u64,
     last_batch: usize,
 }
 
@@ -166,6 +170,7 @@ impl Scheduler {
             next_id: 1,
             preemptions: 0,
             steps: 0,
+            mixed_steps: 0,
             last_batch: 0,
         }
     }
@@ -243,6 +248,7 @@ impl Scheduler {
             waiting: self.waiting.len(),
             preemptions: self.preemptions,
             steps: self.steps,
+            mixed_steps: self.mixed_steps,
             last_batch: self.last_batch,
             cache_usage: self.pool.usage(),
             blocks_total: self.pool.total(),
@@ -263,18 +269,26 @@ impl Scheduler {
             .filter(|s| s.tokens.len() - s.computed == 1)
             .map(|s| s.id)
             .collect();
+        let decoding = self.ensure_blocks(&decoding);
         let budget = self
             .config
             .max_num_batched_tokens
             .saturating_sub(decoding.len());
-        if let Some(i) = self
+        let prefill = self
             .running
             .iter()
-            .position(|s| s.tokens.len() - s.computed > 1)
-        {
-            self.prefill(i, budget, &mut events);
+            .find(|s| s.tokens.len() - s.computed > 1)
+            .map(|s| {
+                let remaining = s.tokens.len() - s.computed;
+                let chunk = remaining
+                    .min(self.engine.config().prefill_chunk.max(1))
+                    .min(budget.max(self.pool.block_size()));
+                (s.id, chunk)
+            });
+        self.last_batch = decoding.len();
+        if prefill.is_some() || !decoding.is_empty() {
+            self.forward(prefill, &decoding, &mut events);
         }
-        self.decode(&decoding, &mut events);
         self.steps += 1;
         events
     }
@@ -361,52 +375,20 @@ impl Scheduler {
         }
     }
 
-    /// One chunk of running sequence `i`'s remaining tokens.
-    fn prefill(&mut self, i: usize, budget: usize, events: &mut Vec<SeqEvent>) {
-        let s = &self.running[i];
-        let remaining = s.tokens.len() - s.computed;
-        let chunk = remaining
-            .min(self.engine.config().prefill_chunk.max(1))
-            .min(budget.max(self.pool.block_size()));
-        let ends = chunk == remaining;
-        let argmax = ends && s.greedy_on_device();
-        let slice = SeqSlice {
-            blocks: &s.blocks,
-            start: s.computed,
-            tokens: &s.tokens[s.computed..s.computed + chunk],
-        };
-        let out = self.engine.step_sequences(&[slice], argmax);
-        match out {
-            Ok(out) => {
-                let s = &mut self.running[i];
-                s.computed += chunk;
-                if self.config.prefix_caching {
-                    self.pool
-                        .register_prefix(&s.blocks, &s.tokens[..s.computed]);
-                }
-                if ends {
-                    let id = self.running[i].id;
-                    self.sampled(vec![(id, row_of(&out, 0, self.vocab()))], events);
-                }
-            }
-            Err(e) => {
-                let s = self.running.remove(i);
-                self.fail(s, e, events);
-            }
-        }
-    }
-
     fn vocab(&self) -> usize {
         self.engine.model().decl.n_vocab()
     }
 
-    /// One decode step of the sequences `ids` (those still running after block allocation).
-    fn decode(&mut self, ids: &[SeqId], events: &mut Vec<SeqEvent>) {
+    fn index_of(&self, id: SeqId) -> Option<usize> {
+        self.running.iter().position(|s| s.id == id)
+    }
+
+    /// A block for each of `ids` whose next position starts one, preempting the newest
+    /// running sequence while the pool has none; returns the ids still running.
+    fn ensure_blocks(&mut self, ids: &[SeqId]) -> Vec<SeqId> {
         let block = self.pool.block_size();
-        // A block for each sequence whose next position starts one, preempting the newest
-        // running sequence while the pool has none.
         for &id in ids {
-            while let Some(k) = self.running.iter().position(|s| s.id == id) {
+            while let Some(k) = self.index_of(id) {
                 let s = &self.running[k];
                 if s.computed < s.blocks.len() * block {
                     break;
@@ -418,43 +400,80 @@ impl Scheduler {
                 self.preempt_newest();
             }
         }
-        let rows: Vec<usize> = ids
-            .iter()
-            .filter_map(|&id| self.running.iter().position(|s| s.id == id))
-            .collect();
-        self.last_batch = rows.len();
-        if rows.is_empty() {
+        ids.iter()
+            .copied()
+            .filter(|&id| self.index_of(id).is_some())
+            .collect()
+    }
+
+    /// One step: a chunk of `prefill`'s sequence (if any) and one token of each of `decode`,
+    /// together (a mixed step), alone, or as a plain decode.
+    fn forward(
+        &mut self,
+        prefill: Option<(SeqId, usize)>,
+        decode: &[SeqId],
+        events: &mut Vec<SeqEvent>,
+    ) {
+        // Rows in step order: the chunk first, then the decode rows.
+        let mut order: Vec<(usize, usize)> = Vec::with_capacity(decode.len() + 1);
+        if let Some((id, chunk)) = prefill
+            && let Some(k) = self.index_of(id)
+        {
+            order.push((k, chunk));
+        }
+        order.extend(
+            decode
+                .iter()
+                .filter_map(|&id| self.index_of(id))
+                .map(|k| (k, 1)),
+        );
+        if order.is_empty() {
             return;
         }
-        let argmax = rows.iter().all(|&k| self.running[k].greedy_on_device());
-        let slices: Vec<SeqSlice<'_>> = rows
+        let chunk_ends = |s: &Seq, n: usize| s.computed + n == s.tokens.len();
+        let argmax = order.iter().all(|&(k, n)| {
+            let s = &self.running[k];
+            !chunk_ends(s, n) || s.greedy_on_device()
+        });
+        let slices: Vec<SeqSlice<'_>> = order
             .iter()
-            .map(|&k| {
+            .map(|&(k, n)| {
                 let s = &self.running[k];
                 SeqSlice {
                     blocks: &s.blocks,
                     start: s.computed,
-                    tokens: &s.tokens[s.computed..],
+                    tokens: &s.tokens[s.computed..s.computed + n],
                 }
             })
             .collect();
-        let out = self.engine.step_sequences(&slices, argmax);
-        match out {
+        let ids: Vec<SeqId> = order.iter().map(|&(k, _)| self.running[k].id).collect();
+        if order.len() > 1 && order[0].1 > 1 {
+            self.mixed_steps += 1;
+        }
+        match self.engine.step_sequences(&slices, argmax) {
             Ok(out) => {
                 let vocab = self.vocab();
-                let mut picks = Vec::with_capacity(rows.len());
-                for (j, &k) in rows.iter().enumerate() {
-                    self.running[k].computed += 1;
-                    picks.push((self.running[k].id, row_of(&out, j, vocab)));
+                let mut picks = Vec::with_capacity(order.len());
+                for (j, &(k, n)) in order.iter().enumerate() {
+                    let ends = chunk_ends(&self.running[k], n);
+                    let s = &mut self.running[k];
+                    s.computed += n;
+                    if n > 1 && self.config.prefix_caching {
+                        self.pool
+                            .register_prefix(&s.blocks, &s.tokens[..s.computed]);
+                    }
+                    // A chunk that does not end its sequence's tokens has no next token yet.
+                    if ends {
+                        picks.push((s.id, row_of(&out, j, vocab)));
+                    }
                 }
                 self.sampled(picks, events);
             }
             Err(e) => {
                 // The step as a whole failed: every sequence in it is failed, the rest go on.
                 let msg = e.to_string();
-                let failed: Vec<SeqId> = rows.iter().map(|&k| self.running[k].id).collect();
-                for id in failed {
-                    if let Some(k) = self.running.iter().position(|s| s.id == id) {
+                for id in ids {
+                    if let Some(k) = self.index_of(id) {
                         let s = self.running.remove(k);
                         let _ = self.pool.release_all(&s.blocks);
                         events.push(SeqEvent::Failed {

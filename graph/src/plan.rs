@@ -24,6 +24,15 @@ pub enum Bucket {
     Decode { batch: usize, kv: usize },
     /// A chunk of `chunk` consecutive tokens of one sequence over `kv` cache rows.
     Prefill { chunk: usize, kv: usize },
+    /// A chunk of `chunk` tokens of one sequence (rows `0..chunk`, sequence 0), then `batch`
+    /// decode rows of one sequence each (sequences `1..=batch`, padding rows last), as vLLM's
+    /// chunked prefill mixes them: the chunk's last row and the decode rows are contiguous,
+    /// so each sequence's last row is one slice.
+    Mixed {
+        chunk: usize,
+        batch: usize,
+        kv: usize,
+    },
 }
 
 impl Bucket {
@@ -31,12 +40,13 @@ impl Bucket {
         match *self {
             Bucket::Decode { batch, .. } => batch,
             Bucket::Prefill { chunk, .. } => chunk,
+            Bucket::Mixed { chunk, batch, .. } => chunk + batch,
         }
     }
 
     pub fn kv(&self) -> usize {
         match *self {
-            Bucket::Decode { kv, .. } | Bucket::Prefill { kv, .. } => kv,
+            Bucket::Decode { kv, .. } | Bucket::Prefill { kv, .. } | Bucket::Mixed { kv, .. } => kv,
         }
     }
 
@@ -45,6 +55,7 @@ impl Bucket {
         match *self {
             Bucket::Decode { batch, .. } => batch,
             Bucket::Prefill { .. } => 1,
+            Bucket::Mixed { batch, .. } => 1 + batch,
         }
     }
 
@@ -120,9 +131,13 @@ impl StepShape {
     pub fn logit_rows(&self) -> usize {
         match (self.logits, self.bucket) {
             (LogitRows::All, b) => b.n_tokens(),
-            (LogitRows::Last, Bucket::Decode { batch, .. }) => batch,
-            (LogitRows::Last, Bucket::Prefill { .. }) => 1,
+            (LogitRows::Last, b) => b.seqs(),
         }
+    }
+
+    /// The first row that gets logits (they are the step's last [`Self::logit_rows`] rows).
+    pub fn first_logit_row(&self) -> usize {
+        self.bucket.n_tokens() - self.logit_rows()
     }
 }
 

@@ -31,6 +31,8 @@ fn sequences_decoded_together_give_the_tokens_each_gives_alone_on_the_cpu() {
         assert_eq!(out.of(*id), solo[k], "sequence {k}");
         assert_eq!(out.finished[id].0, FinishReason::Length, "sequence {k}");
     }
+    // The 70-token prompt joined in chunks of 24 beside the others' decode rows.
+    assert!(s.stats().mixed_steps > 0, "no mixed step ran");
     assert_eq!(s.pool().available(), s.pool().total());
 }
 

@@ -103,6 +103,37 @@ fn the_cuda_lowering_fuses_and_picks_a_kernel_for_every_step_shape() {
     assert!(gemv[0].contains(" logits: linear"), "{gemv:?}");
 }
 
+/// Sixteen sequences of one decode row each: past the GEMV thresholds, so the products read
+/// each weight once for all rows on the tensor cores; the rows' logits all come out.
+const BATCH_16: Bucket = Bucket::Decode { batch: 16, kv: 128 };
+/// A chunk of 40 beside 4 decode rows: the attention stays split-K (the flash kernel stages
+/// one sequence) and the logits are the chunk's last row and the decode rows.
+const MIXED: Bucket = Bucket::Mixed {
+    chunk: 40,
+    batch: 4,
+    kv: 128,
+};
+
+#[test]
+fn batched_and_mixed_steps_lower_to_these_plans() {
+    let m = tiny();
+    for (bucket, name) in [
+        (BATCH_16, "cuda_decode_batch_16"),
+        (MIXED, "cuda_mixed_40_4"),
+    ] {
+        let p = plan(&m, bucket, HOPPER);
+        let text = p.to_string();
+        assert!(!text.contains("[flash"), "{name}:\n{text}");
+        insta::assert_snapshot!(name, text);
+    }
+    let batch = plan(&m, BATCH_16, HOPPER).to_string();
+    assert!(batch.contains("block_table I32[16,2]"), "{batch}");
+    assert!(batch.contains("logits F32[16,512]"), "{batch}");
+    let mixed = plan(&m, MIXED, HOPPER).to_string();
+    assert!(mixed.contains("block_table I32[5,2]"), "{mixed}");
+    assert!(mixed.contains("slice_rows(start=39, len=5)"), "{mixed}");
+}
+
 #[test]
 fn a_gpu_without_warpgroup_mma_gets_the_mma_sync_expert_kernel() {
     let ampere = Target::Cuda {

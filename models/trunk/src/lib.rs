@@ -282,7 +282,8 @@ impl Trunk {
     }
 
     /// Final norm and lm head over `x` (`[n, n_embd]`): logits of every row, or of each
-    /// sequence's last row (every row of a decode step, the last of a prefill chunk).
+    /// sequence's last row (every row of a decode step, the last of a prefill chunk, the
+    /// chunk's last and the decode rows of a mixed step).
     pub fn head(
         &self,
         b: &mut GraphBuilder<'_>,
@@ -295,7 +296,7 @@ impl Trunk {
             b.op1(
                 "last_row",
                 SliceRows {
-                    start: n - rows,
+                    start: shape.first_logit_row(),
                     len: rows,
                 },
                 &[x],

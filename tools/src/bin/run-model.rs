@@ -2,11 +2,13 @@
 //! small synthetic Xing4.0 checkpoint and chats with it.
 
 use std::io::Write;
-use std::ops::ControlFlow;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use engine::scheduler::{Scheduler, SchedulerConfig, SeqEvent};
 use engine::{Device, Engine, EngineConfig, GenerateRequest, SamplingParams};
 use graph::LogitRows;
 use loader::chat::ChatMessage;
@@ -190,28 +192,71 @@ fn main() -> Result<()> {
         stop_strings: Vec::new(),
         want_logits: false,
     };
+    // One request through the scheduler, as `serve` and `bench -b` run them.
+    let prompt_len = req.prompt.len();
+    let tokenizer = loaded.tokenizer.map(Arc::new);
+    let printable = tokenizer.is_some();
+    let chunk = engine.config().prefill_chunk;
+    let mut sched = Scheduler::new(
+        engine,
+        SchedulerConfig {
+            max_num_seqs: 1,
+            max_num_batched_tokens: chunk.max(1),
+            prefix_caching: false,
+        },
+        tokenizer,
+    );
+    sched.add(req);
     let mut out = std::io::stdout();
-    let tok = loaded.tokenizer.as_ref();
-    let generation = engine.generate(&req, tok, |ev| {
-        if tok.is_some() {
-            let _ = write!(out, "{}", ev.text);
-        } else {
-            let _ = write!(out, "{} ", ev.id);
+    let t0 = Instant::now();
+    let (mut prefill_s, mut first_step_s, mut steady_s, mut steady_steps) = (None, 0.0, 0.0, 0);
+    let mut finish = None;
+    while sched.has_work() {
+        let t = Instant::now();
+        let events = sched.step();
+        let dt = t.elapsed().as_secs_f64();
+        let mut token = false;
+        for ev in events {
+            match ev {
+                SeqEvent::Token { id, text, .. } => {
+                    token = true;
+                    let _ = if printable {
+                        write!(out, "{text}")
+                    } else {
+                        write!(out, "{id} ")
+                    };
+                }
+                SeqEvent::Finished {
+                    finish: f, rest, ..
+                } => {
+                    let _ = write!(out, "{rest}");
+                    finish = Some(f);
+                }
+                SeqEvent::Failed { error, .. } => bail!("generation failed: {error}"),
+            }
         }
         let _ = out.flush();
-        ControlFlow::Continue(())
-    })?;
+        // The step that gives the first token ends the prefill; the next one is the first
+        // decode step, timed apart from the steady ones (seed §6).
+        match prefill_s {
+            None if token => prefill_s = Some(t0.elapsed().as_secs_f64()),
+            None => {}
+            Some(_) if first_step_s == 0.0 => first_step_s = dt,
+            Some(_) => {
+                steady_s += dt;
+                steady_steps += 1;
+            }
+        }
+    }
     println!();
-    let s = &generation.stats;
+    let prefill_s = prefill_s.unwrap_or(0.0);
+    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     eprintln!(
-        "prefill: {} tokens in {:.3} s ({:.1} tok/s) | first decode step {:.1} ms | decode: {} steps {:.1} tok/s | finish: {}",
-        s.prefilled_tokens,
-        s.prefill_seconds,
-        s.prefill_tok_per_s(),
-        s.first_step_seconds * 1e3,
-        s.steady_steps,
-        s.decode_tok_per_s(),
-        generation.finish.as_str()
+        "prefill: {prompt_len} tokens in {prefill_s:.3} s ({:.1} tok/s) | first decode step {:.1} ms | decode: {steady_steps} steps {:.1} tok/s | finish: {}",
+        rate(prompt_len, prefill_s),
+        first_step_s * 1e3,
+        rate(steady_steps, steady_s),
+        finish.map_or("error", |f| f.as_str())
     );
     Ok(())
 }
