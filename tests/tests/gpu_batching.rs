@@ -1,4 +1,4 @@
-//! Continuous batching on the GPU: the `tiny` checkpoint's sequences decoded together against
+//! Continuous batching on the GPU: the `small` checkpoint's sequences decoded together against
 //! each decoded alone on the GPU. Skips, saying why, without a CUDA GPU.
 
 mod batch_support;

@@ -163,12 +163,18 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
         if (it < ntiles) {
             const int jr = r0 + it * T;
             float* dst = kbuf + (it % NBUF) * T * ATT_WS;
+            // A tile starts at a multiple of T; when a block holds whole tiles (the engine's
+            // 64 positions), the tile is one run of pool rows: one table read for all of it.
+            const bool one_run = (1 << bshift) >= T;
+            const long long run0 = one_run ? att_pool_row(tbl, jr, bshift) : 0;
             int j = cj0, c = cc0;
 #pragma unroll 1
             for (int k = 0; k < T * (ATT_W / 4) / 256; ++k) {
                 const bool v = jr + j < r1 && c < w4;
-                const float* src =
-                    v ? cache + att_pool_row(tbl, jr + j, bshift) * w + 4 * c : cache;
+                // Rows past the chunk are not looked up: their table entries may not exist.
+                const long long row =
+                    !v ? 0 : (one_run ? run0 + j : att_pool_row(tbl, jr + j, bshift));
+                const float* src = v ? cache + row * w + 4 * c : cache;
                 cp_async16_zfill(dst + j * ATT_WS + 4 * c, src, v ? 16 : 0);
                 j += 256 / (ATT_W / 4);
                 c += 256 % (ATT_W / 4);

@@ -12,14 +12,13 @@ use engine::{Device, Engine, EngineConfig, FinishReason, GenerateRequest, Model,
 use loader::hparams::Arch;
 use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 
-pub fn tiny() -> Arc<Model> {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("batching_tiny_{}", std::process::id()));
+fn checkpoint(preset: Preset, name: &str, cell: &'static OnceLock<PathBuf>) -> Arc<Model> {
+    let dir = cell.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("batching_{name}_{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         write_checkpoint(&SynthOptions {
             arch: Arch::Xing4_0,
-            dims: Dims::preset(Preset::Tiny),
+            dims: Dims::preset(preset),
             seed: 11,
             out: d.clone(),
             force: true,
@@ -31,6 +30,21 @@ pub fn tiny() -> Arc<Model> {
     models::load(&dir.join("model.gguf"), Some(dir), false)
         .unwrap()
         .model
+}
+
+pub fn tiny() -> Arc<Model> {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    checkpoint(Preset::Tiny, "tiny", &DIR)
+}
+
+/// The checkpoint a device runs: `tiny` on the CPU; `small` on a GPU, whose kernels need the
+/// release's expert widths (multiples of 256) that `tiny` does not have.
+pub fn model_for(device: Device) -> Arc<Model> {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    match device {
+        Device::Cpu => tiny(),
+        Device::Cuda(_) => checkpoint(Preset::Small, "small", &DIR),
+    }
 }
 
 pub fn gpu_present() -> bool {
@@ -49,7 +63,7 @@ pub fn scheduler(device: Device, kv_blocks: usize, prefix_caching: bool) -> Sche
         kv_blocks,
         ..EngineConfig::default()
     };
-    let engine = Engine::new(tiny(), config).unwrap_or_else(|e| panic!("{device}: {e}"));
+    let engine = Engine::new(model_for(device), config).unwrap_or_else(|e| panic!("{device}: {e}"));
     Scheduler::new(
         engine,
         SchedulerConfig {

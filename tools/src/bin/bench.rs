@@ -459,11 +459,13 @@ struct BatchRun {
     /// Tokens generated while every sequence was decoding, and the seconds that took.
     steady_tokens: usize,
     steady_s: f64,
+    steady_steps: usize,
     total_tokens: usize,
     total_s: f64,
 }
 
 /// `b` sequences of `p` distinct synthetic prompt tokens, `n` greedy tokens each.
+#[allow(clippy::too_many_arguments)]
 fn batch_run(
     engine: Engine,
     b: usize,
@@ -471,6 +473,7 @@ fn batch_run(
     n: usize,
     vocab: usize,
     seed: u64,
+    mut profile: Option<&mut Vec<engine::NodeTime>>,
 ) -> Result<(Engine, BatchRun)> {
     let mut s = Scheduler::new(
         engine,
@@ -495,9 +498,20 @@ fn batch_run(
     let mut started = std::collections::HashSet::new();
     let (mut prefill_s, mut steady_from) = (None, None);
     let (mut steady_tokens, mut steady_s, mut total_tokens, mut finished) = (0, 0.0, 0, 0);
+    let mut steady_steps = 0usize;
     while s.has_work() {
+        // One decode step of the full batch, node by node (GPU only).
+        let profiling = steady_from.is_some()
+            && finished == 0
+            && profile.as_ref().is_some_and(|p| p.is_empty());
+        if profiling {
+            s.engine_mut().profile_next_step();
+        }
         let before = t0.elapsed().as_secs_f64();
         let events = s.step();
+        if profiling && let Some(p) = profile.as_mut() {
+            **p = s.engine_mut().take_profile();
+        }
         let after = t0.elapsed().as_secs_f64();
         let mut tokens = 0;
         for ev in events {
@@ -512,9 +526,10 @@ fn batch_run(
         }
         total_tokens += tokens;
         // The steady window: from the step after the last first token to the first finish.
-        if steady_from.is_some() && finished == 0 {
+        if steady_from.is_some() && finished == 0 && !profiling {
             steady_tokens += tokens;
             steady_s += after - before;
+            steady_steps += 1;
         }
         if prefill_s.is_none() && started.len() == b {
             prefill_s = Some(after);
@@ -528,6 +543,7 @@ fn batch_run(
             prefill_s: prefill_s.unwrap_or(total_s),
             steady_tokens,
             steady_s,
+            steady_steps,
             total_tokens,
             total_s,
         },
@@ -565,20 +581,21 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
         pool.blocks,
         pool.rows()
     );
-    println!(
-        "| B | prompt | gen | prefill t/s | aggregate decode t/s | per-sequence decode t/s | total t/s |"
-    );
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let mut rows = Vec::new();
     for &b in &a.batch {
         // One warm-up: kernels compile, plans are built and the batch buckets captured.
-        let (e, _) = batch_run(engine, b, p, n.min(8), vocab, 1)?;
+        let (e, _) = batch_run(engine, b, p, n.min(8), vocab, 1, None)?;
         engine = e;
         let mut pre = Vec::new();
         let mut agg = Vec::new();
         let mut tot = Vec::new();
+        let mut step_ms = Vec::new();
         for r in 0..a.reps {
-            let (e, run) = batch_run(engine, b, p, n, vocab, 2 + r as u64)?;
+            let (e, run) = batch_run(engine, b, p, n, vocab, 2 + r as u64, None)?;
             engine = e;
+            if run.steady_steps > 0 {
+                step_ms.push(run.steady_s * 1e3 / run.steady_steps as f64);
+            }
             pre.push((b * p) as f64 / run.prefill_s);
             if run.steady_s > 0.0 {
                 agg.push(run.steady_tokens as f64 / run.steady_s);
@@ -588,11 +605,28 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
         let (pm, _) = mean_sd(&pre);
         let (am, asd) = mean_sd(&agg);
         let (tm, _) = mean_sd(&tot);
-        eprintln!("  B={b}: decode {am:.1} t/s aggregate");
-        println!(
-            "| {b} | {p} | {n} | {pm:.1} | {am:.1} ± {asd:.1} | {:.1} | {tm:.1} |",
+        let (sm, _) = mean_sd(&step_ms);
+        eprintln!("  B={b}: decode {am:.1} t/s aggregate, {sm:.2} ms a step");
+        rows.push(format!(
+            "| {b} | {p} | {n} | {pm:.1} | {am:.1} ± {asd:.1} | {:.1} | {sm:.2} | {tm:.1} |",
             am / b as f64
-        );
+        ));
+        if a.profile && engine.on_gpu() {
+            let mut nodes = Vec::new();
+            let (e, _) = batch_run(engine, b, p, n.min(16), vocab, 99, Some(&mut nodes))?;
+            engine = e;
+            print_profile(
+                &format!("decode step of B={b} after {p} prompt tokens"),
+                &nodes,
+            );
+        }
+    }
+    println!(
+        "| B | prompt | gen | prefill t/s | aggregate decode t/s | per-sequence decode t/s | ms/step | total t/s |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for r in &rows {
+        println!("{r}");
     }
     println!(
         "(decode: tokens of the steps where all B sequences decode, from the last first token to the first finish; mean ± sd over {} reps; prefill: B·prompt over the time until every sequence had its first token, decode steps of early sequences included)",
