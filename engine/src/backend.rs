@@ -200,7 +200,6 @@ impl Backend {
     /// decode plan at the full bucket) and `prefill` (the widest prefill chunk).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
-        model: &Model,
         device: Device,
         ctx: Option<Arc<GpuCtx>>,
         cuda_graphs: bool,
@@ -247,7 +246,7 @@ impl Backend {
             .mem_get_info()
             .map_err(|e| unavailable(e.to_string()))?;
         budget.check(device, free, total)?;
-        let mut exec = CudaExecutor::new(ctx, probe, model, rows)?;
+        let mut exec = CudaExecutor::without_weights(ctx, probe, rows)?;
         exec.reserve_arena(arena)?;
         Ok(Backend::Cuda {
             exec: Box::new(exec),

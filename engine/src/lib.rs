@@ -235,7 +235,6 @@ impl Engine {
         };
         let (probe, prefill) = sizing.plans(&model, pool)?;
         let backend = Backend::new(
-            &model,
             config.device,
             ctx,
             config.cuda_graphs,

@@ -21,6 +21,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use loader::tokenizer::Tokenizer;
+use rayon::prelude::*;
 
 use crate::output::TextStream;
 use crate::paged::BlockPool;
@@ -502,24 +503,33 @@ impl Scheduler {
     /// Takes each sequence's next token from its row and ends the ones that are done.
     fn sampled(&mut self, picks: Vec<(SeqId, Row)>, events: &mut Vec<SeqEvent>) {
         let max_len = self.engine.config().max_model_len;
+        // Sampling from a vocabulary-wide row is the host's share of a step (a sort of 131,072
+        // candidates each): the rows are sampled in parallel, each with its own generator.
+        let mut rows: Vec<Option<Row>> = (0..self.running.len()).map(|_| None).collect();
+        let mut order = Vec::with_capacity(picks.len());
         for (id, row) in picks {
-            let Some(k) = self.running.iter().position(|s| s.id == id) else {
+            if let Some(k) = self.index_of(id) {
+                rows[k] = Some(row);
+                order.push(id);
+            }
+        }
+        let chosen: Vec<Option<(u32, Option<Vec<f32>>)>> = self
+            .running
+            .par_iter_mut()
+            .zip(rows.into_par_iter())
+            .map(|(s, row)| row.map(|row| choose(s, row)))
+            .collect();
+        let mut chosen: std::collections::HashMap<SeqId, (u32, Option<Vec<f32>>)> = self
+            .running
+            .iter()
+            .zip(chosen)
+            .filter_map(|(s, c)| c.map(|c| (s.id, c)))
+            .collect();
+        for id in order {
+            let (Some(k), Some((token, logits))) = (self.index_of(id), chosen.remove(&id)) else {
                 continue;
             };
             let s = &mut self.running[k];
-            let (token, logits) = match row {
-                Row::Token(t) => (t, None),
-                Row::Logits(l) => {
-                    let t = if s.req.sampling.temperature == 0.0
-                        && s.req.sampling.repetition_penalty == 1.0
-                    {
-                        argmax(&l) as u32
-                    } else {
-                        s.sampler.sample(&l, &s.tokens)
-                    };
-                    (t, s.req.want_logits.then_some(l))
-                }
-            };
             if s.req.stop_tokens.contains(&token) {
                 let s = self.running.remove(k);
                 self.finish(s, FinishReason::Stop, events);
@@ -573,6 +583,22 @@ impl Scheduler {
             seq: s.id,
             error: e.to_string(),
         });
+    }
+}
+
+/// The next token of `s` from its row (and the row, when the request wants logits).
+fn choose(s: &mut Seq, row: Row) -> (u32, Option<Vec<f32>>) {
+    match row {
+        Row::Token(t) => (t, None),
+        Row::Logits(l) => {
+            let p = &s.req.sampling;
+            let t = if p.temperature == 0.0 && p.repetition_penalty == 1.0 {
+                argmax(&l) as u32
+            } else {
+                s.sampler.sample(&l, &s.tokens)
+            };
+            (t, s.req.want_logits.then_some(l))
+        }
     }
 }
 

@@ -270,6 +270,18 @@ impl CudaExecutor {
         weights: &dyn HostWeights,
         rows: usize,
     ) -> Result<CudaExecutor, CudaExecError> {
+        let mut exec = Self::without_weights(ctx, plan, rows)?;
+        exec.upload_weights(plan, weights)?;
+        Ok(exec)
+    }
+
+    /// [`Self::new`] without the weights: they go to the card at the first step, or when the
+    /// caller uploads them (with a progress report, see [`Self::upload_weights_with`]).
+    pub fn without_weights(
+        ctx: Arc<GpuCtx>,
+        plan: &Plan,
+        rows: usize,
+    ) -> Result<CudaExecutor, CudaExecError> {
         let mut states = HashMap::new();
         let mut at = 0;
         for (_, v) in plan.graph.of_kind(ValueKind::State) {
@@ -307,7 +319,6 @@ impl CudaExecutor {
             timer: None,
             last_timing: None,
         };
-        exec.upload_weights(plan, weights)?;
         exec.reserve_arena(plan.device_arena_bytes)?;
         Ok(exec)
     }

@@ -21,6 +21,17 @@ pub struct LoweringArgs {
     /// (also `XING4_PDL_WEIGHTS_FIRST=0`).
     #[arg(long)]
     pub no_weights_first: bool,
+    /// Most rows a linear layer takes on the GEMV (more: the tensor-core tiles), 0..=8
+    /// (default 8): for an A/B of batched decode steps.
+    #[arg(long, value_name = "N")]
+    pub gemv_max_rows: Option<usize>,
+    /// Most tokens MLA's per-head products take on the GEMV, 0..=8 (default 8).
+    #[arg(long, value_name = "N")]
+    pub head_gemv_max_rows: Option<usize>,
+    /// Most routes the routed experts take on the GEMV (more: the grouped tensor-core
+    /// kernel), 0..=32 (default 32).
+    #[arg(long, value_name = "N")]
+    pub expert_gemv_max_routes: Option<usize>,
 }
 
 impl LoweringArgs {
@@ -43,14 +54,23 @@ impl LoweringArgs {
             })?,
             (None, None) => LoweringOptions::default().hc_rows_chunks_per_warp,
         };
+        let d = LoweringOptions::default();
         let opts = LoweringOptions {
             fuse_hc: !(self.no_hc_fusion || off("XING4_HC_FUSION")),
             hc_rows_chunks_per_warp: hc_rows,
             pdl_weights_first: !(self.no_weights_first || off("XING4_PDL_WEIGHTS_FIRST")),
-            ..LoweringOptions::default()
+            gemv_max_rows: self.gemv_max_rows.unwrap_or(d.gemv_max_rows),
+            head_gemv_max_rows: self.head_gemv_max_rows.unwrap_or(d.head_gemv_max_rows),
+            expert_gemv_max_routes: self
+                .expert_gemv_max_routes
+                .unwrap_or(d.expert_gemv_max_routes),
+            ..d
         };
-        opts.validate()
-            .map_err(|e| anyhow::anyhow!("--hc-rows / XING4_HC_ROWS: {e}"))?;
+        opts.validate().map_err(|e| {
+            anyhow::anyhow!(
+                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --head-gemv-max-rows / --expert-gemv-max-routes: {e}"
+            )
+        })?;
         Ok(opts)
     }
 }

@@ -613,7 +613,7 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
         ));
         if a.profile && engine.on_gpu() {
             let mut nodes = Vec::new();
-            let (e, _) = batch_run(engine, b, p, n.min(16), vocab, 99, Some(&mut nodes))?;
+            let (e, _) = batch_run(engine, b, p, n, vocab, 99, Some(&mut nodes))?;
             engine = e;
             print_profile(
                 &format!("decode step of B={b} after {p} prompt tokens"),
