@@ -133,7 +133,9 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return argmax(&row) as u32;
         }
-        // Candidates sorted by logit, descending; ties by id for determinism.
+        // Candidates by logit, descending, ties by id (a fixed order: the same seed gives the
+        // same tokens). Only the head that a cut keeps is ever sorted: a full sort of a
+        // 131,072-wide row per token was the host's cost of a batched step.
         let mut cand: Vec<(u32, f32)> = row
             .iter()
             .enumerate()
@@ -143,31 +145,49 @@ impl Sampler {
         if cand.is_empty() {
             return argmax(&row) as u32;
         }
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, order);
             cand.truncate(p.top_k);
         }
-        let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= total);
-        if p.min_p > 0.0 {
-            let floor = probs[0] * p.min_p as f64;
-            let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
-            probs.truncate(keep);
-        }
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (i, q) in probs.iter().enumerate() {
-                acc += q;
-                if acc >= p.top_p as f64 {
-                    keep = i + 1;
-                    break;
+        let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+        let total: f64 = cand.iter().map(|c| ((c.1 - max) as f64).exp()).sum();
+        let prob = |c: &(u32, f32)| ((c.1 - max) as f64).exp() / total;
+        let cuts = p.min_p > 0.0 || p.top_p < 1.0;
+        // The kept candidates: with a cut, the shortest sorted head it keeps; without one,
+        // all of them in any fixed order (the distribution does not depend on the order).
+        let kept = if !cuts {
+            cand.len()
+        } else {
+            let floor = p.min_p as f64 / total;
+            let mut head = 64.min(cand.len());
+            loop {
+                if head < cand.len() {
+                    cand.select_nth_unstable_by(head - 1, order);
+                }
+                cand[..head].sort_by(order);
+                let mut acc = 0.0;
+                let mut cut = None;
+                for (i, c) in cand[..head].iter().enumerate() {
+                    let q = prob(c);
+                    if i > 0 && q < floor {
+                        cut = Some(i);
+                        break;
+                    }
+                    acc += q;
+                    if p.top_p < 1.0 && acc >= p.top_p as f64 {
+                        cut = Some(i + 1);
+                        break;
+                    }
+                }
+                match cut {
+                    Some(n) => break n,
+                    None if head == cand.len() => break head,
+                    None => head = (head * 8).min(cand.len()),
                 }
             }
-            probs.truncate(keep);
-        }
+        };
+        let probs: Vec<f64> = cand[..kept].iter().map(prob).collect();
         let total: f64 = probs.iter().sum();
         let mut u = self.rng.next_f64() * total;
         for (i, q) in probs.iter().enumerate() {
@@ -176,7 +196,7 @@ impl Sampler {
             }
             u -= q;
         }
-        cand[probs.len() - 1].0
+        cand[kept - 1].0
     }
 }
 
@@ -245,6 +265,49 @@ mod tests {
                 assert!(s.sample(&logits, &[]) < 2);
             }
         }
+    }
+
+    #[test]
+    fn a_top_p_head_longer_than_the_first_sorted_block_is_found_whole() {
+        // 1,000 near-equal candidates and a long tail of weak ones: top_p 0.9 keeps about 900
+        // of the strong ones, more than the first sorted block of 64.
+        let mut logits = vec![-30.0f32; 131_072];
+        for (i, v) in logits.iter_mut().take(1000).enumerate() {
+            *v = 5.0 + (i as f32) * 1e-4;
+        }
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            seed: 3,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        let seen: std::collections::HashSet<u32> =
+            (0..1500).map(|_| s.sample(&logits, &[])).collect();
+        assert!(
+            seen.iter().all(|&t| (90..1000).contains(&t)),
+            "a cut token was drawn"
+        );
+        assert!(seen.len() > 500, "only {} distinct tokens", seen.len());
+    }
+
+    #[test]
+    fn without_cuts_tokens_are_drawn_in_proportion_to_their_probability() {
+        let logits = [2.0f32.ln(), 1.0f32.ln(), f32::NEG_INFINITY, 1.0f32.ln()];
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 11,
+            ..Default::default()
+        });
+        let mut counts = [0usize; 4];
+        for _ in 0..20_000 {
+            counts[s.sample(&logits, &[]) as usize] += 1;
+        }
+        assert_eq!(counts[2], 0);
+        // Expected 10,000 / 5,000 / 5,000; the bounds are > 6 standard deviations wide.
+        assert!((9_550..10_450).contains(&counts[0]), "{counts:?}");
+        assert!((4_600..5_400).contains(&counts[1]), "{counts:?}");
+        assert!((4_600..5_400).contains(&counts[3]), "{counts:?}");
     }
 
     #[test]
