@@ -117,6 +117,9 @@ struct Seq {
     usage: SeqUsage,
     admitted_once: bool,
     cancelled: bool,
+    /// Not admitted before this sequence has prefilled its prompt (its full blocks are then
+    /// in the prefix cache for this one to share).
+    wait_for: Option<SeqId>,
 }
 
 impl Seq {
@@ -198,6 +201,17 @@ impl Scheduler {
         &self.pool
     }
 
+    /// Queues a request that shares `first`'s prompt (another choice of the same request,
+    /// `n` > 1): it is admitted once `first` has prefilled, and takes `first`'s full prompt
+    /// blocks from the prefix cache instead of computing them again.
+    pub fn add_sharing(&mut self, req: GenerateRequest, first: SeqId) -> SeqId {
+        let id = self.add(req);
+        if let Some(s) = self.waiting.back_mut() {
+            s.wait_for = Some(first);
+        }
+        id
+    }
+
     /// Queues a request; it runs once admitted.
     pub fn add(&mut self, req: GenerateRequest) -> SeqId {
         let id = self.next_id;
@@ -215,6 +229,7 @@ impl Scheduler {
             },
             admitted_once: false,
             cancelled: false,
+            wait_for: None,
             req,
         };
         self.waiting.push_back(seq);
@@ -326,9 +341,22 @@ impl Scheduler {
         let max_len = self.engine.config().max_model_len;
         let block = self.pool.block_size();
         while self.running.len() < self.config.max_num_seqs {
+            if let Some(first) = self.waiting.front().and_then(|s| s.wait_for) {
+                // The sibling waits (and, first come first served, so does everyone behind
+                // it) while the first is queued or still prefilling.
+                let queued = self.waiting.iter().any(|s| s.id == first);
+                let prefilling = self
+                    .running
+                    .iter()
+                    .any(|s| s.id == first && s.tokens.len() - s.computed > 1);
+                if queued || prefilling {
+                    break;
+                }
+            }
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
+            s.wait_for = None;
             if s.tokens.is_empty() {
                 events.push(SeqEvent::Failed {
                     seq: s.id,

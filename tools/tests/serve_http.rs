@@ -239,7 +239,7 @@ fn malformed_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving() 
         ),
         (
             "/v1/chat/completions",
-            chat(json!({"n": 3})),
+            chat(json!({"n": 0})),
             400,
             Some("n"),
         ),
@@ -771,4 +771,51 @@ fn a_stream_waiting_in_the_queue_gets_keep_alive_comments_then_its_tokens() {
     }
     assert_eq!(last, "data: [DONE]");
     assert_eq!(first.join().unwrap(), 200);
+}
+
+#[test]
+fn n_choices_are_sequences_of_their_own_that_share_the_prompt_blocks() {
+    // Blocks of 16: the 40-token prompt's first two blocks are shared by the later choices.
+    let s = Server::start(&["--block-size", "16"]);
+    let body = json!({"prompt": ids(40), "max_tokens": 12, "temperature": 0.9, "seed": 5, "n": 3, "ignore_eos": true});
+    let (status, whole) = s.post_json("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let choices = whole["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{whole}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{whole}");
+        assert_eq!(c["finish_reason"], "length", "{whole}");
+    }
+    // Each choice has its own seed: sampled at 0.9, they differ.
+    let texts: std::collections::HashSet<&str> =
+        choices.iter().filter_map(|c| c["text"].as_str()).collect();
+    assert!(texts.len() > 1, "{whole}");
+    assert_eq!(whole["usage"]["prompt_tokens"], 40);
+    assert_eq!(whole["usage"]["completion_tokens"], 36);
+    // The two later choices each took the first's two full prompt blocks.
+    s.wait_metric("xing4_prefix_cache_hits_total", 64.0);
+
+    // Streamed with the same seed: per index, the same text; one [DONE], after every finish.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let data = stream_data(&s, "/v1/completions", &streamed);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(data.iter().filter(|d| *d == "[DONE]").count(), 1);
+    let mut text = vec![String::new(); 3];
+    let mut finished = [false; 3];
+    for d in data.iter().filter(|d| *d != "[DONE]") {
+        let v: Value = serde_json::from_str(d).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            text[i].push_str(c["text"].as_str().unwrap_or(""));
+            finished[i] |= !c["finish_reason"].is_null();
+        }
+    }
+    assert_eq!(finished, [true; 3]);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["text"].as_str().unwrap(), text[i], "choice {i}");
+    }
+    let (status, e) = s.post_json("/v1/completions", &json!({"prompt": "x", "n": 65}));
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["param"], "n");
 }

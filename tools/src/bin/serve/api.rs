@@ -186,9 +186,14 @@ pub fn object<'a>(o: &'a Obj, key: &str) -> R<Option<&'a Obj>> {
 }
 
 /// What every generation request carries.
+/// The most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: usize = 64;
+
 #[derive(Debug)]
 pub struct Common {
     pub max_tokens: Option<usize>,
+    /// Choices to generate (`n`): as many sequences, sharing the prompt's cache blocks.
+    pub n: usize,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -282,14 +287,16 @@ pub fn common(o: &Obj, d: &Defaults, fresh_seed: u64) -> R<Common> {
         Some(s) => s as u64,
         None => fresh_seed,
     };
-    if let Some(n) = integer(o, "n")?
-        && n != 1
-    {
-        return Err(ApiError::invalid(
-            "n",
-            format!("`n` must be 1 (one choice per request), got {n}"),
-        ));
-    }
+    let n = match integer(o, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` must be in 1..={MAX_CHOICES}, got {n}"),
+            ));
+        }
+    };
     let stop = match field(o, "stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -327,6 +334,7 @@ pub fn common(o: &Obj, d: &Defaults, fresh_seed: u64) -> R<Common> {
     let ignore_eos = boolean(o, "ignore_eos")?.unwrap_or(false);
     Ok(Common {
         max_tokens,
+        n,
         sampling: SamplingParams {
             temperature,
             top_k,
@@ -570,7 +578,8 @@ mod tests {
             (r#"{"max_completion_tokens": -3}"#, "max_completion_tokens"),
             (r#"{"stop": 3}"#, "stop"),
             (r#"{"stop": ["a", 1]}"#, "stop[1]"),
-            (r#"{"n": 2}"#, "n"),
+            (r#"{"n": 0}"#, "n"),
+            (r#"{"n": 65}"#, "n"),
             (
                 r#"{"stream_options": {"include_usage": true}}"#,
                 "stream_options",

@@ -330,7 +330,9 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
         chat: true,
         include_usage: common.include_usage,
         logprobs: logprobs.is_some(),
-        text_offset: 0,
+        text_offset: Vec::new(),
+        choices: 1,
+        done: Vec::new(),
     };
     submit(app, ready, prompt, common, stops, reasoning, logprobs, fmt).await
 }
@@ -385,7 +387,9 @@ async fn completion(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Respo
         chat: false,
         include_usage: common.include_usage,
         logprobs: logprobs.is_some(),
-        text_offset: 0,
+        text_offset: Vec::new(),
+        choices: 1,
+        done: Vec::new(),
     };
     submit(app, ready, prompt, common, stops, None, logprobs, fmt).await
 }
@@ -406,28 +410,42 @@ async fn submit(
         .unwrap_or(app.max_model_len.saturating_sub(prompt.len()));
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let job = Job {
-        req: GenerateRequest {
-            prompt,
-            max_tokens,
-            sampling: common.sampling,
-            stop_tokens,
-            stop_strings: common.stop,
-            want_logits: logprobs.is_some(),
-        },
-        reasoning,
-        logprobs,
-        events: tx,
-        cancel: cancel.clone(),
-        arrived: Instant::now(),
-    };
-    app.metrics.waiting.fetch_add(1, Relaxed);
-    if ready.jobs.send(job).is_err() {
-        app.metrics.waiting.fetch_sub(1, Relaxed);
-        return Err(ApiError::internal(
-            "the engine thread has stopped; restart the server",
-        ));
+    let n = common.n.max(1);
+    let group = app.ids.fetch_add(1, Relaxed);
+    let mut fmt = fmt;
+    fmt.choices = n;
+    // One sequence a choice, each with its own seed; the cancel flag and the event channel
+    // are the request's.
+    for index in 0..n {
+        let job = Job {
+            req: GenerateRequest {
+                prompt: prompt.clone(),
+                max_tokens,
+                sampling: engine::SamplingParams {
+                    seed: common.sampling.seed.wrapping_add(index as u64),
+                    ..common.sampling.clone()
+                },
+                stop_tokens: stop_tokens.clone(),
+                stop_strings: common.stop.clone(),
+                want_logits: logprobs.is_some(),
+            },
+            index,
+            group,
+            reasoning,
+            logprobs,
+            events: tx.clone(),
+            cancel: cancel.clone(),
+            arrived: Instant::now(),
+        };
+        app.metrics.waiting.fetch_add(1, Relaxed);
+        if ready.jobs.send(job).is_err() {
+            app.metrics.waiting.fetch_sub(1, Relaxed);
+            return Err(ApiError::internal(
+                "the engine thread has stopped; restart the server",
+            ));
+        }
     }
+    drop(tx);
     let guard = CancelGuard::new(cancel);
     if common.stream {
         let body = Body::from_stream(SseBody::new(rx, fmt, guard, app.keep_alive));
@@ -441,7 +459,7 @@ async fn submit(
         return Ok(resp);
     }
     let mut guard = guard;
-    let collected = collect(rx).await?;
+    let collected = collect(rx, n).await?;
     guard.disarm();
     Ok(axum::Json(fmt.whole(&collected)).into_response())
 }
@@ -455,19 +473,29 @@ pub struct Collected {
     done: Option<Done>,
 }
 
-async fn collect(mut rx: UnboundedReceiver<Event>) -> R<Collected> {
-    let mut c = Collected::default();
+/// Each of the `n` choices' text, until every one is done.
+async fn collect(mut rx: UnboundedReceiver<Event>, n: usize) -> R<Vec<Collected>> {
+    let mut cs: Vec<Collected> = (0..n).map(|_| Collected::default()).collect();
+    let mut done = 0;
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Token(d) => {
+                let Some(c) = cs.get_mut(d.index) else {
+                    continue;
+                };
                 let offset = c.content.chars().count();
                 c.logprobs.extend(d.logprob.map(|l| (offset, l)));
                 c.reasoning.push_str(&d.reasoning);
                 c.content.push_str(&d.content);
             }
             Event::Done(d) => {
-                c.done = Some(d);
-                return Ok(c);
+                if let Some(c) = cs.get_mut(d.index) {
+                    c.done = Some(d);
+                }
+                done += 1;
+                if done == n {
+                    return Ok(cs);
+                }
             }
             Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
         }
@@ -485,12 +513,18 @@ fn finish_str(f: FinishReason) -> &'static str {
     }
 }
 
-fn usage(d: &Done) -> Value {
+/// A request's usage over its choices: the prompt (and its cached part) once, as the first
+/// choice saw it, the completions summed.
+fn usage(ds: &[Done]) -> Value {
+    let first = ds.iter().find(|d| d.index == 0).or(ds.first());
+    let prompt = first.map_or(0, |d| d.prompt_tokens);
+    let cached = first.map_or(0, |d| d.cached_tokens);
+    let completion: usize = ds.iter().map(|d| d.completion_tokens).sum();
     json!({
-        "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens,
-        "total_tokens": d.prompt_tokens + d.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }
 
@@ -517,8 +551,13 @@ pub struct Formatter {
     chat: bool,
     include_usage: bool,
     logprobs: bool,
-    /// Characters of completion text sent so far (`text_offset` of completions logprobs).
-    text_offset: usize,
+    /// Per choice, characters of completion text sent so far (`text_offset` of completions
+    /// logprobs).
+    text_offset: Vec<usize>,
+    /// Choices of the request (`n`).
+    pub choices: usize,
+    /// The choices that are done, for the usage chunk once all are.
+    done: Vec<Done>,
 }
 
 impl Formatter {
@@ -534,51 +573,59 @@ impl Formatter {
         })
     }
 
-    /// The non-streaming response.
-    fn whole(self, c: &Collected) -> Value {
-        let done = c.done.unwrap_or(Done {
-            finish: FinishReason::Length,
-            prompt_tokens: 0,
-            completion_tokens: 0,
-            cached_tokens: 0,
-        });
-        let finish = finish_str(done.finish);
-        if self.chat {
-            let logprobs = self
-                .logprobs
-                .then(|| json!({"content": c.logprobs.iter().map(|(_, l)| chat_logprob(l)).collect::<Vec<_>>()}));
-            let reasoning = (!c.reasoning.is_empty()).then(|| c.reasoning.clone());
-            json!({
-                "id": self.id,
-                "object": "chat.completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": c.content, "reasoning_content": reasoning},
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }],
-                "usage": usage(&done),
+    /// The non-streaming response: one choice per `Collected`, indexed in order.
+    fn whole(self, cs: &[Collected]) -> Value {
+        let dones: Vec<Done> = cs
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                c.done.unwrap_or(Done {
+                    index,
+                    finish: FinishReason::Length,
+                    prompt_tokens: 0,
+                    completion_tokens: 0,
+                    cached_tokens: 0,
+                })
             })
-        } else {
-            let logprobs = self
-                .logprobs
-                .then(|| Self::completion_logprobs(&c.logprobs));
-            json!({
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{
-                    "index": 0,
-                    "text": c.content,
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }],
-                "usage": usage(&done),
+            .collect();
+        let choices: Vec<Value> = cs
+            .iter()
+            .zip(&dones)
+            .enumerate()
+            .map(|(index, (c, done))| {
+                let finish = finish_str(done.finish);
+                if self.chat {
+                    let logprobs = self.logprobs.then(|| {
+                        json!({"content": c.logprobs.iter().map(|(_, l)| chat_logprob(l)).collect::<Vec<_>>()})
+                    });
+                    let reasoning = (!c.reasoning.is_empty()).then(|| c.reasoning.clone());
+                    json!({
+                        "index": index,
+                        "message": {"role": "assistant", "content": c.content, "reasoning_content": reasoning},
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    })
+                } else {
+                    let logprobs = self
+                        .logprobs
+                        .then(|| Self::completion_logprobs(&c.logprobs));
+                    json!({
+                        "index": index,
+                        "text": c.content,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    })
+                }
             })
-        }
+            .collect();
+        json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(&dones),
+        })
     }
 
     fn chunk(&self, choice: Value) -> String {
@@ -605,24 +652,32 @@ impl Formatter {
         if !self.chat {
             return String::new();
         }
-        self.chunk(json!({
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": null,
-            "finish_reason": null,
-        }))
+        (0..self.choices.max(1))
+            .map(|index| {
+                self.chunk(json!({
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": null,
+                    "finish_reason": null,
+                }))
+            })
+            .collect()
     }
 
     fn delta_chunk(&mut self, d: &Delta) -> String {
         if d.is_empty() {
             return String::new();
         }
+        let index = d.index;
+        if self.text_offset.len() <= index {
+            self.text_offset.resize(index + 1, 0);
+        }
         let lps: Vec<(usize, TokenLogprob)> = d
             .logprob
             .iter()
-            .map(|l| (self.text_offset, l.clone()))
+            .map(|l| (self.text_offset[index], l.clone()))
             .collect();
-        self.text_offset += d.content.chars().count();
+        self.text_offset[index] += d.content.chars().count();
         if self.chat {
             let mut delta = serde_json::Map::new();
             if !d.reasoning.is_empty() {
@@ -635,31 +690,37 @@ impl Formatter {
                 || json!({"content": lps.iter().map(|(_, l)| chat_logprob(l)).collect::<Vec<_>>()}),
             );
             self.chunk(
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}),
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null}),
             )
         } else {
             let logprobs = self.logprobs.then(|| Self::completion_logprobs(&lps));
             self.chunk(
-                json!({"index": 0, "text": d.content, "logprobs": logprobs, "finish_reason": null}),
+                json!({"index": index, "text": d.content, "logprobs": logprobs, "finish_reason": null}),
             )
         }
     }
 
-    /// One worker event as SSE text; `None` means the worker went away.
-    pub fn stream_event(&mut self, ev: Option<Event>) -> String {
+    /// One worker event as SSE text, and whether the stream ends with it (every choice
+    /// done, an error, or `None`: the worker went away).
+    pub fn stream_event(&mut self, ev: Option<Event>) -> (String, bool) {
         match ev {
-            Some(Event::Token(d)) => self.delta_chunk(&d),
+            Some(Event::Token(d)) => (self.delta_chunk(&d), false),
             Some(Event::Done(done)) => {
                 let finish = finish_str(done.finish);
+                let index = done.index;
                 let mut s = if self.chat {
                     self.chunk(
-                        json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}),
+                        json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish}),
                     )
                 } else {
                     self.chunk(
-                        json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish}),
+                        json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish}),
                     )
                 };
+                self.done.push(done);
+                if self.done.len() < self.choices.max(1) {
+                    return (s, false);
+                }
                 if self.include_usage {
                     let object = if self.chat {
                         "chat.completion.chunk"
@@ -672,20 +733,20 @@ impl Formatter {
                         "created": self.created,
                         "model": self.model,
                         "choices": [],
-                        "usage": usage(&done),
+                        "usage": usage(&self.done),
                     });
                     s.push_str(&format!("data: {v}\n\n"));
                 }
                 s.push_str("data: [DONE]\n\n");
-                s
+                (s, true)
             }
             Some(Event::Error(e)) => {
                 let err = ApiError::internal(format!("generation failed: {e}")).json();
-                format!("data: {err}\n\ndata: [DONE]\n\n")
+                (format!("data: {err}\n\ndata: [DONE]\n\n"), true)
             }
             None => {
                 let err = ApiError::internal("the engine thread stopped during the request").json();
-                format!("data: {err}\n\ndata: [DONE]\n\n")
+                (format!("data: {err}\n\ndata: [DONE]\n\n"), true)
             }
         }
     }

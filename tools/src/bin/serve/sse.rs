@@ -85,8 +85,7 @@ impl futures_core::Stream for SseBody {
             }
             match this.rx.poll_recv(cx) {
                 Poll::Ready(ev) => {
-                    let finished = !matches!(ev, Some(Event::Token(_)));
-                    let text = this.fmt.stream_event(ev);
+                    let (text, finished) = this.fmt.stream_event(ev);
                     if finished {
                         this.done = true;
                         this.guard.disarm();

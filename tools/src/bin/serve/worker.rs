@@ -19,6 +19,11 @@ use crate::metrics::Metrics;
 
 pub struct Job {
     pub req: GenerateRequest,
+    /// The choice this job generates (`n` > 1 makes one job a choice, sent back to back).
+    pub index: usize,
+    /// Jobs of one request share it; a choice after the first waits for the first's prompt
+    /// blocks and reuses them.
+    pub group: u64,
     /// Whether the output starts inside a reasoning span (a chat prompt that ends in `<think>`).
     pub reasoning: Option<bool>,
     /// Top alternatives per token when log-probabilities were asked for.
@@ -38,6 +43,8 @@ pub enum Event {
 
 #[derive(Debug, Default)]
 pub struct Delta {
+    /// The choice it belongs to.
+    pub index: usize,
     pub reasoning: String,
     pub content: String,
     pub logprob: Option<TokenLogprob>,
@@ -59,6 +66,7 @@ pub struct TokenLogprob {
 
 #[derive(Clone, Copy, Debug)]
 pub struct Done {
+    pub index: usize,
     pub finish: FinishReason,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -240,6 +248,7 @@ pub fn spawn(
                 think,
                 metrics,
                 live: HashMap::new(),
+                groups: HashMap::new(),
                 prefix: PrefixStats::default(),
                 block_bytes,
             };
@@ -262,6 +271,8 @@ struct Worker {
     think: ThinkIds,
     metrics: Arc<Metrics>,
     live: HashMap<SeqId, Live>,
+    /// The first choice's sequence of each request with more than one.
+    groups: HashMap<u64, SeqId>,
     prefix: PrefixStats,
     block_bytes: usize,
 }
@@ -315,7 +326,13 @@ impl Worker {
             self.metrics.cancellations.fetch_add(1, Relaxed);
             return;
         }
-        let id = self.sched.add(job.req.clone());
+        let id = match (job.index, self.groups.get(&job.group)) {
+            (0, _) | (_, None) => self.sched.add(job.req.clone()),
+            (_, Some(&first)) => self.sched.add_sharing(job.req.clone(), first),
+        };
+        if job.index == 0 {
+            self.groups.insert(job.group, id);
+        }
         let splitter = job.reasoning.map(|r| Splitter::new(self.think, r));
         self.live.insert(
             id,
@@ -344,7 +361,10 @@ impl Worker {
                     Some(t) => self.metrics.observe_itl(now - t),
                 }
                 l.last = Some(now);
-                let mut d = Delta::default();
+                let mut d = Delta {
+                    index: l.job.index,
+                    ..Delta::default()
+                };
                 match l.splitter.as_mut() {
                     Some(s) => s.push(Some(id), &text, &mut d),
                     None => d.content.push_str(&text),
@@ -372,7 +392,10 @@ impl Worker {
                 };
                 // Text the stream released only at the end (a held stop-string prefix, a
                 // partial UTF-8 sequence).
-                let mut d = Delta::default();
+                let mut d = Delta {
+                    index: l.job.index,
+                    ..Delta::default()
+                };
                 match l.splitter.as_mut() {
                     Some(s) => {
                         s.push(None, &rest, &mut d);
@@ -401,7 +424,9 @@ impl Worker {
                 } else {
                     p.misses += 1;
                 }
+                self.groups.retain(|_, first| *first != seq);
                 let _ = l.job.events.send(Event::Done(Done {
+                    index: l.job.index,
                     finish,
                     prompt_tokens: usage.prompt_tokens,
                     completion_tokens: usage.completion_tokens,
@@ -409,6 +434,7 @@ impl Worker {
                 }));
             }
             SeqEvent::Failed { seq, error } => {
+                self.groups.retain(|_, first| *first != seq);
                 if let Some(l) = self.live.remove(&seq) {
                     self.metrics.errors.fetch_add(1, Relaxed);
                     let _ = l.job.events.send(Event::Error(error));
