@@ -364,6 +364,11 @@ impl Scheduler {
                 });
                 continue;
             }
+            if s.req.max_tokens == 0 {
+                // Nothing to generate: done without a step.
+                self.finish(s, FinishReason::Length, events);
+                continue;
+            }
             if s.tokens.len() > max_len {
                 let e = EngineError::ContextFull {
                     cached: 0,

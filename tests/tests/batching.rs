@@ -124,3 +124,14 @@ fn prefix_blocks_shared_by_two_sequences_survive_one_of_them_diverging() {
     }
     assert_eq!(s.pool().in_use(), 0);
 }
+
+#[test]
+fn a_request_for_no_tokens_finishes_at_once_with_none() {
+    let mut s = scheduler(Device::Cpu, 0, false);
+    let id = s.add(request(prompt(10, 1), 0));
+    let mut out = Outcome::default();
+    out.take(s.run_to_completion());
+    assert!(out.of(id).is_empty());
+    assert_eq!(out.finished[&id].0, FinishReason::Length);
+    assert_eq!(s.stats().steps, 1);
+}
