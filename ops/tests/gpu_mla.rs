@@ -349,16 +349,11 @@ fn per_sequence_reference(
     let tok = nh * lora * 4;
     let mut out = vec![0u8; n * tok];
     for (s, rows) in seqs.iter().enumerate() {
-        let mine: Vec<usize> = (0..n).filter(|&i| row_seq[i] as usize == s).collect();
+        let (mine, qs, ps) = support::sequence_rows(s, q, nh * w, pos, row_seq);
         if mine.is_empty() {
             continue;
         }
         let k = mine.len();
-        let qs: Vec<f32> = mine
-            .iter()
-            .flat_map(|&i| q[i * nh * w..(i + 1) * nh * w].iter().copied())
-            .collect();
-        let ps: Vec<i32> = mine.iter().map(|&i| pos[i]).collect();
         let ins = vec![
             HostValue::f32([k, nh, w], &qs),
             HostValue::f32([pool.reach(), w], &pool.contiguous(rows, w)),

@@ -294,3 +294,23 @@ impl PagedPool {
         (0..self.width as i32).collect()
     }
 }
+
+/// The rows of sequence `s` in a step of several: their indices, their queries (`width` values
+/// a row, in order) and their positions, to run that sequence alone.
+pub fn sequence_rows(
+    s: usize,
+    q: &[f32],
+    width: usize,
+    pos: &[i32],
+    row_seq: &[i32],
+) -> (Vec<usize>, Vec<f32>, Vec<i32>) {
+    let mine: Vec<usize> = (0..pos.len())
+        .filter(|&i| row_seq[i] as usize == s)
+        .collect();
+    let qs = mine
+        .iter()
+        .flat_map(|&i| q[i * width..(i + 1) * width].iter().copied())
+        .collect();
+    let ps = mine.iter().map(|&i| pos[i]).collect();
+    (mine, qs, ps)
+}
