@@ -126,10 +126,7 @@ impl Engine {
         // Greedy without a penalty needs no logits on the host: on a GPU the step ends
         // in an argmax and 4 bytes come back.
         let p = &req.sampling;
-        let on_device = self.on_gpu()
-            && !req.want_logits
-            && p.temperature == 0.0
-            && p.repetition_penalty == 1.0;
+        let on_device = self.on_gpu() && !req.want_logits && p.is_plain_greedy();
         let mut logits = Vec::new();
         let mut next = None;
         let t0 = Instant::now();

@@ -15,6 +15,10 @@ pub struct SamplingParams {
     /// 1.0 means no penalty (llama.cpp / HF semantics: positive logits divided, negative multiplied).
     pub repetition_penalty: f32,
     pub seed: u64,
+    /// Added to the logit of each id before anything else (OpenAI's `logit_bias`): -100 all
+    /// but bans a token, +100 all but forces it. Ids must be in the vocabulary (the caller
+    /// checks); values in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -26,6 +30,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -33,6 +38,11 @@ impl Default for SamplingParams {
 impl SamplingParams {
     pub fn greedy() -> Self {
         Self::default()
+    }
+
+    /// The argmax of the raw logits: what a GPU step can choose on the card.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.repetition_penalty == 1.0 && self.logit_bias.is_empty()
     }
 
     /// A field outside its range, named as an API request would name it.
@@ -48,6 +58,15 @@ impl SamplingParams {
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if let Some((id, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b)))
+        {
+            return Err(format!(
+                "logit_bias values must be in [-100, 100], got {b} for token {id}"
+            ));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return Err(format!(
@@ -116,6 +135,11 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.params;
         let mut row: Vec<f32> = logits.to_vec();
+        for &(id, b) in &p.logit_bias {
+            if let Some(v) = row.get_mut(id as usize) {
+                *v += b;
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let mut seen = history.to_vec();
             seen.sort_unstable();
@@ -308,6 +332,21 @@ mod tests {
         assert!((9_550..10_450).contains(&counts[0]), "{counts:?}");
         assert!((4_600..5_400).contains(&counts[1]), "{counts:?}");
         assert!((4_600..5_400).contains(&counts[3]), "{counts:?}");
+    }
+
+    #[test]
+    fn a_logit_bias_moves_the_argmax_and_out_of_range_values_are_refused() {
+        let p = SamplingParams {
+            logit_bias: vec![(2, 5.0)],
+            ..SamplingParams::greedy()
+        };
+        assert!(!p.is_plain_greedy());
+        assert_eq!(Sampler::new(p).sample(&[1.0, 3.0, -1.0], &[]), 2);
+        let bad = SamplingParams {
+            logit_bias: vec![(0, 101.0)],
+            ..Default::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("logit_bias"));
     }
 
     #[test]

@@ -129,7 +129,7 @@ impl Seq {
 
     fn greedy_on_device(&self) -> bool {
         let p = &self.req.sampling;
-        !self.req.want_logits && p.temperature == 0.0 && p.repetition_penalty == 1.0
+        !self.req.want_logits && p.is_plain_greedy()
     }
 }
 
@@ -625,7 +625,7 @@ fn choose(s: &mut Seq, row: Row) -> (u32, Option<Vec<f32>>) {
         Row::Token(t) => (t, None),
         Row::Logits(l) => {
             let p = &s.req.sampling;
-            let t = if p.temperature == 0.0 && p.repetition_penalty == 1.0 {
+            let t = if p.is_plain_greedy() {
                 argmax(&l) as u32
             } else {
                 s.sampler.sample(&l, &s.tokens)

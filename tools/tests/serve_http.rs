@@ -819,3 +819,102 @@ fn n_choices_are_sequences_of_their_own_that_share_the_prompt_blocks() {
     assert_eq!(status, 400, "{e}");
     assert_eq!(e["error"]["param"], "n");
 }
+
+#[test]
+fn a_logit_bias_of_plus_100_makes_greedy_decoding_emit_that_token_and_bad_ones_are_refused() {
+    let s = Server::start(&[]);
+    let body = json!({"prompt": ids(8), "max_tokens": 5, "temperature": 0, "ignore_eos": true,
+        "logit_bias": {"450": 100}});
+    let (status, v) = s.post_json("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let (_, want) = s.post_json("/detokenize", &json!({"tokens": [450, 450, 450, 450, 450]}));
+    assert_eq!(v["choices"][0]["text"], want["prompt"], "{v}");
+    // The same request without the bias says something else.
+    let mut plain = body.clone();
+    plain.as_object_mut().unwrap().remove("logit_bias");
+    let (_, p) = s.post_json("/v1/completions", &plain);
+    assert_ne!(p["choices"][0]["text"], want["prompt"], "{p}");
+    for bad in [
+        json!({"450": 101}),
+        json!({"abc": 1}),
+        json!({"99999999": 1}),
+        json!([1, 2]),
+    ] {
+        let (status, e) = s.post_json(
+            "/v1/completions",
+            &json!({"prompt": "x", "max_tokens": 1, "logit_bias": bad}),
+        );
+        assert_eq!(status, 400, "{bad}: {e}");
+        assert_eq!(e["error"]["param"], "logit_bias", "{bad}: {e}");
+    }
+}
+
+/// The raw response to `request` written on a fresh connection, read until the server closes it
+/// or `limit` passes.
+fn raw(addr: &str, request: &[u8], limit: Duration) -> String {
+    let mut conn = TcpStream::connect(addr).unwrap();
+    conn.set_read_timeout(Some(limit)).unwrap();
+    conn.write_all(request).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = std::io::Read::read(&mut conn, &mut buf) {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+        if out.windows(4).any(|w| w == b"\r\n\r\n") && out.ends_with(b"}") {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn an_oversized_body_gets_a_json_413_at_once_and_wrong_methods_a_json_405_with_its_code() {
+    let s = Server::start(&[]);
+    // A declared length far past the limit, two bytes sent: refused before any body is read.
+    let t = std::time::Instant::now();
+    let reply = raw(
+        &s.addr,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000000000\r\n\r\n{}",
+        Duration::from_secs(5),
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
+    let body = &reply[reply.find("\r\n\r\n").unwrap() + 4..];
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {reply}"));
+    assert_eq!(v["error"]["code"], "payload_too_large", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("1000000000000"),
+        "{v}"
+    );
+    // A chunked body that grows past the limit: the extractor's refusal, as JSON too.
+    let big = "x".repeat(3 << 20);
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{big}\r\n0\r\n\r\n",
+        big.len()
+    );
+    let reply = raw(&s.addr, req.as_bytes(), Duration::from_secs(10));
+    assert!(
+        reply.starts_with("HTTP/1.1 413"),
+        "{}",
+        &reply[..reply.len().min(300)]
+    );
+    assert!(
+        reply.contains("\"payload_too_large\""),
+        "{}",
+        &reply[..reply.len().min(600)]
+    );
+    let r = s.get("/v1/completions");
+    assert_eq!(r.status, 405);
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+    assert_eq!(s.get("/health").status, 200);
+}

@@ -175,6 +175,7 @@ fn main() -> Result<()> {
             min_p: args.min_p,
             repetition_penalty: args.repetition_penalty,
             seed: args.seed,
+            logit_bias: Vec::new(),
         }
     };
     sampling.validate().map_err(anyhow::Error::msg)?;

@@ -232,6 +232,58 @@ fn in_range(key: &str, v: f64, ok: bool, range: &str) -> R<f32> {
     }
 }
 
+/// `logit_bias`: an object from token id (a decimal string, as OpenAI's API has it) to a bias
+/// in [-100, 100]. Whether each id is in the vocabulary is checked where the tokenizer is
+/// known ([`check_logit_bias`]).
+fn logit_bias(o: &Obj) -> R<Vec<(u32, f32)>> {
+    let Some(v) = field(o, "logit_bias") else {
+        return Ok(Vec::new());
+    };
+    let Value::Object(m) = v else {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            "`logit_bias` must be an object from token id to a bias in [-100, 100]",
+        ));
+    };
+    let mut out = Vec::with_capacity(m.len());
+    for (k, b) in m {
+        let id: u32 = k.trim().parse().map_err(|_| {
+            ApiError::invalid(
+                "logit_bias",
+                format!("`logit_bias` key {k:?} is not a token id"),
+            )
+        })?;
+        let b = b
+            .as_f64()
+            .filter(|b| b.is_finite() && (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` of token {id} must be a number in [-100, 100], got {b}"),
+                )
+            })?;
+        out.push((id, b as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
+}
+
+/// Refuses a `logit_bias` id outside a vocabulary of `vocab` tokens.
+pub fn check_logit_bias(c: &Common, vocab: usize) -> R<()> {
+    match c
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|(id, _)| *id as usize >= vocab)
+    {
+        Some((id, _)) => Err(ApiError::invalid(
+            "logit_bias",
+            format!("`logit_bias` names token {id}, outside the vocabulary of {vocab}"),
+        )),
+        None => Ok(()),
+    }
+}
+
 pub fn common(o: &Obj, d: &Defaults, fresh_seed: u64) -> R<Common> {
     let mut max_tokens = None;
     for key in ["max_tokens", "max_completion_tokens"] {
@@ -332,6 +384,7 @@ pub fn common(o: &Obj, d: &Defaults, fresh_seed: u64) -> R<Common> {
         None => false,
     };
     let ignore_eos = boolean(o, "ignore_eos")?.unwrap_or(false);
+    let logit_bias = logit_bias(o)?;
     Ok(Common {
         max_tokens,
         n,
@@ -342,6 +395,7 @@ pub fn common(o: &Obj, d: &Defaults, fresh_seed: u64) -> R<Common> {
             min_p,
             repetition_penalty,
             seed,
+            logit_bias,
         },
         stop,
         stream,

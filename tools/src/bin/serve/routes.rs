@@ -186,11 +186,82 @@ pub fn router(app: Arc<App>) -> Router {
         .method_not_allowed_fallback(|| async {
             ApiError {
                 status: StatusCode::METHOD_NOT_ALLOWED,
+                code: Some("method_not_allowed"),
                 ..ApiError::not_found("this endpoint does not take that method")
             }
             .into_response()
         })
+        .layer(axum::middleware::from_fn(json_errors))
         .with_state(app)
+}
+
+/// The most bytes a request body may have (axum's default limit, stated here so that the
+/// early refusal below and the body extractor agree).
+pub const BODY_LIMIT: usize = 2 << 20;
+
+/// Every error a client gets is OpenAI-shaped JSON: a `Content-Length` over [`BODY_LIMIT`] is
+/// refused before any of the body is read, and an extractor's plain-text rejection (a
+/// chunked body that grows past the limit, a missing header) is rewritten as JSON.
+async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(len) = declared.filter(|&len| len > BODY_LIMIT as u64) {
+        return too_large(format!(
+            "the request body of {len} bytes (Content-Length) is over the limit of {BODY_LIMIT} bytes"
+        ));
+    }
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    let streaming = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json || streaming {
+        return resp;
+    }
+    let body = axum::body::to_bytes(resp.into_body(), 64 << 10)
+        .await
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&body).trim().to_string();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        return too_large(format!(
+            "the request body is over the limit of {BODY_LIMIT} bytes ({text})"
+        ));
+    }
+    ApiError {
+        status,
+        message: if text.is_empty() {
+            status.canonical_reason().unwrap_or("error").to_string()
+        } else {
+            text
+        },
+        kind: if status.is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        },
+        param: None,
+        code: None,
+    }
+    .into_response()
+}
+
+fn too_large(message: String) -> Response {
+    ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        message,
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("payload_too_large"),
+    }
+    .into_response()
 }
 
 fn reply(r: R<Response>) -> Response {
@@ -314,6 +385,7 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
     api::check_model(&o, &app.served)?;
     let (text, _) = ready.render(&o, true)?;
     let common = api::common(&o, &ready.defaults, app.fresh())?;
+    api::check_logit_bias(&common, ready.tokenizer.vocab_size())?;
     let logprobs = api::chat_logprobs(&o)?;
     let prompt = ready.encode(&text, "messages")?;
     app.check_prompt_len(prompt.len(), "messages")?;
@@ -374,6 +446,7 @@ async fn completion(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Respo
     };
     app.check_prompt_len(prompt.len(), "prompt")?;
     let common = api::common(&o, &ready.defaults, app.fresh())?;
+    api::check_logit_bias(&common, ready.tokenizer.vocab_size())?;
     let logprobs = api::completion_logprobs(&o)?;
     let stops = if common.ignore_eos {
         Vec::new()
