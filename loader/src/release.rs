@@ -768,6 +768,8 @@ pub enum ResolveError {
     NoModel,
     #[error("{path} does not exist")]
     NotFound { path: PathBuf },
+    #[error("{path} is {kind}, not a .gguf file or a directory holding one")]
+    NotRegular { path: PathBuf, kind: &'static str },
     #[error("no .gguf file in {dir}")]
     NoGguf { dir: PathBuf },
     #[error("{dir} holds several .gguf files; name one: {}", paths(.found))]
@@ -1016,6 +1018,41 @@ fn explicit_release(t: &Path, arch: &str) -> Result<PathBuf, ResolveError> {
     }
 }
 
+/// Why a path that is neither a file nor a directory cannot be a model: it is missing, or it
+/// is something else (a device such as `/dev/null`, a pipe, a socket).
+fn not_usable(path: &Path) -> ResolveError {
+    let Ok(meta) = std::fs::metadata(path) else {
+        return ResolveError::NotFound {
+            path: path.to_path_buf(),
+        };
+    };
+    #[cfg(unix)]
+    let kind = {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_char_device() {
+            "a character device"
+        } else if t.is_block_device() {
+            "a block device"
+        } else if t.is_fifo() {
+            "a named pipe"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        }
+    };
+    #[cfg(not(unix))]
+    let kind = {
+        let _ = meta;
+        "not a regular file"
+    };
+    ResolveError::NotRegular {
+        path: path.to_path_buf(),
+        kind,
+    }
+}
+
 /// Seed §7: the weights come from wherever the `.gguf` is, everything else from a release
 /// directory. `model` is a `.gguf` or a directory holding exactly one; without `tokenizer_path` a
 /// directory model is its own release, and a file model's directory must carry the release marker.
@@ -1029,9 +1066,7 @@ pub fn resolve(
     } else if model.is_file() {
         model.to_path_buf()
     } else {
-        return Err(ResolveError::NotFound {
-            path: model.to_path_buf(),
-        });
+        return Err(not_usable(model));
     };
     let arch = gguf_architecture(&gguf)?;
     let release_dir = match tokenizer_path {

@@ -242,3 +242,19 @@ fn release_markers_depend_on_the_architecture() {
     assert!(!is_release_dir(&root.join("m"), "deepseek2"));
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn a_model_path_that_exists_but_is_a_device_is_named_as_such_not_missing() {
+    let dev = Path::new("/dev/null");
+    if !dev.exists() {
+        eprintln!("skipped: no /dev/null on this system");
+        return;
+    }
+    let e = resolve(Some(dev), None).unwrap_err();
+    assert!(matches!(e, ResolveError::NotRegular { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("/dev/null is a character device"), "{msg}");
+    let gone = temp_dir("gone").join("no-such.gguf");
+    let e = resolve(Some(&gone), None).unwrap_err();
+    assert!(e.to_string().contains("does not exist"), "{e}");
+}

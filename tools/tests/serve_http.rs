@@ -711,6 +711,8 @@ fn flags_that_cannot_work_are_refused_at_start_up_with_the_numbers() {
     }
     let e = run(&["--device", "tpu"]);
     assert!(e.contains("--device tpu"), "{e}");
+    let e = run(&["--api-key", ""]);
+    assert!(e.contains("--api-key is empty"), "{e}");
 }
 
 #[test]

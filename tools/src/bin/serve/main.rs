@@ -135,6 +135,11 @@ fn main() -> Result<()> {
     if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--max-num-seqs and --max-num-batched-tokens must be at least 1");
     }
+    if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        bail!(
+            "--api-key is empty: every client would pass with `Authorization: Bearer ` and nothing; give a key, or leave the flag out to serve without one"
+        );
+    }
     if !args.block_size.is_power_of_two() {
         bail!("--block-size {} must be a power of two", args.block_size);
     }
