@@ -509,11 +509,7 @@ impl Scheduler {
                 for id in ids {
                     if let Some(k) = self.index_of(id) {
                         let s = self.running.remove(k);
-                        let _ = self.pool.release_all(&s.blocks);
-                        events.push(SeqEvent::Failed {
-                            seq: s.id,
-                            error: msg.clone(),
-                        });
+                        self.fail(s, msg.clone(), events);
                     }
                 }
             }
@@ -534,11 +530,11 @@ impl Scheduler {
     }
 
     /// Takes each sequence's next token from its row and ends the ones that are done.
-    fn sampled(&mut self, picks: Vec<(SeqId, Row)>, events: &mut Vec<SeqEvent>) {
+    fn sampled(&mut self, picks: Vec<(SeqId, Row<'_>)>, events: &mut Vec<SeqEvent>) {
         let max_len = self.engine.config().max_model_len;
         // Sampling from a vocabulary-wide row is the host's share of a step (a sort of 131,072
         // candidates each): the rows are sampled in parallel, each with its own generator.
-        let mut rows: Vec<Option<Row>> = (0..self.running.len()).map(|_| None).collect();
+        let mut rows: Vec<Option<Row<'_>>> = (0..self.running.len()).map(|_| None).collect();
         let mut order = Vec::with_capacity(picks.len());
         for (id, row) in picks {
             if let Some(k) = self.index_of(id) {
@@ -574,7 +570,7 @@ impl Scheduler {
                 Ok(v) => v,
                 Err(e) => {
                     let s = self.running.remove(k);
-                    self.fail(s, e, events);
+                    self.fail(s, e.to_string(), events);
                     continue;
                 }
             };
@@ -610,40 +606,40 @@ impl Scheduler {
         });
     }
 
-    fn fail(&mut self, s: Seq, e: EngineError, events: &mut Vec<SeqEvent>) {
+    fn fail(&mut self, s: Seq, error: String, events: &mut Vec<SeqEvent>) {
         let _ = self.pool.release_all(&s.blocks);
-        events.push(SeqEvent::Failed {
-            seq: s.id,
-            error: e.to_string(),
-        });
+        events.push(SeqEvent::Failed { seq: s.id, error });
     }
 }
 
-/// The next token of `s` from its row (and the row, when the request wants logits).
-fn choose(s: &mut Seq, row: Row) -> (u32, Option<Vec<f32>>) {
+/// The next token of `s` from its row, and a copy of the row only when the request wants
+/// logits (a step's rows are 64 × 131,072 floats; copying them all was the step's largest
+/// host allocation).
+fn choose(s: &mut Seq, row: Row<'_>) -> (u32, Option<Vec<f32>>) {
     match row {
         Row::Token(t) => (t, None),
         Row::Logits(l) => {
             let p = &s.req.sampling;
             let t = if p.is_plain_greedy() {
-                argmax(&l) as u32
+                argmax(l) as u32
             } else {
-                s.sampler.sample(&l, &s.tokens)
+                s.sampler.sample(l, &s.tokens)
             };
-            (t, s.req.want_logits.then_some(l))
+            (t, s.req.want_logits.then(|| l.to_vec()))
         }
     }
 }
 
-/// One sequence's part of a step's output.
-enum Row {
+/// One sequence's part of a step's output, borrowed from it.
+#[derive(Clone, Copy)]
+enum Row<'a> {
     Token(u32),
-    Logits(Vec<f32>),
+    Logits(&'a [f32]),
 }
 
-fn row_of(out: &StepOutput, j: usize, vocab: usize) -> Row {
+fn row_of(out: &StepOutput, j: usize, vocab: usize) -> Row<'_> {
     match out {
         StepOutput::Tokens(t) => Row::Token(t[j]),
-        StepOutput::Logits(l) => Row::Logits(l[j * vocab..(j + 1) * vocab].to_vec()),
+        StepOutput::Logits(l) => Row::Logits(&l[j * vocab..(j + 1) * vocab]),
     }
 }
