@@ -5,6 +5,7 @@
 //! prefix blocks survive one sharer diverging. `gpu_batching.rs` runs the batch on the GPU.
 
 mod batch_support;
+mod support;
 
 use batch_support::*;
 use engine::scheduler::SeqId;

@@ -2,6 +2,7 @@
 //! each decoded alone on the GPU. Skips, saying why, without a CUDA GPU.
 
 mod batch_support;
+mod support;
 
 use batch_support::*;
 use engine::Device;

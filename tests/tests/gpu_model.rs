@@ -5,14 +5,14 @@
 //! refusal. Every test skips (saying
 //! why) without a CUDA GPU.
 
+mod support;
+
 use std::ops::ControlFlow;
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use engine::{Device, Engine, EngineConfig, EngineError, GenerateRequest, Model, SamplingParams};
 use graph::LogitRows;
-use loader::hparams::Arch;
-use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+use models::synth::Preset;
 
 fn gpu_present() -> bool {
     ops::parity::test_gpu().is_some()
@@ -20,24 +20,7 @@ fn gpu_present() -> bool {
 
 /// The `small` checkpoint, made once per test process.
 fn small() -> Arc<Model> {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("gpu_model_small_{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        write_checkpoint(&SynthOptions {
-            arch: Arch::Xing4_0,
-            dims: Dims::preset(Preset::Small),
-            seed: 5,
-            out: d.clone(),
-            force: true,
-            progress: false,
-        })
-        .unwrap_or_else(|e| panic!("{e:#}"));
-        d
-    });
-    models::load(&dir.join("model.gguf"), Some(dir), false)
-        .unwrap()
-        .model
+    support::synthetic(Preset::Small, 5, "gpu_model")
 }
 
 fn engine(device: Device, graphs: bool) -> Engine {

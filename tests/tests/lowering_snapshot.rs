@@ -3,40 +3,23 @@
 //! or variant shows in review. And the CUDA lowering's graph, run by the CPU executor (every
 //! fused op's reference is the chain it replaces), computes what the declaration computes.
 
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+mod support;
+
+use std::sync::Arc;
 
 use engine::{Model, build_plan};
 use graph::{
     Bucket, CpuExecutor, HostState, LogitRows, LoweringOptions, Plan, StepShape, Target,
     lowered_launches,
 };
-use loader::hparams::Arch;
-use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+use models::synth::Preset;
 
 const HOPPER: Target = Target::Cuda {
     compute_capability: (9, 0),
 };
 
 fn tiny() -> Arc<Model> {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("lowering_tiny_{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        write_checkpoint(&SynthOptions {
-            arch: Arch::Xing4_0,
-            dims: Dims::preset(Preset::Tiny),
-            seed: 11,
-            out: dir.clone(),
-            force: true,
-            progress: false,
-        })
-        .unwrap_or_else(|e| panic!("{e:#}"));
-        dir
-    });
-    models::load(&dir.join("model.gguf"), Some(dir), false)
-        .unwrap()
-        .model
+    support::synthetic(Preset::Tiny, 11, "lowering_snapshot")
 }
 
 fn plan(model: &Model, bucket: Bucket, target: Target) -> Plan {

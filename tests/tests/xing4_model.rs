@@ -1,34 +1,17 @@
 //! The Xing4.0 declaration end to end on the CPU, on tiny synthetic checkpoints
 //! made by `make-model`: plan snapshots, prefill/decode agreement, cache isolation.
 
-use std::path::PathBuf;
+mod support;
+
 use std::sync::Arc;
 
 use engine::{Engine, EngineConfig, GenerateRequest, Model, SamplingParams};
 use graph::{Bucket, GraphBuilder, LogitRows, Plan, StepShape};
-use loader::hparams::Arch;
-use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+use models::synth::Preset;
 
 /// A tiny xing4_0 checkpoint, made once per test process.
 fn tiny() -> Arc<Model> {
-    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("xing4_model_tiny_{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        write_checkpoint(&SynthOptions {
-            arch: Arch::Xing4_0,
-            dims: Dims::preset(Preset::Tiny),
-            seed: 11,
-            out: d.clone(),
-            force: true,
-            progress: false,
-        })
-        .unwrap_or_else(|e| panic!("{e:#}"));
-        d
-    });
-    models::load(&dir.join("model.gguf"), Some(dir), false)
-        .unwrap()
-        .model
+    support::synthetic(Preset::Tiny, 11, "xing4_model")
 }
 
 fn plan(model: &Model, bucket: Bucket, logits: LogitRows) -> Plan {

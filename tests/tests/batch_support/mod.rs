@@ -4,46 +4,22 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use engine::scheduler::{Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqUsage};
 use engine::{Device, Engine, EngineConfig, FinishReason, GenerateRequest, Model, SamplingParams};
-use loader::hparams::Arch;
-use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
-
-fn checkpoint(preset: Preset, name: &str, cell: &'static OnceLock<PathBuf>) -> Arc<Model> {
-    let dir = cell.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("batching_{name}_{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        write_checkpoint(&SynthOptions {
-            arch: Arch::Xing4_0,
-            dims: Dims::preset(preset),
-            seed: 11,
-            out: d.clone(),
-            force: true,
-            progress: false,
-        })
-        .unwrap_or_else(|e| panic!("{e:#}"));
-        d
-    });
-    models::load(&dir.join("model.gguf"), Some(dir), false)
-        .unwrap()
-        .model
-}
+use models::synth::Preset;
 
 pub fn tiny() -> Arc<Model> {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    checkpoint(Preset::Tiny, "tiny", &DIR)
+    crate::support::synthetic(Preset::Tiny, 11, "batching")
 }
 
 /// The checkpoint a device runs: `tiny` on the CPU; `small` on a GPU, whose kernels need the
 /// release's expert widths (multiples of 256) that `tiny` does not have.
 pub fn model_for(device: Device) -> Arc<Model> {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
     match device {
         Device::Cpu => tiny(),
-        Device::Cuda(_) => checkpoint(Preset::Small, "small", &DIR),
+        Device::Cuda(_) => crate::support::synthetic(Preset::Small, 11, "batching"),
     }
 }
 
