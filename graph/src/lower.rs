@@ -83,6 +83,12 @@ pub struct LoweringOptions {
     /// Routes up to which the routed experts take the GEMV; more take the grouped GEMM.
     /// At most [`GEMV_ROUTES_LIMIT`].
     pub expert_gemv_max_routes: usize,
+    /// Rows up to which IQ4_NL products past the GEMV take the skinny kernel (the weight read
+    /// once for 8 or 16 rows); more take the tensor-core tiles.
+    pub skinny_max_rows: usize,
+    /// Routes up to which the routed experts past the GEMV take the skinny grouped kernel
+    /// (a decode step's few routes an expert); more take the grouped GEMM.
+    pub expert_skinny_max_routes: usize,
     /// Tokens from which the router's logits are a tiled GEMM.
     pub router_tiled_min_rows: usize,
     /// Tokens from which the top-k sum builds an inverse route table first.
@@ -106,9 +112,11 @@ impl Default for LoweringOptions {
             fuse_gate_up: true,
             fuse_kv_cache_write: true,
             fold_shared_add: true,
-            gemv_max_rows: GEMV_ROWS_LIMIT,
+            gemv_max_rows: 1,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
-            expert_gemv_max_routes: GEMV_ROUTES_LIMIT,
+            expert_gemv_max_routes: 8,
+            skinny_max_rows: 128,
+            expert_skinny_max_routes: 512,
             router_tiled_min_rows: 64,
             topk_inverse_min_rows: 132,
             hc_rows_min_rows: 64,
@@ -125,7 +133,8 @@ impl fmt::Display for LoweringOptions {
         write!(
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={}; \
-             gemv<={} head_gemv<={} expert_gemv<={} routes; router tiled>={} topk inverse>={} \
+             gemv<={} head_gemv<={} expert_gemv<={} routes; skinny<={} rows, <={} routes; \
+             router tiled>={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
@@ -136,6 +145,8 @@ impl fmt::Display for LoweringOptions {
             self.gemv_max_rows,
             self.head_gemv_max_rows,
             self.expert_gemv_max_routes,
+            self.skinny_max_rows,
+            self.expert_skinny_max_routes,
             self.router_tiled_min_rows,
             self.topk_inverse_min_rows,
             self.hc_rows_min_rows,
@@ -185,6 +196,19 @@ impl LoweringOptions {
         }
     }
 
+    /// [`Self::linear`], with the skinny kernel for a few rows over a weight it takes.
+    fn linear_for(&self, rows: usize, w: Option<&TensorMeta>) -> LinearKernel {
+        let base = self.linear(rows);
+        let takes = w.is_some_and(|w| {
+            w.shape.len() == 2 && ops::linear::skinny_takes(w.dtype, w.shape[1])
+        });
+        if base == LinearKernel::TensorCore && rows <= self.skinny_max_rows && takes {
+            LinearKernel::Skinny
+        } else {
+            base
+        }
+    }
+
     fn head(&self, rows: usize) -> HeadKernel {
         if rows <= self.head_gemv_max_rows.min(HEAD_GEMV_ROWS_LIMIT) {
             HeadKernel::Gemv
@@ -193,9 +217,12 @@ impl LoweringOptions {
         }
     }
 
-    fn experts(&self, routes: usize, target: Target) -> ExpertKernel {
+    fn experts(&self, routes: usize, n_in: usize, target: Target) -> ExpertKernel {
         if routes <= self.expert_gemv_max_routes.min(GEMV_ROUTES_LIMIT) {
             return ExpertKernel::Gemv;
+        }
+        if routes <= self.expert_skinny_max_routes && ops::moe_prefill::skinny_supports(n_in) {
+            return ExpertKernel::Skinny;
         }
         ExpertKernel::Grouped(match target {
             Target::Cuda { compute_capability } => TcKernel::fastest_on(compute_capability),
@@ -277,6 +304,11 @@ fn choose_kernel(
     o: &LoweringOptions,
 ) -> Option<Arc<dyn Op>> {
     let r0 = rows(g, node, 0);
+    let width = |i: usize| {
+        meta(g, node, i)
+            .and_then(|m| m.shape.last().copied())
+            .unwrap_or(0)
+    };
     let hc_kernel = |pre: &HcPre, streams: usize, fn_at: usize| {
         let d = meta(g, node, streams)
             .and_then(|m| m.shape.last().copied())
@@ -285,7 +317,7 @@ fn choose_kernel(
         o.hc_pre(pre, r0, d, fn_dtype)
     };
     if op_as::<Linear>(node).is_some() {
-        return Some(Arc::new(Linear::with(o.linear(r0))));
+        return Some(Arc::new(Linear::with(o.linear_for(r0, meta(g, node, 1)))));
     }
     if op_as::<LinearPair>(node).is_some() {
         return Some(Arc::new(LinearPair {
@@ -299,8 +331,9 @@ fn choose_kernel(
         }));
     }
     if op_as::<GateUpSwiGlu>(node).is_some() {
+        // Gate and up share their type and shape (GateUpSwiGlu::infer).
         return Some(Arc::new(GateUpSwiGlu {
-            kernel: o.linear(r0),
+            kernel: o.linear_for(r0, meta(g, node, 1)),
         }));
     }
     if let Some(op) = op_as::<MlaQuery>(node) {
@@ -355,13 +388,13 @@ fn choose_kernel(
     }
     if let Some(op) = op_as::<ExpertSwiGlu>(node) {
         return Some(Arc::new(ExpertSwiGlu {
-            kernel: o.experts(rows(g, node, 4), target),
+            kernel: o.experts(rows(g, node, 4), width(0), target),
             ..op.clone()
         }));
     }
     if let Some(op) = op_as::<ExpertDown>(node) {
         return Some(Arc::new(ExpertDown {
-            kernel: o.experts(r0, target),
+            kernel: o.experts(r0, width(0), target),
             ..op.clone()
         }));
     }

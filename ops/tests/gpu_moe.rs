@@ -973,3 +973,110 @@ fn real_router_weights(r: &mut Rng) -> (HostValue, HostValue) {
 fn time_us(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
     ops::parity::time_calls_us(gpu, reps, call).expect("timing")
 }
+
+/// The routed experts of a batched decode step at the real shapes (64 experts, 3584 → 1024 →
+/// 3584, top 4): µs a call and GB/s over the bytes a step must read (each touched expert's
+/// slices once, the inputs and outputs), on the skinny kernel and the grouped GEMM.
+#[test]
+#[ignore = "timing table at the real shapes: run on the GPU host with --include-ignored"]
+fn batched_decode_expert_timings_at_the_real_shapes() {
+    let Some(gpu) = test_gpu() else { return };
+    let w = real_weights();
+    let (gate, up, down) = (dev(&gpu, &w.gate), dev(&gpu, &w.up), dev(&gpu, &w.down));
+    fn v(d: &Dev) -> DeviceTensor<'_> {
+        view(&d.meta, &d.buf)
+    }
+    let slice = (NFF * EMBD / 32 * 18) as f64;
+    for n in [2usize, 8, 32, 64, 128] {
+        let mut r = Rng::new(90 + n as u64);
+        let rt = n * TOPK;
+        let ids: Vec<i32> = (0..n).flat_map(|_| r.distinct(TOPK, NE)).collect();
+        let ids = HostValue::i32([n, TOPK], &ids);
+        let plan = cpu(
+            &RoutePlan {
+                n_expert: NE,
+                top_k: TOPK,
+            },
+            std::slice::from_ref(&ids),
+        );
+        let off: Vec<i32> = plan[0]
+            .data
+            .bytes()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let experts = off.windows(2).filter(|p| p[1] > p[0]).count() as f64;
+        let (offsets, route_token) = (dev(&gpu, &plan[0]), dev(&gpu, &plan[1]));
+        let z = dev(&gpu, &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)));
+        let act_in = dev(&gpu, &HostValue::f32([rt, NFF], &r.vec(rt * NFF, -1.0, 1.0)));
+        let act = out(&gpu, TensorMeta::f32([rt, NFF]));
+        let ro = out(&gpu, TensorMeta::f32([rt, EMBD]));
+        let kernels = [
+            ExpertKernel::Skinny,
+            ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
+        ];
+        for kernel in kernels {
+            let sw = ExpertSwiGlu {
+                n_expert: NE,
+                n_ff: NFF,
+                kernel,
+            };
+            let ins = [&z.meta, &gate.meta, &up.meta, &offsets.meta, &route_token.meta];
+            let sb = sw.cuda_scratch_bytes(&ins).max(16);
+            let s_buf = upload(&gpu, &vec![0u8; sb]);
+            let scratch = Scratch {
+                ptr: s_buf.device_ptr(),
+                bytes: sb,
+            };
+            let us = time_us(&gpu, 8, &|_| {
+                sw.cuda(
+                    &gpu,
+                    &[v(&z), v(&gate), v(&up), v(&offsets), v(&route_token)],
+                    &[v(&act)],
+                    scratch,
+                )
+            });
+            line(
+                &format!("expert_swiglu{} n={n} ({experts} experts)", kernel_tag(kernel)),
+                us,
+                2.0 * experts * slice + (n * EMBD * 4 + rt * NFF * 4) as f64,
+                4.0 * (rt * NFF * EMBD) as f64,
+            );
+            let dn = ExpertDown {
+                n_expert: NE,
+                n_embd: EMBD,
+                kernel,
+            };
+            let sb = dn
+                .cuda_scratch_bytes(&[&act_in.meta, &down.meta, &offsets.meta])
+                .max(16);
+            let s_buf = upload(&gpu, &vec![0u8; sb]);
+            let scratch = Scratch {
+                ptr: s_buf.device_ptr(),
+                bytes: sb,
+            };
+            let us = time_us(&gpu, 8, &|_| {
+                dn.cuda(
+                    &gpu,
+                    &[v(&act_in), v(&down), v(&offsets)],
+                    &[v(&ro)],
+                    scratch,
+                )
+            });
+            line(
+                &format!("expert_down{} n={n} ({experts} experts)", kernel_tag(kernel)),
+                us,
+                experts * slice + (rt * NFF * 4 + rt * EMBD * 4) as f64,
+                2.0 * (rt * NFF * EMBD) as f64,
+            );
+        }
+    }
+}
+
+fn kernel_tag(kernel: ExpertKernel) -> &'static str {
+    match kernel {
+        ExpertKernel::Skinny => " [skinny]",
+        ExpertKernel::Gemv => " [gemv]",
+        _ => " [grouped]",
+    }
+}

@@ -21,17 +21,26 @@ pub struct LoweringArgs {
     /// (also `XING4_PDL_WEIGHTS_FIRST=0`).
     #[arg(long)]
     pub no_weights_first: bool,
-    /// Most rows a linear layer takes on the GEMV (more: the tensor-core tiles), 0..=8
-    /// (default 8): for an A/B of batched decode steps.
+    /// Most rows a linear layer takes on the GEMV (more: the skinny kernel for IQ4_NL
+    /// weights, the tensor cores otherwise), 0..=8 (default 1): for an A/B of batched decode
+    /// steps.
     #[arg(long, value_name = "N")]
     pub gemv_max_rows: Option<usize>,
     /// Most tokens MLA's per-head products take on the GEMV, 0..=8 (default 8).
     #[arg(long, value_name = "N")]
     pub head_gemv_max_rows: Option<usize>,
-    /// Most routes the routed experts take on the GEMV (more: the grouped tensor-core
-    /// kernel), 0..=32 (default 32).
+    /// Most routes the routed experts take on the GEMV (more: the skinny kernel, then the
+    /// grouped tensor-core kernel), 0..=32 (default 8).
     #[arg(long, value_name = "N")]
     pub expert_gemv_max_routes: Option<usize>,
+    /// Most rows an IQ4_NL product takes on the skinny kernel (more: the tensor-core tiles;
+    /// 0 turns it off; default 128).
+    #[arg(long, value_name = "N")]
+    pub skinny_max_rows: Option<usize>,
+    /// Most routes the routed experts take on the skinny kernel (more: the grouped
+    /// tensor-core kernel; 0 turns it off; default 512).
+    #[arg(long, value_name = "N")]
+    pub expert_skinny_max_routes: Option<usize>,
 }
 
 impl LoweringArgs {
@@ -64,6 +73,10 @@ impl LoweringArgs {
             expert_gemv_max_routes: self
                 .expert_gemv_max_routes
                 .unwrap_or(d.expert_gemv_max_routes),
+            skinny_max_rows: self.skinny_max_rows.unwrap_or(d.skinny_max_rows),
+            expert_skinny_max_routes: self
+                .expert_skinny_max_routes
+                .unwrap_or(d.expert_skinny_max_routes),
             ..d
         };
         opts.validate().map_err(|e| {

@@ -22,17 +22,22 @@ fn f32_sum_bound(k: usize) -> f64 {
     nmse_bound(1e-5, 12.0 * k as f64 * u)
 }
 
+/// The skinny kernel narrows x and the decoded weight to f16 (three more mantissa bits than
+/// bf16): the tests' f16 relative part, 4e-3.
+const NMSE_F16: f64 = 2.0 * 4e-3 * 4e-3;
+
 fn bound(kernel: LinearKernel, k: usize) -> f64 {
-    if kernel == LinearKernel::TensorCore {
-        NMSE_BF16
-    } else {
-        f32_sum_bound(k)
+    match kernel {
+        LinearKernel::TensorCore => NMSE_BF16,
+        LinearKernel::Skinny => NMSE_F16,
+        _ => f32_sum_bound(k),
     }
 }
 
 fn label(kernel: LinearKernel) -> &'static str {
     match kernel {
         LinearKernel::TensorCore => "tensor-core",
+        LinearKernel::Skinny => "skinny",
         LinearKernel::Gemv {
             weights_first: false,
         } => "gemv-late-weights",
@@ -95,6 +100,17 @@ pub fn cases() -> Vec<ParityCase> {
         ("lm head (1024 rows)", DType::Q6_K, 3584, 1024),
     ] {
         v.push(linear(name, LinearKernel::TensorCore, dtype, 100, k, o));
+    }
+    // Batched decode: the skinny kernel over IQ4_NL, one row to past a whole 16-row tile.
+    for (name, k, o, n) in [
+        ("shared down", 1024, 3584, 1),
+        ("shared down", 1024, 3584, 2),
+        ("shared down", 1024, 3584, 7),
+        ("shared up", 3584, 1024, 32),
+        ("shared down", 1024, 3584, 129),
+        ("odd rows", 512, 1000, 9),
+    ] {
+        v.push(linear(name, LinearKernel::Skinny, DType::IQ4_NL, n, k, o));
     }
     // linear_pair: one BF16 token takes the one-launch kernel; the rest two linears.
     for (kernel, dtype, n) in [

@@ -89,6 +89,26 @@ impl Linear {
         let sms = ctx.device.sm_count() as usize;
         let path = linear_path(kernel, dtype, (n, k, o), x.ptr, w.ptr, sms);
         match path {
+            LinearPath::Skinny => {
+                // SAFETY: W holds o IQ4_NL rows of k values, x n×k f32, y n×o f32
+                // (check_device), the scratch is this op's (cuda_scratch_bytes).
+                unsafe {
+                    crate::moe::prefill::launch_expert_skinny(
+                        ctx,
+                        op,
+                        w.ptr,
+                        None,
+                        x.ptr,
+                        n,
+                        crate::moe::prefill::SkinnyRoutes::Dense,
+                        y.ptr,
+                        k,
+                        o,
+                        n,
+                        scratch,
+                    )
+                }
+            }
             LinearPath::Iq4Rows(nr, plan) => {
                 let blocks = as_i32(op, "row tiles", o.div_ceil(plan.rt))?;
                 launch(

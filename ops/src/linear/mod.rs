@@ -36,6 +36,11 @@ pub enum LinearKernel {
     /// x narrowed to bf16, then cuBLAS (BF16 weights) or mma.sync tiles decoding the weight
     /// (other types): f32 accumulation, BF16 tolerance.
     TensorCore,
+    /// IQ4_NL weights with whole 256-value k-tiles, a few rows (a decode step's batch): the
+    /// skinny product (`moe::prefill`'s `expert_skinny_iq4`, the matrix as one expert), which
+    /// reads the weight once for 8 or 16 rows on the tensor cores (f16 operands, f32 sums).
+    /// Other weights take the tensor-core path.
+    Skinny,
 }
 
 impl LinearKernel {
@@ -50,6 +55,7 @@ impl LinearKernel {
                 weights_first: false,
             } => " [gemv]",
             LinearKernel::TensorCore => " [tensor cores]",
+            LinearKernel::Skinny => " [skinny]",
         }
     }
 
@@ -73,6 +79,12 @@ impl LinearKernel {
             }
         ))
     }
+}
+
+/// Whether [`LinearKernel::Skinny`] runs a weight of this type and input width on the skinny
+/// product (otherwise on the tensor-core path).
+pub fn skinny_takes(dtype: DType, k: usize) -> bool {
+    dtype == DType::IQ4_NL && crate::moe::prefill::skinny_supports(k)
 }
 
 /// Inputs: `x` F32 `[n, in]`, `W` `[out, in]` of F32/F16/BF16/Q8_0/Q6_K/IQ4_NL
@@ -153,7 +165,13 @@ impl Op for Linear {
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         match (inputs.first(), inputs.get(1)) {
             (Some(x), Some(w)) => match x.shape.as_slice() {
-                &[n, k] if self.kernel == LinearKernel::TensorCore && k.is_multiple_of(32) => {
+                &[n, k] if self.kernel == LinearKernel::Skinny && skinny_takes(w.dtype, k) => {
+                    crate::moe::prefill::skinny_scratch_bytes(n, k)
+                }
+                &[n, k]
+                    if matches!(self.kernel, LinearKernel::TensorCore | LinearKernel::Skinny)
+                        && k.is_multiple_of(32) =>
+                {
                     prefill_scratch(w.dtype, n, k)
                 }
                 _ => 0,

@@ -150,6 +150,8 @@ pub(super) enum LinearPath {
     Cublas,
     /// Other types, n > 8: x narrowed to bf16, then `linear_tq_<type>_<fit>`.
     Tiles(TqFit),
+    /// IQ4_NL with whole 256-value k-tiles: the skinny product, the matrix as one expert.
+    Skinny,
     Generic,
 }
 
@@ -176,6 +178,9 @@ pub(super) fn linear_path(
     if k == 0 || !x_ptr.is_multiple_of(16) || !w_ptr.is_multiple_of(16) {
         return LinearPath::Generic;
     }
+    if kernel == LinearKernel::Skinny && super::skinny_takes(dtype, k) {
+        return LinearPath::Skinny;
+    }
     let gemv = matches!(kernel, LinearKernel::Gemv { .. }) && n <= GEMV_ROWS_LIMIT;
     if gemv
         && dtype == DType::IQ4_NL
@@ -194,7 +199,9 @@ pub(super) fn linear_path(
     }
     if gemv && k.is_multiple_of(unit) {
         LinearPath::Gemv(n.next_power_of_two())
-    } else if kernel == LinearKernel::TensorCore && k.is_multiple_of(32) {
+    } else if matches!(kernel, LinearKernel::TensorCore | LinearKernel::Skinny)
+        && k.is_multiple_of(32)
+    {
         if dtype == DType::BF16 {
             LinearPath::Cublas
         } else {

@@ -482,10 +482,24 @@ const ATT_MAX_CHUNKS: usize = 136;
 /// heads), never by the position, so one captured graph serves a whole bucket: the kernel
 /// divides rows `0..=pos` among the chunks at run time (whole tiles each) and chunks past the
 /// end do nothing. Prefill (many tokens) gets one chunk a token and no combine.
+///
+/// The count is the one with the least busiest-multiprocessor time, waves × (rows a chunk +
+/// [`ATT_CHUNK_OVERHEAD_ROWS`]), fewest chunks on ties: the kernel holds one block an SM, so
+/// 160 blocks (32 tokens × 5 chunks) cost two waves where 128 (× 4) cost one.
 pub fn attention_chunks(n: usize, rows: usize, n_head: usize) -> usize {
-    let per_token = ATT_TARGET_BLOCKS.div_ceil(n.max(1) * n_head.div_ceil(32).max(1));
-    per_token.clamp(1, rows.div_ceil(16).max(1))
+    let groups = n.max(1) * n_head.div_ceil(32).max(1);
+    let most = ATT_TARGET_BLOCKS.min(rows.div_ceil(16).max(1));
+    (1..=most)
+        .min_by_key(|&c| {
+            let waves = (groups * c).div_ceil(ATT_TARGET_BLOCKS);
+            waves * (rows.div_ceil(c) + ATT_CHUNK_OVERHEAD_ROWS)
+        })
+        .unwrap_or(1)
 }
+
+/// A chunk's fixed cost in key rows (its query staging, its partial's write and combine): on
+/// the H200 a 16-row chunk of one token took ~16 µs and a 32-row tile of a long one ~6 µs.
+const ATT_CHUNK_OVERHEAD_ROWS: usize = 48;
 
 /// Which `mla_attn_split` variant runs: its tile rows (16 or 32) and whether the two
 /// correction products of the operand split are one BF16 mma (`true`) or two TF32 ones.

@@ -83,6 +83,7 @@ fn swiglu_gemv_bound(n: usize) -> f64 {
 fn expert_label(kernel: ExpertKernel) -> &'static str {
     match kernel {
         ExpertKernel::Gemv => "gemv",
+        ExpertKernel::Skinny => "skinny",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
     }
@@ -193,9 +194,93 @@ fn expert_cases(v: &mut Vec<ParityCase>) {
     }
 }
 
+/// Ids of `n` tokens, `k` distinct each: drawn from all `ne` experts, or (`crowd`) from the
+/// first `k + 1` only, so those experts have many routes (several skinny tiles) and the rest
+/// none.
+fn ids_for(r: &mut Rng, n: usize, ne: usize, k: usize, crowd: bool) -> Vec<i32> {
+    let pool = if crowd { (k + 1).min(ne) } else { ne };
+    (0..n).flat_map(|_| r.distinct(k, pool)).collect()
+}
+
+/// The skinny grouped kernel (a decode step's few routes an expert) at M = 1, 2, 7, 32, 129 and
+/// 512 routes over 16 experts: most experts have zero or one route at the small counts, many
+/// at the large ones, and the crowded plans put every route on five experts.
+fn skinny_expert_cases(v: &mut Vec<ParityCase>) {
+    let t_sw = (X_D as f64).sqrt() * IQ4_WRMS * U_RMS;
+    let t_down = (X_FF as f64).sqrt() * IQ4_WRMS * U_RMS;
+    let f16_dot = |n: usize| 6.0 / 2048.0 * (n as f64).sqrt() * IQ4_WRMS * U_RMS;
+    let sw_bound = nmse_bound(4e-3, 8.4 * t_sw * f16_dot(X_D) / (0.7 * t_sw * t_sw));
+    let down_bound = nmse_bound(4e-3, f16_dot(X_FF) / t_down);
+    for (n, k, crowd) in [
+        (1, 1, false),
+        (2, 1, false),
+        (7, 1, false),
+        (8, TOPK, false),
+        (129, 1, false),
+        (128, TOPK, false),
+        (40, TOPK, true),
+    ] {
+        let routes = n * k;
+        let tag = if crowd { " crowded" } else { "" };
+        let plan_of = move |r: &mut Rng| {
+            let ids = ids_for(r, n, X_NE, k, crowd);
+            cpu_outputs(
+                &RoutePlan {
+                    n_expert: X_NE,
+                    top_k: k,
+                },
+                &[HostValue::i32([n, k], &ids)],
+            )
+        };
+        v.push(
+            ParityCase::new(
+                format!("expert_swiglu/skinny routes={routes}{tag}"),
+                ExpertSwiGlu {
+                    n_expert: X_NE,
+                    n_ff: X_FF,
+                    kernel: ExpertKernel::Skinny,
+                },
+                0x5c1 + routes as u64,
+                sw_bound,
+                move |r| {
+                    let plan = plan_of(r);
+                    vec![
+                        uniform(r, &[n, X_D], -1.0, 1.0),
+                        iq4_weight(r, X_NE, X_FF, X_D),
+                        iq4_weight(r, X_NE, X_FF, X_D),
+                        plan[0].clone(),
+                        plan[1].clone(),
+                    ]
+                },
+            ),
+        );
+        v.push(
+            ParityCase::new(
+                format!("expert_down/skinny routes={routes}{tag}"),
+                ExpertDown {
+                    n_expert: X_NE,
+                    n_embd: X_D,
+                    kernel: ExpertKernel::Skinny,
+                },
+                0x5d1 + routes as u64,
+                down_bound,
+                move |r| {
+                    let plan = plan_of(r);
+                    vec![
+                        uniform(r, &[routes, X_FF], -1.0, 1.0),
+                        iq4_weight(r, X_NE, X_D, X_FF),
+                        plan[0].clone(),
+                    ]
+                },
+            ),
+        );
+    }
+}
+
 pub fn cases() -> Vec<ParityCase> {
     let mut v = Vec::new();
     router_cases(&mut v);
+    skinny_expert_cases(&mut v);
     for n in [1, 64, 600] {
         v.push(ParityCase::new(
             format!("route_plan/n={n} routes={}", n * TOPK),
@@ -250,17 +335,19 @@ pub fn cases() -> Vec<ParityCase> {
     let gemv = LinearKernel::Gemv {
         weights_first: true,
     };
-    for (kernel, n) in [(gemv, 1), (gemv, 4), (LinearKernel::TensorCore, 100)] {
+    for (kernel, n) in [
+        (gemv, 1),
+        (gemv, 4),
+        (LinearKernel::Skinny, 2),
+        (LinearKernel::Skinny, 32),
+        (LinearKernel::Skinny, 100),
+        (LinearKernel::TensorCore, 100),
+    ] {
         let (d, ff) = (EMBD, 1024);
-        let bound = if kernel == LinearKernel::TensorCore {
-            nmse_bound(2.0 * 4e-2, 0.0)
-        } else {
-            swiglu_gemv_bound(d)
-        };
-        let name = if kernel == LinearKernel::TensorCore {
-            "tensor-core chain"
-        } else {
-            "gemv fused"
+        let (bound, name) = match kernel {
+            LinearKernel::TensorCore => (nmse_bound(2.0 * 4e-2, 0.0), "tensor-core chain"),
+            LinearKernel::Skinny => (nmse_bound(2.0 * 4e-3, 0.0), "skinny"),
+            _ => (swiglu_gemv_bound(d), "gemv fused"),
         };
         v.push(ParityCase::new(
             format!("gate_up_swiglu/{name} IQ4_NL n={n}"),

@@ -1,6 +1,6 @@
 //! CUDA launches of the MoE ops.
 
-use super::prefill::launch_expert_gemm_tc_with;
+use super::prefill::{SkinnyRoutes, launch_expert_gemm_tc_with, launch_expert_skinny};
 use super::*;
 use crate::check::{aligned16, dim_i32, unlowered};
 use crate::elementwise::SwiGlu;
@@ -198,11 +198,12 @@ impl ExpertSwiGlu {
         ctx: &GpuCtx,
         inputs: &[DeviceTensor<'_>],
         outputs: &[DeviceTensor<'_>],
-        _scratch: Scratch,
+        scratch: Scratch,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
         expert_launch(
+            scratch,
             ctx,
             self.name(),
             self.kernel,
@@ -246,6 +247,7 @@ pub(super) struct Experts<'a> {
 }
 
 pub(super) fn expert_launch(
+    scratch: Scratch,
     ctx: &GpuCtx,
     op: &'static str,
     kernel: ExpertKernel,
@@ -267,6 +269,7 @@ pub(super) fn expert_launch(
         }
         ExpertKernel::Gemv => None,
         ExpertKernel::Grouped(tc) => Some(tc),
+        ExpertKernel::Skinny => None,
     };
     for w in std::iter::once(a.wa).chain(a.wb) {
         if w.meta.dtype != DType::IQ4_NL {
@@ -295,6 +298,30 @@ pub(super) fn expert_launch(
     let wb = a.wb.map_or(0, |w| w.ptr);
     let slots = a.n_expert.min(a.routes);
     let i = |what, v| dim_i32(op, what, v);
+    if kernel == ExpertKernel::Skinny {
+        // SAFETY: the weights, inputs, route table and output were checked by check_device
+        // against the op's shapes, the scratch is the op's own (cuda_scratch_bytes).
+        return unsafe {
+            launch_expert_skinny(
+                ctx,
+                op,
+                a.wa.ptr,
+                a.wb.map(|w| w.ptr),
+                a.x.ptr,
+                a.x_rows,
+                SkinnyRoutes::Grouped {
+                    offsets: a.offsets,
+                    route_token: a.route_token,
+                    n_expert: a.n_expert,
+                },
+                a.y,
+                a.n_in,
+                a.n_out,
+                a.routes,
+                scratch,
+            )
+        };
+    }
     let Some(tc) = tc else {
         let sms = ctx.device.sm_count() as usize;
         let plan =
@@ -366,11 +393,12 @@ impl ExpertDown {
         ctx: &GpuCtx,
         inputs: &[DeviceTensor<'_>],
         outputs: &[DeviceTensor<'_>],
-        _scratch: Scratch,
+        scratch: Scratch,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
         let (r, nf) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
         expert_launch(
+            scratch,
             ctx,
             self.name(),
             self.kernel,
@@ -410,6 +438,26 @@ impl GateUpSwiGlu {
             return Ok(());
         }
         let kernel = self.kernel.chosen(op, n)?;
+        if self.skinny(x.meta, wg.meta, wu.meta) {
+            // SAFETY: gate and up hold ff IQ4_NL rows of k values, x n×k f32, y n×ff f32
+            // (check_device), the scratch is this op's (cuda_scratch_bytes).
+            return unsafe {
+                launch_expert_skinny(
+                    ctx,
+                    op,
+                    wg.ptr,
+                    Some(wu.ptr),
+                    x.ptr,
+                    n,
+                    SkinnyRoutes::Dense,
+                    y.ptr,
+                    k,
+                    ff,
+                    n,
+                    scratch,
+                )
+            };
+        }
         if self.fused(x.meta, wg.meta, wu.meta) {
             aligned16(op, "x", x)?;
             aligned16(op, "gate weight", wg)?;

@@ -123,6 +123,9 @@ pub enum ExpertKernel {
     Gemv,
     /// The grouped GEMM on the tensor cores, on the given kernel.
     Grouped(TcKernel),
+    /// The skinny grouped product for a decode step's few routes an expert (weights as the
+    /// MMA's A operand, routes padded to 8 or 16, the input width split over warps).
+    Skinny,
 }
 
 impl ExpertKernel {
@@ -132,6 +135,7 @@ impl ExpertKernel {
             ExpertKernel::Gemv => " [gemv]",
             ExpertKernel::Grouped(TcKernel::MmaSync) => " [grouped mma.sync]",
             ExpertKernel::Grouped(TcKernel::Wgmma) => " [grouped wgmma]",
+            ExpertKernel::Skinny => " [skinny]",
         }
     }
 }
@@ -329,6 +333,14 @@ impl Op for ExpertSwiGlu {
         )
     }
 
+    /// The skinny kernel's f16 copy of z.
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match (self.kernel, inputs.first().map(|z| z.shape.as_slice())) {
+            (ExpertKernel::Skinny, Some(&[n, d])) => prefill::skinny_scratch_bytes(n, d),
+            _ => 0,
+        }
+    }
+
     fn cuda(
         &self,
         ctx: &GpuCtx,
@@ -395,6 +407,14 @@ impl Op for ExpertDown {
         )
     }
 
+    /// The skinny kernel's f16 copy of act.
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match (self.kernel, inputs.first().map(|a| a.shape.as_slice())) {
+            (ExpertKernel::Skinny, Some(&[r, nf])) => prefill::skinny_scratch_bytes(r, nf),
+            _ => 0,
+        }
+    }
+
     fn cuda(
         &self,
         ctx: &GpuCtx,
@@ -431,6 +451,14 @@ impl GateUpSwiGlu {
             && wg.dtype == DType::IQ4_NL
             && wu.dtype == DType::IQ4_NL
             && x.shape[1].is_multiple_of(256)
+    }
+
+    /// Whether the skinny product takes gate and up in one launch (SwiGLU in its epilogue).
+    fn skinny(&self, x: &TensorMeta, wg: &TensorMeta, wu: &TensorMeta) -> bool {
+        self.kernel == LinearKernel::Skinny
+            && wg.dtype == DType::IQ4_NL
+            && wu.dtype == DType::IQ4_NL
+            && prefill::skinny_supports(x.shape[1])
     }
 
     /// Scratch of the unfused chain: gate and up `[n, ff]` each, then what `linear` needs.
@@ -485,6 +513,8 @@ impl Op for GateUpSwiGlu {
         }
         if self.fused(inputs[0], inputs[1], inputs[2]) {
             0
+        } else if self.skinny(inputs[0], inputs[1], inputs[2]) {
+            prefill::skinny_scratch_bytes(inputs[0].shape[0], inputs[0].shape[1])
         } else {
             self.chain_scratch(inputs).1
         }

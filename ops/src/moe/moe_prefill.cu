@@ -783,3 +783,282 @@ expert_gemm_wg_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
     }
 #endif
 }
+
+// ---- Skinny products: a decode step's few routes an expert ---------------------------------
+//
+// At a decode step an expert has a handful of routes, so the tiles above (64 or 128 routes,
+// 256 weight rows, one block a multiprocessor) multiply mostly padding and leave the chip
+// waiting on a few long blocks. Here the weights are mma.m16n8k16's A operand (16 weight rows
+// an instruction) and the routes its B operand (8 routes), so an expert's tile is padded to 8
+// routes, not 64; and a block is small (16 outputs and all of K split over its warps), so a
+// step's blocks are many and each multiprocessor keeps several in flight.
+//
+// Tiling. blockIdx.y = an (expert, tile of up to 8·NT routes) pair as in expert_gemm_tc_iq4
+// (tc_find_tile; with offsets == nullptr the whole input is one expert and blockIdx.y counts
+// its tiles, which is how the dense shared-expert and FFN products run). A row tile is SK_ROWS
+// weight rows: SwiGLU, m16 tile mt holds gate rows c0 + 8mt + (0..7) then the up rows of the
+// same outputs, so one lane's accumulator holds both halves of an output; down, rows c0 + 16mt
+// + (0..15). A block's four warps cover 4/kw row tiles, kw warps a tile (the launcher picks kw:
+// as few as still fill the chip, since a block's route lookup and epilogue are fixed costs).
+// Warp phase p of a tile takes k-tiles p, p + kw, ... of SK_KT = 256 inputs (8 IQ4_NL blocks,
+// 144 bytes a row, so a row's k-tile is whole 16-byte words): its own ring of SK_STAGES weight
+// stages filled by cp.async, no block barrier in the loop. At the end a tile's partial sums
+// meet in shared memory and its phase-0 warp adds them in phase order: one writer an element
+// and a fixed order, so a step repeats bit for bit. (H200, 32 tokens at the real shapes: the
+// loop is bound by decoding the weights, 115 µs of gate+up with no weight traffic against
+// 70 µs of weight traffic with no decoding, 141 µs both.)
+//
+// Inputs. expert_x_f16 first narrows the input rows to f16 (times x_scale, as above) in the
+// order the B fragments want: word 4t + m of a 32-value block holds inputs (4t + m, 4t + m +
+// 16), so lane t's four pairs of a block are one 16-byte load, and they meet the weights'
+// decode (tc_decode: lane t holds values 4t + i and 4t + i + 16 of a block) in the same K
+// order. Numerics are those of the tiles above (f16 operands rounded once, f32 sums).
+
+#define SK_KT 256
+#define SK_ROWB 144
+#define SK_MT 2
+#define SK_ROWS (16 * SK_MT)
+#define SK_STAGES 3
+#define SK_WSTAGE (SK_ROWS * SK_ROWB)             // 4608
+#define SK_WARP_SMEM (SK_STAGES * SK_WSTAGE)      // 13824
+
+// xh[row][block][4t + m] = f16 pair (x[32 block + 4t + m], x[.. + 16]) · scale. n_in % 32 == 0.
+extern "C" __global__ void __launch_bounds__(256)
+expert_x_f16(const float* __restrict__ x, unsigned* __restrict__ xh, long long words, float scale) {
+    PDL_ENTER();
+    for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < words;
+         w += (long long)gridDim.x * blockDim.x) {
+        const int j = (int)(w & 15), t = j >> 2, m = j & 3;
+        const float* xb = x + (w >> 4) * 32;
+        xh[w] = tc_pack_f16(__fmul_rn(xb[4 * t + m], scale), __fmul_rn(xb[4 * t + m + 16], scale));
+    }
+}
+
+__device__ __forceinline__ void sk_cp16(unsigned dst, const unsigned char* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void sk_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(SK_STAGES - 2) : "memory");
+}
+
+// grid (ceil(row tiles / (4/kw)), route tiles), block 128, dynamic shared memory
+// 4·SK_WARP_SMEM + (4/kw)·(kw-1)·SK_MT·NT·4·32·4. n_in % 256 == 0; Wa, Wb 16-byte
+// aligned; xh as expert_x_f16 wrote it (SwiGLU: one row a token, route r reads row
+// route_token[r], or r without a table; down: one row a route).
+template <int NT>
+__device__ __forceinline__ void expert_skinny_body(
+    const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+    const uint4* __restrict__ xh, const int* __restrict__ offsets,
+    const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out, int n_expert,
+    int n_x_rows, int n_routes, float y_scale, int kw) {
+    extern __shared__ __align__(16) unsigned char sk_smem[];
+    __shared__ int s_expert, s_tile;
+    constexpr int TM = 8 * NT;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // Warp w takes row sub-tile w / kw and k-phase w % kw: kw warps share each sub-tile's K.
+    const int kp = warp % kw, rs = warp / kw, subtiles = (blockDim.x >> 5) / kw;
+    int e = 0, rb, rn;
+    if (offsets != nullptr) {
+        if (warp == 0) tc_find_tile(offsets, n_expert, TM, lane, &s_expert, &s_tile);
+        __syncthreads();
+        e = s_expert;
+        if (e < 0) return;  // block-uniform, as below
+        rb = min(max(offsets[e] + s_tile * TM, 0), n_routes);
+        rn = max(0, min(min(TM, offsets[e + 1] - rb), n_routes - rb));
+    } else {
+        rb = blockIdx.y * TM;
+        rn = min(TM, n_routes - rb);
+    }
+    if (rn <= 0) return;
+    const bool swiglu = Wb != nullptr;
+    const long long row_bytes = (long long)(n_in >> 5) * 18;
+    const int nk = n_in / SK_KT;
+    const int xw = n_in >> 3;  // 16-byte words of an xh row
+    const int c0 = (blockIdx.x * subtiles + rs) * (swiglu ? 8 * SK_MT : 16 * SK_MT);
+    const int g = lane >> 2, t = lane & 3;
+    const unsigned char* ea = Wa + (long long)e * n_out * row_bytes;
+    const unsigned char* eb = swiglu ? Wb + (long long)e * n_out * row_bytes : ea;
+    const int n_active = (rn + 7) >> 3;
+
+    const unsigned wbase = (unsigned)__cvta_generic_to_shared(sk_smem) + warp * SK_WARP_SMEM;
+    // Word p of row i of a stage: piece c = lane + 32j, i = c / 9, p = c % 9.
+    auto issue = [&](int kt, int stage) {
+        const unsigned dst0 = wbase + stage * SK_WSTAGE;
+#pragma unroll
+        for (int j = 0; j < SK_ROWS * 9 / 32; ++j) {
+            const int c = lane + 32 * j;
+            const int i = c / 9, p = c - 9 * i;
+            int out;
+            const unsigned char* base;
+            if (swiglu) {
+                out = c0 + 8 * (i >> 4) + (i & 7);
+                base = (i & 8) ? eb : ea;
+            } else {
+                out = c0 + i;
+                base = ea;
+            }
+            const bool ok = out < n_out;
+            const unsigned char* src =
+                ok ? base + (long long)out * row_bytes + (long long)kt * SK_ROWB + 16 * p : ea;
+            sk_cp16(dst0 + i * SK_ROWB + 16 * p, src, ok ? 16 : 0);
+        }
+    };
+
+    // The weights first: they depend on the expert alone, the inputs on the route table too.
+    const int mine = (kp < nk && c0 < n_out) ? (nk - kp + kw - 1) / kw : 0;
+#pragma unroll
+    for (int s = 0; s < SK_STAGES - 1; ++s) {
+        if (s < mine) issue(kp + kw * s, s);
+        tc_commit();
+    }
+
+    // This lane's route of each n8 tile (B column g) as an xh row, -1 for none.
+    int xrow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int r = 8 * nt + g;
+        int src = -1;
+        if (r < rn) src = (swiglu && route_token != nullptr) ? route_token[rb + r] : rb + r;
+        xrow[nt] = (src >= 0 && src < n_x_rows) ? src : -1;
+    }
+    // B fragments of block b of k-tile kt: four blocks are in flight while one is multiplied
+    // (window slot b % 4), so an input's L2 latency hides behind three blocks of decoding.
+    uint4 xq[4][NT];
+    auto load_x = [&](int kt, int b, int q) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (nt < n_active && xrow[nt] >= 0)
+                v = __ldg(xh + (long long)xrow[nt] * xw + (kt * 8 + b) * 4 + t);
+#pragma unroll
+            for (int q2 = 0; q2 < 4; ++q2)
+                if (q2 == q) xq[q2][nt] = v;
+        }
+    };
+    if (mine > 0) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) load_x(kp, b, b);
+    }
+
+    float acc[SK_MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < SK_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[mt][nt][k] = 0.0f;
+
+    for (int it = 0; it < mine; ++it) {
+        const int kt = kp + kw * it;
+        const bool more = it + 1 < mine;
+        sk_wait();
+        __syncwarp();  // every lane's copies of stage `it` landed; stage it-1 is read by all
+        if (it + SK_STAGES - 1 < mine) issue(kt + kw * (SK_STAGES - 1), (it + SK_STAGES - 1) % SK_STAGES);
+        tc_commit();
+
+        const unsigned char* wst = sk_smem + warp * SK_WARP_SMEM + (it % SK_STAGES) * SK_WSTAGE + g * SK_ROWB;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            unsigned wl[SK_MT][4], wh[SK_MT][4];
+#pragma unroll
+            for (int mt = 0; mt < SK_MT; ++mt) {
+                const unsigned char* rp = wst + 16 * mt * SK_ROWB + 18 * b;
+                tc_decode(tc_load_qs(rp, b, t), *reinterpret_cast<const unsigned short*>(rp), wl[mt]);
+                const unsigned char* rq = rp + 8 * SK_ROWB;
+                tc_decode(tc_load_qs(rq, b, t), *reinterpret_cast<const unsigned short*>(rq), wh[mt]);
+            }
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+#pragma unroll
+                for (int mt = 0; mt < SK_MT; ++mt) {
+                    const unsigned a[4] = {wl[mt][2 * s], wh[mt][2 * s], wl[mt][2 * s + 1],
+                                           wh[mt][2 * s + 1]};
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        if (nt < n_active) {
+                            const unsigned b0 = s ? xq[b & 3][nt].z : xq[b & 3][nt].x;
+                            const unsigned b1 = s ? xq[b & 3][nt].w : xq[b & 3][nt].y;
+                            tc_mma(acc[mt][nt], a, b0, b1);
+                        }
+                    }
+                }
+            }
+            if (b < 4) {
+                load_x(kt, b + 4, b & 3);
+            } else if (more) {
+                load_x(kt + kw, b - 4, b & 3);
+            }
+        }
+    }
+
+    // A sub-tile's partials, added in k-phase order by its phase-0 warp.
+    if (kw > 1) {
+        float* red = reinterpret_cast<float*>(sk_smem + (blockDim.x >> 5) * SK_WARP_SMEM) +
+                     rs * (kw - 1) * SK_MT * NT * 4 * 32;
+        constexpr int PER = SK_MT * NT * 4;
+        if (kp > 0) {
+#pragma unroll
+            for (int mt = 0; mt < SK_MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        red[((kp - 1) * PER + (mt * NT + nt) * 4 + k) * 32 + lane] = acc[mt][nt][k];
+        }
+        __syncthreads();
+        if (kp != 0) return;
+        for (int w = 1; w < kw; ++w) {
+#pragma unroll
+            for (int mt = 0; mt < SK_MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        acc[mt][nt][k] = __fadd_rn(
+                            acc[mt][nt][k], red[((w - 1) * PER + (mt * NT + nt) * 4 + k) * 32 + lane]);
+        }
+    }
+
+    // Accumulator (mt, nt): c0, c1 = m-row g, routes 8nt + 2t and +1; c2, c3 = m-row g + 8.
+#pragma unroll
+    for (int mt = 0; mt < SK_MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if (nt >= n_active) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 8 * nt + 2 * t + h;
+                if (r >= rn) continue;
+                float* yr = y + (long long)(rb + r) * n_out;
+                if (swiglu) {
+                    const int o = c0 + 8 * mt + g;
+                    if (o < n_out)
+                        yr[o] = tc_silu_times(__fmul_rn(acc[mt][nt][h], y_scale),
+                                              __fmul_rn(acc[mt][nt][2 + h], y_scale));
+                } else {
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        const int o = c0 + 16 * mt + g + 8 * hr;
+                        if (o < n_out) yr[o] = __fmul_rn(acc[mt][nt][2 * hr + h], y_scale);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define EXPERT_SKINNY(NT)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128, 3) expert_skinny_iq4_##NT(                 \
+        const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,              \
+        const uint4* __restrict__ xh, const int* __restrict__ offsets,                           \
+        const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,         \
+        int n_expert, int n_x_rows, int n_routes, float y_scale, int kw) {                       \
+        PDL_ENTER();                                                                             \
+        expert_skinny_body<NT>(Wa, Wb, xh, offsets, route_token, y, n_in, n_out, n_expert,       \
+                               n_x_rows, n_routes, y_scale, kw);                                 \
+    }
+EXPERT_SKINNY(1)
+EXPERT_SKINNY(2)
+#undef EXPERT_SKINNY

@@ -258,3 +258,193 @@ pub unsafe fn launch_expert_gemm_tc_with(
         .map_err(dev_err)
     }
 }
+
+// ---- Skinny products (decode steps) ---------------------------------------------------------
+
+/// Inputs a k-tile of the skinny kernel covers (`SK_KT`): its `n_in` must be a multiple.
+pub const SKINNY_K_TILE: usize = 256;
+/// Weight rows a skinny block covers (`SK_ROWS`): 16 outputs in SwiGLU mode, 32 in down mode.
+const SK_ROWS: usize = 32;
+/// Shared memory of one warp's weight ring (`SK_WARP_SMEM`): three stages of 32 rows × 144 bytes.
+const SK_WARP_SMEM: usize = 3 * SK_ROWS * 144;
+/// Warps a skinny block has: `kw` of them share a row tile's K, so a block covers 4/kw tiles.
+const SK_WARPS: usize = 4;
+
+/// Warps that share a row tile's `k_tiles` k-tiles: as few as keep one and a half waves of
+/// warps on an H200 (132 multiprocessors × 12 resident warps) for `tiles` (row tile, expert)
+/// pairs, since a block's route lookup, reduction and epilogue are fixed costs that fewer,
+/// longer warps pay less often. H200, 32 tokens (56 experts), one / two / four warps a row
+/// tile: gate+up 141 / 141 / 156 µs, down 75 / 82 / 98 µs.
+fn skinny_k_warps(k_tiles: usize, tiles: usize) -> usize {
+    [1, 2, 4]
+        .into_iter()
+        .find(|&kw| kw >= k_tiles.min(SK_WARPS) || 2 * tiles * kw >= 3 * 132 * 12)
+        .unwrap_or(SK_WARPS)
+}
+
+/// Whether the skinny kernel takes inputs of this width (whole 256-value k-tiles).
+pub fn skinny_supports(n_in: usize) -> bool {
+    n_in > 0 && n_in.is_multiple_of(SKINNY_K_TILE)
+}
+
+/// Scratch the skinny kernel needs: `x_rows × n_in` f16 inputs (narrowed in the kernel's
+/// K order) at a 256-byte boundary.
+pub fn skinny_scratch_bytes(x_rows: usize, n_in: usize) -> usize {
+    256 + (x_rows * n_in * 2).next_multiple_of(256)
+}
+
+/// Where the rows a skinny product reads come from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum SkinnyRoutes {
+    /// Routed experts: the CSR table (`offsets`, `n_expert + 1` i32) and, in SwiGLU mode, the
+    /// token of each route (`route_token`).
+    Grouped {
+        offsets: u64,
+        route_token: u64,
+        n_expert: usize,
+    },
+    /// One dense weight: row `r` of the output is row `r` of the input.
+    Dense,
+}
+
+/// The grouped (or dense) product of [`launch_expert_gemm_tc`]'s contract for a decode step's
+/// few routes an expert: the inputs narrowed to f16 into the scratch (`expert_x_f16`), then
+/// `expert_skinny_iq4_<NT>` (weights as the MMA's A operand, routes in tiles of 8·NT).
+///
+/// # Safety
+/// As [`launch_expert_gemm_tc`], with `x` holding `x_rows × n_in` f32 (SwiGLU mode with a
+/// route table: one row a token; otherwise one row a route, `x_rows = routes`) and `scratch`
+/// a live device allocation of `scratch_bytes` bytes overlapping nothing else.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn launch_expert_skinny(
+    ctx: &GpuCtx,
+    op: &'static str,
+    wa: u64,
+    wb: Option<u64>,
+    x: u64,
+    x_rows: usize,
+    routes_from: SkinnyRoutes,
+    y: u64,
+    n_in: usize,
+    n_out: usize,
+    routes: usize,
+    scratch: crate::gpu::Scratch,
+) -> Result<(), OpError> {
+    if routes == 0 || n_out == 0 {
+        return Ok(());
+    }
+    if !skinny_supports(n_in) {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the skinny kernel needs an input width that is a positive multiple of \
+                 {SKINNY_K_TILE}, found {n_in}"
+            ),
+        ));
+    }
+    let i = |what: &str, v: usize| {
+        i32::try_from(v).map_err(|_| OpError::shape(op, format!("{what} {v} does not fit an i32")))
+    };
+    aligned("expert weight", wa, 16)?;
+    if let Some(b) = wb {
+        aligned("up weight", b, 16)?;
+    }
+    aligned("input", x, 4)?;
+    aligned("output", y, 4)?;
+    let need = skinny_scratch_bytes(x_rows, n_in);
+    scratch.require(op, need)?;
+    let xh = scratch.ptr.next_multiple_of(256);
+    let words = (x_rows * n_in / 2) as i64;
+    let narrow = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_x_f16")?;
+    let x_scale = if wb.is_some() {
+        SWIGLU_X_SCALE
+    } else {
+        DOWN_X_SCALE
+    };
+    let y_scale = if wb.is_some() { 1.0f32 } else { 16.0 };
+    // SAFETY: reads x_rows·n_in f32 of x, writes as many f16 at xh, inside the scratch
+    // checked above (xh is its first 256-byte boundary).
+    unsafe {
+        ctx.device
+            .launch(&narrow)
+            .grid((words as usize).div_ceil(256).clamp(1, 4096) as u32)
+            .block(256)
+            .arg(x)
+            .arg(xh)
+            .arg(words)
+            .arg(x_scale)
+            .enqueue()
+            .map_err(dev_err)?;
+    }
+    let (offsets, route_token, n_expert) = match routes_from {
+        SkinnyRoutes::Grouped {
+            offsets,
+            route_token,
+            n_expert,
+        } => {
+            aligned("offsets", offsets, 4)?;
+            (offsets, route_token, n_expert)
+        }
+        SkinnyRoutes::Dense => (0, 0, 1),
+    };
+    let nt = if routes <= 8 { 1 } else { 2 };
+    let tm = 8 * nt;
+    let tiles = if offsets != 0 {
+        routes.div_ceil(tm) + n_expert.min(routes)
+    } else {
+        routes.div_ceil(tm)
+    };
+    if tiles > 65535 {
+        return Err(OpError::shape(
+            op,
+            format!("{routes} routes of {n_expert} experts exceed the grid's 65535 route tiles"),
+        ));
+    }
+    let outs = if wb.is_some() {
+        SK_ROWS / 2
+    } else {
+        SK_ROWS
+    };
+    let row_tiles = n_out.div_ceil(outs);
+    let pairs = if offsets != 0 {
+        n_expert.min(routes)
+    } else {
+        tiles
+    };
+    let kw = skinny_k_warps(n_in / SKINNY_K_TILE, row_tiles * pairs);
+    let subtiles = SK_WARPS / kw;
+    let smem = SK_WARPS * SK_WARP_SMEM + subtiles * (kw - 1) * 2 * nt * 4 * 32 * 4;
+    let kern = ctx.kernel(
+        "moe_prefill.cu",
+        MOE_PREFILL_CU,
+        &format!("expert_skinny_iq4_{nt}"),
+    )?;
+    // SAFETY: the argument list matches expert_skinny_iq4_<NT>; the caller guarantees the
+    // buffers, xh was written above, and the kernel bounds every route, token and row index
+    // by the sizes passed.
+    unsafe {
+        ctx.device
+            .launch(&kern)
+            .grid((
+                i("row tiles", row_tiles.div_ceil(subtiles))? as u32,
+                tiles as u32,
+            ))
+            .block((32 * SK_WARPS) as u32)
+            .shared_mem(smem as u32)
+            .arg(wa)
+            .arg(wb.unwrap_or(0))
+            .arg(xh)
+            .arg(offsets)
+            .arg(route_token)
+            .arg(y)
+            .arg(i("input width", n_in)?)
+            .arg(i("rows", n_out)?)
+            .arg(i("n_expert", n_expert)?)
+            .arg(i("input rows", x_rows)?)
+            .arg(i("routes", routes)?)
+            .arg(y_scale)
+            .arg(kw as i32)
+            .enqueue()
+            .map_err(dev_err)
+    }
+}

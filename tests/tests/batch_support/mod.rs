@@ -72,6 +72,8 @@ pub fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
 #[derive(Default)]
 pub struct Outcome {
     pub tokens: HashMap<SeqId, Vec<u32>>,
+    /// Each token's logits row, for requests that asked for them.
+    pub logits: HashMap<SeqId, Vec<Vec<f32>>>,
     pub finished: HashMap<SeqId, (FinishReason, SeqUsage)>,
 }
 
@@ -79,7 +81,14 @@ impl Outcome {
     pub fn take(&mut self, events: Vec<SeqEvent>) {
         for ev in events {
             match ev {
-                SeqEvent::Token { seq, id, .. } => self.tokens.entry(seq).or_default().push(id),
+                SeqEvent::Token {
+                    seq, id, logits, ..
+                } => {
+                    self.tokens.entry(seq).or_default().push(id);
+                    if let Some(row) = logits {
+                        self.logits.entry(seq).or_default().push(row);
+                    }
+                }
                 SeqEvent::Finished {
                     seq, finish, usage, ..
                 } => {
@@ -93,6 +102,20 @@ impl Outcome {
     pub fn of(&self, seq: SeqId) -> Vec<u32> {
         self.tokens.get(&seq).cloned().unwrap_or_default()
     }
+
+    pub fn logits_of(&self, seq: SeqId) -> Vec<Vec<f32>> {
+        self.logits.get(&seq).cloned().unwrap_or_default()
+    }
+}
+
+/// The greedy tokens of `req` decoded alone on a fresh scheduler, with each step's logits
+/// (`req` must ask for them).
+pub fn alone_with_logits(device: Device, req: &GenerateRequest) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut s = scheduler(device, 0, false);
+    let id = s.add(req.clone());
+    let mut out = Outcome::default();
+    out.take(s.run_to_completion());
+    (out.of(id), out.logits_of(id))
 }
 
 /// The greedy tokens of `req` decoded alone on a fresh scheduler.
