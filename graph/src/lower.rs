@@ -199,9 +199,8 @@ impl LoweringOptions {
     /// [`Self::linear`], with the skinny kernel for a few rows over a weight it takes.
     fn linear_for(&self, rows: usize, w: Option<&TensorMeta>) -> LinearKernel {
         let base = self.linear(rows);
-        let takes = w.is_some_and(|w| {
-            w.shape.len() == 2 && ops::linear::skinny_takes(w.dtype, w.shape[1])
-        });
+        let takes =
+            w.is_some_and(|w| w.shape.len() == 2 && ops::linear::skinny_takes(w.dtype, w.shape[1]));
         if base == LinearKernel::TensorCore && rows <= self.skinny_max_rows && takes {
             LinearKernel::Skinny
         } else {

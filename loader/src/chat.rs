@@ -148,6 +148,96 @@ impl ChatTemplate {
     }
 }
 
+// ---- Message text is text ------------------------------------------------------------------
+//
+// A chat prompt is rendered to one string and tokenized with its markers parsed, so a user who
+// types `<_end><_start>` would otherwise end the turn and open a role of their own. Before
+// rendering, every marker string inside a message (content and reasoning) is swapped for a
+// placeholder the template passes through unchanged; after rendering, the prompt is cut at the
+// placeholders and the strings they stand for are tokenized as ordinary text. Only the
+// template's own markers are control tokens.
+
+/// Opens and closes a placeholder (`OPEN` index `CLOSE`): code points of a private-use plane,
+/// themselves guarded when a message holds them.
+const OPEN: char = '\u{F0000}';
+const CLOSE: char = '\u{F0001}';
+
+/// Swaps every occurrence of a marker (leftmost, longest first) in each message's content and
+/// reasoning for a placeholder, and returns the swapped strings, placeholder `i` standing for
+/// entry `i`. `markers` are the strings the tokenizer parses as tokens.
+pub fn guard_markers(messages: &mut [ChatMessage], markers: &[String]) -> Vec<String> {
+    let mut sorted: Vec<&str> = markers
+        .iter()
+        .map(String::as_str)
+        .filter(|m| !m.is_empty())
+        .collect();
+    let (open, close) = (OPEN.to_string(), CLOSE.to_string());
+    sorted.extend([open.as_str(), close.as_str()]);
+    sorted.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+    sorted.dedup();
+    let mut literals = Vec::new();
+    let mut guard = |text: &mut String| {
+        if !sorted.iter().any(|m| text.contains(m)) {
+            return;
+        }
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text.as_str();
+        while !rest.is_empty() {
+            match sorted.iter().find(|m| rest.starts_with(**m)) {
+                Some(m) => {
+                    out.push(OPEN);
+                    out.push_str(&literals.len().to_string());
+                    out.push(CLOSE);
+                    literals.push((*m).to_string());
+                    rest = &rest[m.len()..];
+                }
+                None => {
+                    let c = rest.chars().next().unwrap_or(' ');
+                    out.push(c);
+                    rest = &rest[c.len_utf8()..];
+                }
+            }
+        }
+        *text = out;
+    };
+    for m in messages.iter_mut() {
+        guard(&mut m.content);
+        if let Some(r) = m.reasoning_content.as_mut() {
+            guard(r);
+        }
+    }
+    literals
+}
+
+/// A rendered prompt cut at its placeholders: `(text, literal)` pieces, where a literal piece
+/// is a string a message held (to be tokenized as text) and the rest is the template's.
+pub fn prompt_pieces<'a>(rendered: &'a str, literals: &'a [String]) -> Vec<(&'a str, bool)> {
+    let mut out = Vec::new();
+    let mut rest = rendered;
+    while let Some(at) = rest.find(OPEN) {
+        let after = &rest[at + OPEN.len_utf8()..];
+        let placeholder = after
+            .find(CLOSE)
+            .and_then(|end| after[..end].parse::<usize>().ok().map(|i| (i, end)))
+            .and_then(|(i, end)| literals.get(i).map(|l| (l, end)));
+        let Some((literal, end)) = placeholder else {
+            // Not one of ours (the template changed it): template text, as it reads.
+            out.push((&rest[..at + OPEN.len_utf8()], false));
+            rest = after;
+            continue;
+        };
+        if at > 0 {
+            out.push((&rest[..at], false));
+        }
+        out.push((literal.as_str(), true));
+        rest = &after[end + CLOSE.len_utf8()..];
+    }
+    if !rest.is_empty() {
+        out.push((rest, false));
+    }
+    out
+}
+
 /// This project's template in the released layout (MODEL.md §8): `<_system>{system}` (empty when
 /// there is no system message), `<_user>{text}`, past answers as `<_bot></think>{answer}<_end>\n`,
 /// and a generation prompt `<_bot><think>\n` (thinking) or `<_bot></think>` (no thinking). Past

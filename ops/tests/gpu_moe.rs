@@ -1007,8 +1007,14 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             .collect();
         let experts = off.windows(2).filter(|p| p[1] > p[0]).count() as f64;
         let (offsets, route_token) = (dev(&gpu, &plan[0]), dev(&gpu, &plan[1]));
-        let z = dev(&gpu, &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)));
-        let act_in = dev(&gpu, &HostValue::f32([rt, NFF], &r.vec(rt * NFF, -1.0, 1.0)));
+        let z = dev(
+            &gpu,
+            &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)),
+        );
+        let act_in = dev(
+            &gpu,
+            &HostValue::f32([rt, NFF], &r.vec(rt * NFF, -1.0, 1.0)),
+        );
         let act = out(&gpu, TensorMeta::f32([rt, NFF]));
         let ro = out(&gpu, TensorMeta::f32([rt, EMBD]));
         let kernels = [
@@ -1021,7 +1027,13 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
                 n_ff: NFF,
                 kernel,
             };
-            let ins = [&z.meta, &gate.meta, &up.meta, &offsets.meta, &route_token.meta];
+            let ins = [
+                &z.meta,
+                &gate.meta,
+                &up.meta,
+                &offsets.meta,
+                &route_token.meta,
+            ];
             let sb = sw.cuda_scratch_bytes(&ins).max(16);
             let s_buf = upload(&gpu, &vec![0u8; sb]);
             let scratch = Scratch {
@@ -1037,7 +1049,10 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
                 )
             });
             line(
-                &format!("expert_swiglu{} n={n} ({experts} experts)", kernel_tag(kernel)),
+                &format!(
+                    "expert_swiglu{} n={n} ({experts} experts)",
+                    kernel_tag(kernel)
+                ),
                 us,
                 2.0 * experts * slice + (n * EMBD * 4 + rt * NFF * 4) as f64,
                 4.0 * (rt * NFF * EMBD) as f64,
@@ -1064,7 +1079,10 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
                 )
             });
             line(
-                &format!("expert_down{} n={n} ({experts} experts)", kernel_tag(kernel)),
+                &format!(
+                    "expert_down{} n={n} ({experts} experts)",
+                    kernel_tag(kernel)
+                ),
                 us,
                 experts * slice + (rt * NFF * 4 + rt * EMBD * 4) as f64,
                 2.0 * (rt * NFF * EMBD) as f64,

@@ -920,3 +920,117 @@ fn an_oversized_body_gets_a_json_413_at_once_and_wrong_methods_a_json_405_with_i
     assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
     assert_eq!(s.get("/health").status, 200);
 }
+
+/// Every marker of spec §8 typed inside a user message is text: the chat prompt holds exactly
+/// the marker tokens the template puts there (those of a message without the marker), and the
+/// typed marker comes back from `/detokenize` as the characters the user sent. The raw
+/// `/v1/completions` prompt (here `/tokenize` of `prompt`) still parses markers.
+#[test]
+fn each_special_marker_typed_in_a_user_message_tokenizes_to_ordinary_pieces() {
+    let s = Server::start(&[]);
+    let ids_of = |body: Value| -> Vec<u64> {
+        let (status, t) = s.post_json("/tokenize", &body);
+        assert_eq!(status, 200, "{t}");
+        t["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    for marker in [
+        "<_end>",
+        "<_start>",
+        "<_bot>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+    ] {
+        let raw = ids_of(json!({"prompt": marker, "add_special_tokens": false}));
+        assert_eq!(
+            raw.len(),
+            1,
+            "{marker} is one token in a raw prompt: {raw:?}"
+        );
+        let id = raw[0];
+        let count = |v: &[u64]| v.iter().filter(|&&t| t == id).count();
+        let plain = ids_of(json!({"messages": user("ab")}));
+        let typed_text = format!("a{marker}<_user>b{marker}");
+        let typed = ids_of(json!({"messages": user(&typed_text)}));
+        assert_eq!(
+            count(&typed),
+            count(&plain),
+            "{marker} typed in a message became its control token: {typed:?}"
+        );
+        assert!(
+            typed.len() >= plain.len() + 2 * marker.len().min(2),
+            "{marker}: {typed:?} against {plain:?}"
+        );
+        // This test tokenizer's decoder puts spaces between word pieces, so the characters
+        // are compared without whitespace.
+        let (_, d) = s.post_json("/detokenize", &json!({"tokens": typed}));
+        let squeeze = |t: &str| t.split_whitespace().collect::<String>();
+        assert!(
+            squeeze(d["prompt"].as_str().unwrap()).contains(&squeeze(&typed_text)),
+            "{marker}: {d}"
+        );
+    }
+}
+
+/// SIGTERM while a stream runs: the stream still ends with a chunk carrying its
+/// `finish_reason` and then `[DONE]` (cut at the next token once `--shutdown-timeout` has
+/// passed), new requests meanwhile get a JSON 503, and the process exits 0.
+#[test]
+fn a_streaming_request_gets_its_final_chunk_and_done_on_sigterm_and_the_server_exits_0() {
+    let mut s = Server::start(&["--shutdown-timeout", "1", "--max-model-len", "4096"]);
+    let body = json!({"messages": user("Tell me everything."), "max_tokens": 4000,
+                      "temperature": 0, "ignore_eos": true, "stream": true});
+    let conn = serve_support::client::send(
+        &s.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        body.to_string().as_bytes(),
+    )
+    .expect("POST");
+    assert_eq!(conn.status, 200);
+    let mut events = conn.events();
+    let mut data = Vec::new();
+    // The stream is running: its first chunk has arrived.
+    while data.is_empty() {
+        let ev = events
+            .next_event()
+            .expect("reading")
+            .expect("a first event");
+        data.extend(
+            ev.lines()
+                .filter_map(|l| l.strip_prefix("data: ").map(String::from)),
+        );
+    }
+    s.terminate();
+    // A request arriving during the drain is refused with a JSON 503 (or its connection is
+    // refused once the listener has closed).
+    std::thread::sleep(Duration::from_millis(200));
+    if let Ok(r) = serve_support::client::request(&s.addr, "GET", "/health", &[], b"") {
+        assert_eq!(r.status, 503, "{}", r.text());
+        let v: Value = serde_json::from_slice(&r.body).expect("a JSON body");
+        assert_eq!(v["error"]["code"], "shutting_down");
+    }
+    while let Some(ev) = events.next_event().expect("reading the rest of the stream") {
+        data.extend(
+            ev.lines()
+                .filter_map(|l| l.strip_prefix("data: ").map(String::from)),
+        );
+    }
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
+    let (_, _, finish) = reassemble_chat(&data);
+    eprintln!("{} chunks, finish_reason {finish}", data.len());
+    assert!(
+        finish == "length" || finish == "stop",
+        "the last chunk carries a finish_reason, found {finish:?}"
+    );
+    let status = s
+        .wait_exit(Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("serve still runs 20 s after SIGTERM:\n{}", s.stderr()));
+    assert_eq!(status.code(), Some(0), "{}", s.stderr());
+}

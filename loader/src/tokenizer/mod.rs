@@ -214,6 +214,65 @@ impl Tokenizer {
         }
     }
 
+    /// The strings `encode` with `parse_special` turns into single tokens: added tokens of a
+    /// tokenizer.json (special or not), control, unknown and user-defined pieces of a GGUF
+    /// vocabulary.
+    pub fn marker_strings(&self) -> Vec<String> {
+        match &self.backend {
+            Backend::Spm(spm) => spm.marker_pieces(),
+            Backend::Hf { tok, .. } => tok
+                .get_added_tokens_decoder()
+                .into_values()
+                .map(|t| t.content)
+                .filter(|c| !c.is_empty())
+                .collect(),
+        }
+    }
+
+    /// Encodes `pieces` (text, literal) as one prompt: a piece that is not literal has its
+    /// marker strings parsed as tokens (`encode` with `parse_special`); a literal piece, text a
+    /// user typed, becomes ordinary pieces only, even where it spells a marker. With a
+    /// tokenizer.json each piece is encoded on its own, and a literal's first character apart
+    /// from the rest, so that no added token (which the `tokenizers` crate matches even when
+    /// not special) can form inside it.
+    pub fn encode_prompt(&self, pieces: &[(&str, bool)]) -> Result<Vec<u32>, TokenizerError> {
+        match &self.backend {
+            Backend::Spm(spm) => spm.encode_pieces(pieces),
+            Backend::Hf { .. } => {
+                let mut out = Vec::new();
+                for &(text, literal) in pieces {
+                    if !literal {
+                        out.extend(self.encode(text, true)?);
+                        continue;
+                    }
+                    let mut rest = text;
+                    // Character by character where a marker could still form.
+                    while let Some(c) = rest.chars().next() {
+                        let (head, tail) = rest.split_at(c.len_utf8());
+                        out.extend(self.encode(head, false)?);
+                        let ids = self.encode(tail, false)?;
+                        if ids.iter().any(|&id| self.is_added(id)) {
+                            rest = tail;
+                            continue;
+                        }
+                        out.extend(ids);
+                        break;
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Whether `id` is an added token of a tokenizer.json (a control or user-defined piece of a
+    /// GGUF vocabulary).
+    fn is_added(&self, id: u32) -> bool {
+        match &self.backend {
+            Backend::Spm(spm) => spm.is_special(id),
+            Backend::Hf { tok, .. } => tok.get_added_vocabulary().simple_id_to_token(id).is_some(),
+        }
+    }
+
     /// Decodes `ids`; with `skip_special`, control/special tokens produce no text.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         let vocab_size = self.vocab_size();

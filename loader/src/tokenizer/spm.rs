@@ -186,6 +186,16 @@ impl Spm {
         )
     }
 
+    /// The strings `encode` with `parse_special` turns into single tokens.
+    pub(super) fn marker_pieces(&self) -> Vec<String> {
+        self.pieces
+            .iter()
+            .zip(&self.types)
+            .filter(|(_, t)| matches!(**t, tt::CONTROL | tt::UNKNOWN | tt::USER_DEFINED))
+            .map(|(p, _)| p.clone())
+            .collect()
+    }
+
     pub(super) fn encode(
         &self,
         text: &str,
@@ -196,8 +206,39 @@ impl Spm {
         } else {
             &self.user_defined
         };
+        self.encode_fragments(matcher.split(text))
+    }
+
+    /// `pieces` as one text: template pieces with their markers as tokens, literal pieces as
+    /// ordinary pieces only (no marker of any type is matched inside them). Offsets stay those
+    /// of the whole text, so the space prefix goes where `encode` of the whole would put it.
+    pub(super) fn encode_pieces(
+        &self,
+        pieces: &[(&str, bool)],
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let mut fragments = Vec::new();
+        let mut offset = 0;
+        for &(text, literal) in pieces {
+            if literal {
+                if !text.is_empty() {
+                    fragments.push(Fragment::Text(offset, text));
+                }
+            } else {
+                for f in self.specials.split(text) {
+                    fragments.push(match f {
+                        Fragment::Text(o, t) => Fragment::Text(offset + o, t),
+                        token => token,
+                    });
+                }
+            }
+            offset += text.len();
+        }
+        self.encode_fragments(fragments)
+    }
+
+    fn encode_fragments(&self, fragments: Vec<Fragment<'_>>) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::new();
-        for fragment in matcher.split(text) {
+        for fragment in fragments {
             match fragment {
                 Fragment::Token(id) => out.push(id),
                 Fragment::Text(offset, s) => {

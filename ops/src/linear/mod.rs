@@ -164,11 +164,11 @@ impl Op for Linear {
 
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         match (inputs.first(), inputs.get(1)) {
-            (Some(x), Some(w)) => match x.shape.as_slice() {
-                &[n, k] if self.kernel == LinearKernel::Skinny && skinny_takes(w.dtype, k) => {
+            (Some(x), Some(w)) => match *x.shape.as_slice() {
+                [n, k] if self.kernel == LinearKernel::Skinny && skinny_takes(w.dtype, k) => {
                     crate::moe::prefill::skinny_scratch_bytes(n, k)
                 }
-                &[n, k]
+                [n, k]
                     if matches!(self.kernel, LinearKernel::TensorCore | LinearKernel::Skinny)
                         && k.is_multiple_of(32) =>
                 {

@@ -232,48 +232,44 @@ fn skinny_expert_cases(v: &mut Vec<ParityCase>) {
                 &[HostValue::i32([n, k], &ids)],
             )
         };
-        v.push(
-            ParityCase::new(
-                format!("expert_swiglu/skinny routes={routes}{tag}"),
-                ExpertSwiGlu {
-                    n_expert: X_NE,
-                    n_ff: X_FF,
-                    kernel: ExpertKernel::Skinny,
-                },
-                0x5c1 + routes as u64,
-                sw_bound,
-                move |r| {
-                    let plan = plan_of(r);
-                    vec![
-                        uniform(r, &[n, X_D], -1.0, 1.0),
-                        iq4_weight(r, X_NE, X_FF, X_D),
-                        iq4_weight(r, X_NE, X_FF, X_D),
-                        plan[0].clone(),
-                        plan[1].clone(),
-                    ]
-                },
-            ),
-        );
-        v.push(
-            ParityCase::new(
-                format!("expert_down/skinny routes={routes}{tag}"),
-                ExpertDown {
-                    n_expert: X_NE,
-                    n_embd: X_D,
-                    kernel: ExpertKernel::Skinny,
-                },
-                0x5d1 + routes as u64,
-                down_bound,
-                move |r| {
-                    let plan = plan_of(r);
-                    vec![
-                        uniform(r, &[routes, X_FF], -1.0, 1.0),
-                        iq4_weight(r, X_NE, X_D, X_FF),
-                        plan[0].clone(),
-                    ]
-                },
-            ),
-        );
+        v.push(ParityCase::new(
+            format!("expert_swiglu/skinny routes={routes}{tag}"),
+            ExpertSwiGlu {
+                n_expert: X_NE,
+                n_ff: X_FF,
+                kernel: ExpertKernel::Skinny,
+            },
+            0x5c1 + routes as u64,
+            sw_bound,
+            move |r| {
+                let plan = plan_of(r);
+                vec![
+                    uniform(r, &[n, X_D], -1.0, 1.0),
+                    iq4_weight(r, X_NE, X_FF, X_D),
+                    iq4_weight(r, X_NE, X_FF, X_D),
+                    plan[0].clone(),
+                    plan[1].clone(),
+                ]
+            },
+        ));
+        v.push(ParityCase::new(
+            format!("expert_down/skinny routes={routes}{tag}"),
+            ExpertDown {
+                n_expert: X_NE,
+                n_embd: X_D,
+                kernel: ExpertKernel::Skinny,
+            },
+            0x5d1 + routes as u64,
+            down_bound,
+            move |r| {
+                let plan = plan_of(r);
+                vec![
+                    uniform(r, &[routes, X_FF], -1.0, 1.0),
+                    iq4_weight(r, X_NE, X_D, X_FF),
+                    plan[0].clone(),
+                ]
+            },
+        ));
     }
 }
 

@@ -400,11 +400,7 @@ pub(crate) unsafe fn launch_expert_skinny(
             format!("{routes} routes of {n_expert} experts exceed the grid's 65535 route tiles"),
         ));
     }
-    let outs = if wb.is_some() {
-        SK_ROWS / 2
-    } else {
-        SK_ROWS
-    };
+    let outs = if wb.is_some() { SK_ROWS / 2 } else { SK_ROWS };
     let row_tiles = n_out.div_ceil(outs);
     let pairs = if offsets != 0 {
         n_expert.min(routes)

@@ -56,6 +56,17 @@ impl ApiError {
         }
     }
 
+    /// The server is draining for a shutdown: the request was not run (retry elsewhere).
+    pub fn shutting_down() -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the server is shutting down and takes no new requests".into(),
+            kind: "service_unavailable",
+            param: None,
+            code: Some("shutting_down"),
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,

@@ -16,6 +16,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -84,6 +85,11 @@ struct Args {
     /// Tokens per prefill chunk (0: 4096 on a GPU, 256 on the CPU).
     #[arg(long, default_value_t = 0)]
     prefill_chunk: usize,
+    /// Seconds running requests have to finish after SIGTERM or SIGINT; then each is cut at
+    /// its next token (its stream still ends with a final chunk and `[DONE]`) and the server
+    /// exits 0. Requests that have no token yet get 503 at once.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
 }
 
 fn main() -> Result<()> {
@@ -92,6 +98,12 @@ fn main() -> Result<()> {
         .device
         .parse()
         .map_err(|e| anyhow::anyhow!("--device {}: {e}", args.device))?;
+    if !(args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0) {
+        bail!(
+            "--shutdown-timeout {} must be a number of seconds, 0 or more",
+            args.shutdown_timeout
+        );
+    }
     if !(args.sse_keep_alive.is_finite() && args.sse_keep_alive >= 0.01) {
         bail!(
             "--sse-keep-alive {} must be at least 0.01 seconds",
@@ -226,7 +238,7 @@ async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig)
         served.clone(),
         args.api_key.clone(),
         config.max_model_len,
-        std::time::Duration::from_secs_f64(args.sse_keep_alive),
+        Duration::from_secs_f64(args.sse_keep_alive),
         metrics.clone(),
     ));
     let addr = format!("{}:{}", args.host, args.port);
@@ -252,9 +264,50 @@ async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig)
         })
         .context("starting the loading thread")?;
 
+    let drain = shutdown_signal(app.clone(), Duration::from_secs_f64(args.shutdown_timeout));
     axum::serve(listener, routes::router(app))
+        .with_graceful_shutdown(drain)
         .await
-        .context("serving HTTP")
+        .context("serving HTTP")?;
+    eprintln!("serve: shut down");
+    Ok(())
+}
+
+/// Resolves at SIGTERM or SIGINT, after starting the drain: the routes and the engine thread
+/// refuse new work, running requests have `timeout` before they are cut at their next token,
+/// and the HTTP server (awaiting this) stops accepting and waits for open streams to end. Ten
+/// seconds past the timeout the process exits 0 even if a client has not read its stream.
+async fn shutdown_signal(app: Arc<App>, timeout: Duration) {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                eprintln!("serve: warning: cannot listen for SIGTERM ({e}); SIGINT still drains");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+    eprintln!(
+        "serve: shutting down: no new requests; running ones have {:.1} s to finish",
+        timeout.as_secs_f64()
+    );
+    app.shutdown.draining.store(true, Relaxed);
+    let shutdown = app.shutdown.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(timeout).await;
+        shutdown.cut.store(true, Relaxed);
+    });
+    std::thread::spawn(move || {
+        std::thread::sleep(timeout + Duration::from_secs(10));
+        eprintln!("serve: streams still open 10 s after the shutdown timeout; exiting");
+        std::process::exit(0);
+    });
 }
 
 /// Pages the weights in, allocates the cache, starts the engine thread, and opens the API.
@@ -325,9 +378,18 @@ fn finish_loading(
         Some(true) => tokenizer.bos_id(),
         _ => None,
     };
-    let jobs = worker::spawn(engine, tokenizer.clone(), sched, think, app.metrics.clone())
-        .context("starting the engine thread")?;
+    let jobs = worker::spawn(
+        engine,
+        tokenizer.clone(),
+        sched,
+        think,
+        app.metrics.clone(),
+        app.shutdown.clone(),
+    )
+    .context("starting the engine thread")?;
+    let markers = tokenizer.marker_strings();
     let ready = Ready {
+        markers,
         tokenizer,
         template: loaded.chat_template,
         jobs,

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use engine::sampling::Rng;
 use engine::{FinishReason, GenerateRequest};
-use loader::chat::{ChatError, ChatTemplate};
+use loader::chat::{ChatError, ChatTemplate, guard_markers, prompt_pieces};
 use loader::tokenizer::Tokenizer;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -21,7 +21,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use crate::api::{self, ApiError, Common, Defaults, Obj, Prompt};
 use crate::metrics::Metrics;
 use crate::sse::{CancelGuard, SseBody};
-use crate::worker::{Delta, Done, Event, Job, ThinkIds, TokenLogprob};
+use crate::worker::{Delta, Done, Event, Job, Shutdown, ThinkIds, TokenLogprob};
 
 /// What exists once the model is loaded.
 pub struct Ready {
@@ -35,6 +35,14 @@ pub struct Ready {
     /// Ids that end a chat turn; a raw completion ends on EOS only.
     pub chat_stops: Vec<u32>,
     pub eos_stops: Vec<u32>,
+    /// The strings the tokenizer parses as tokens: inside a message they are text.
+    pub markers: Vec<String>,
+}
+
+/// A chat prompt as the template rendered it, with the marker strings its messages held.
+pub struct Rendered {
+    text: String,
+    literals: Vec<String>,
 }
 
 pub struct App {
@@ -46,6 +54,8 @@ pub struct App {
     pub created: u64,
     pub metrics: Arc<Metrics>,
     pub ready: OnceLock<Ready>,
+    /// Set by SIGTERM/SIGINT; read by the routes and the engine thread.
+    pub shutdown: Arc<Shutdown>,
     ids: AtomicU64,
 }
 
@@ -76,11 +86,16 @@ impl App {
             created: now_secs(),
             metrics,
             ready: OnceLock::new(),
+            shutdown: Arc::default(),
             ids: AtomicU64::new(nanos ^ u64::from(std::process::id()) << 32),
         }
     }
 
+    /// The loaded model, unless it is still loading or the server is shutting down.
     fn ready(&self) -> R<&Ready> {
+        if self.shutdown.draining.load(Relaxed) {
+            return Err(ApiError::shutting_down());
+        }
         self.ready.get().ok_or_else(ApiError::loading)
     }
 
@@ -139,8 +154,23 @@ impl Ready {
         Ok(ids)
     }
 
-    fn render(&self, o: &Obj, add_generation_prompt: bool) -> R<(String, bool)> {
-        let messages = api::messages(o)?;
+    /// The chat prompt's ids: the template's markers as tokens, every string of a message
+    /// (markers included) as ordinary text.
+    fn encode_chat(&self, r: &Rendered) -> R<Vec<u32>> {
+        let mut ids: Vec<u32> = self.bos.into_iter().collect();
+        let body = self
+            .tokenizer
+            .encode_prompt(&prompt_pieces(&r.text, &r.literals))
+            .map_err(|e| {
+                ApiError::invalid("messages", format!("the text cannot be tokenized: {e}"))
+            })?;
+        ids.extend(body);
+        Ok(ids)
+    }
+
+    fn render(&self, o: &Obj, add_generation_prompt: bool) -> R<(Rendered, bool)> {
+        let mut messages = api::messages(o)?;
+        let literals = guard_markers(&mut messages, &self.markers);
         let kwargs = api::object(o, "chat_template_kwargs")?;
         let enable_thinking = match kwargs {
             Some(k) => api::boolean(k, "enable_thinking")
@@ -169,7 +199,7 @@ impl Ready {
                 ChatError::Extra(m) => ApiError::invalid("chat_template_kwargs", m),
                 other => ApiError::invalid("messages", other.to_string()),
             })?;
-        Ok((text, enable_thinking))
+        Ok((Rendered { text, literals }, enable_thinking))
     }
 }
 
@@ -311,8 +341,8 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) 
         api::check_model(&o, &app.served)?;
         let tokens = if o.contains_key("messages") {
             let add = api::boolean(&o, "add_generation_prompt")?.unwrap_or(true);
-            let (text, _) = ready.render(&o, add)?;
-            ready.encode(&text, "messages")?
+            let (rendered, _) = ready.render(&o, add)?;
+            ready.encode_chat(&rendered)?
         } else {
             let key = if o.contains_key("content") {
                 "content"
@@ -383,11 +413,11 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
     let ready = app.ready()?;
     let o = api::parse_object(body)?;
     api::check_model(&o, &app.served)?;
-    let (text, _) = ready.render(&o, true)?;
+    let (rendered, _) = ready.render(&o, true)?;
     let common = api::common(&o, &ready.defaults, app.fresh())?;
     api::check_logit_bias(&common, ready.tokenizer.vocab_size())?;
     let logprobs = api::chat_logprobs(&o)?;
-    let prompt = ready.encode(&text, "messages")?;
+    let prompt = ready.encode_chat(&rendered)?;
     app.check_prompt_len(prompt.len(), "messages")?;
     let reasoning = Some(ready.think.opens_reasoning(&prompt));
     let stops = if common.ignore_eos {
@@ -571,6 +601,7 @@ async fn collect(mut rx: UnboundedReceiver<Event>, n: usize) -> R<Vec<Collected>
                 }
             }
             Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
+            Event::Unavailable => return Err(ApiError::shutting_down()),
         }
     }
     Err(ApiError::internal(
@@ -815,6 +846,10 @@ impl Formatter {
             }
             Some(Event::Error(e)) => {
                 let err = ApiError::internal(format!("generation failed: {e}")).json();
+                (format!("data: {err}\n\ndata: [DONE]\n\n"), true)
+            }
+            Some(Event::Unavailable) => {
+                let err = ApiError::shutting_down().json();
                 (format!("data: {err}\n\ndata: [DONE]\n\n"), true)
             }
             None => {

@@ -39,6 +39,18 @@ pub enum Event {
     Token(Delta),
     Done(Done),
     Error(String),
+    /// Refused by a shutdown before any token: the route answers 503.
+    Unavailable,
+}
+
+/// What a shutdown (SIGTERM or SIGINT) asks of the engine thread.
+#[derive(Debug, Default)]
+pub struct Shutdown {
+    /// No new work: a request that has no token yet is refused (503); running ones go on.
+    pub draining: AtomicBool,
+    /// The drain's time is up: running sequences end at the next token boundary, their
+    /// streams with a final chunk (`finish_reason` "length": cut short by the server).
+    pub cut: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -234,6 +246,7 @@ pub fn spawn(
     config: SchedulerConfig,
     think: ThinkIds,
     metrics: Arc<Metrics>,
+    shutdown: Arc<Shutdown>,
 ) -> std::io::Result<mpsc::Sender<Job>> {
     let (tx, rx) = mpsc::channel::<Job>();
     let pool = engine.pool();
@@ -251,6 +264,7 @@ pub fn spawn(
                 groups: HashMap::new(),
                 prefix: PrefixStats::default(),
                 block_bytes,
+                shutdown,
             };
             w.prefix.budget = w.metrics.prefix_budget();
             w.run(rx);
@@ -263,6 +277,8 @@ struct Live {
     job: Job,
     splitter: Option<Splitter>,
     last: Option<Instant>,
+    /// Cancelled by the shutdown's deadline (its stream still gets a final chunk).
+    cut: bool,
 }
 
 struct Worker {
@@ -275,9 +291,34 @@ struct Worker {
     groups: HashMap<u64, SeqId>,
     prefix: PrefixStats,
     block_bytes: usize,
+    shutdown: Arc<Shutdown>,
 }
 
 impl Worker {
+    /// A drain refuses what has not started (no token yet); the deadline cuts the rest.
+    fn apply_shutdown(&mut self) {
+        if !self.shutdown.draining.load(Relaxed) {
+            return;
+        }
+        let cut = self.shutdown.cut.load(Relaxed);
+        let mut refused = Vec::new();
+        for (&id, l) in self.live.iter_mut() {
+            if l.last.is_none() {
+                refused.push(id);
+            } else if cut && !l.cut {
+                l.cut = true;
+                self.sched.cancel(id);
+            }
+        }
+        for id in refused {
+            self.sched.cancel(id);
+            self.groups.retain(|_, first| *first != id);
+            if let Some(l) = self.live.remove(&id) {
+                let _ = l.job.events.send(Event::Unavailable);
+            }
+        }
+    }
+
     fn run(&mut self, rx: mpsc::Receiver<Job>) {
         loop {
             // Idle: wait for a request. Busy: take whatever arrived since the last step.
@@ -290,6 +331,7 @@ impl Worker {
             while let Ok(job) = rx.try_recv() {
                 self.admit(job);
             }
+            self.apply_shutdown();
             for (&id, l) in &self.live {
                 if l.job.cancel.load(Relaxed) || l.job.events.is_closed() {
                     self.sched.cancel(id);
@@ -326,6 +368,10 @@ impl Worker {
             self.metrics.cancellations.fetch_add(1, Relaxed);
             return;
         }
+        if self.shutdown.draining.load(Relaxed) {
+            let _ = job.events.send(Event::Unavailable);
+            return;
+        }
         let id = match (job.index, self.groups.get(&job.group)) {
             (0, _) | (_, None) => self.sched.add(job.req.clone()),
             (_, Some(&first)) => self.sched.add_sharing(job.req.clone(), first),
@@ -340,6 +386,7 @@ impl Worker {
                 job,
                 splitter,
                 last: None,
+                cut: false,
             },
         );
     }
@@ -389,6 +436,11 @@ impl Worker {
             } => {
                 let Some(mut l) = self.live.remove(&seq) else {
                     return;
+                };
+                let finish = if l.cut && finish == FinishReason::Cancelled {
+                    FinishReason::Length
+                } else {
+                    finish
                 };
                 // Text the stream released only at the end (a held stop-string prefix, a
                 // partial UTF-8 sequence).
