@@ -990,15 +990,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
     for n in [2usize, 8, 32, 64, 128] {
         let mut r = Rng::new(90 + n as u64);
         let rt = n * TOPK;
-        let ids: Vec<i32> = (0..n).flat_map(|_| r.distinct(TOPK, NE)).collect();
-        let ids = HostValue::i32([n, TOPK], &ids);
-        let plan = cpu(
-            &RoutePlan {
-                n_expert: NE,
-                top_k: TOPK,
-            },
-            std::slice::from_ref(&ids),
-        );
+        let (_, plan) = plan_for(&mut r, n, NE, TOPK);
         let off: Vec<i32> = plan[0]
             .data
             .bytes()
