@@ -1034,3 +1034,100 @@ fn a_streaming_request_gets_its_final_chunk_and_done_on_sigterm_and_the_server_e
         .unwrap_or_else(|| panic!("serve still runs 20 s after SIGTERM:\n{}", s.stderr()));
     assert_eq!(status.code(), Some(0), "{}", s.stderr());
 }
+
+/// Reads until the peer closes (Ok(0) or a reset) or `limit` passes; whether it closed.
+fn closed_within(conn: &mut TcpStream, limit: Duration) -> bool {
+    conn.set_read_timeout(Some(limit)).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match std::io::Read::read(conn, &mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// A client that sends half a header is dropped after `--header-timeout`, and meanwhile the
+/// others are served at once; a body that stops arriving gets a JSON 408 after
+/// `--body-timeout`.
+#[test]
+fn a_client_holding_a_partial_request_is_dropped_after_the_header_timeout_while_others_are_served()
+{
+    let s = Server::start(&["--header-timeout", "1", "--body-timeout", "1"]);
+    let t0 = std::time::Instant::now();
+    let mut slow = TcpStream::connect(&s.addr).unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        .unwrap();
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        assert_eq!(s.get("/health").status, 200);
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+    assert!(
+        closed_within(&mut slow, Duration::from_secs(5)),
+        "the partial request is still open after 5 s"
+    );
+    let held = t0.elapsed();
+    assert!(
+        held >= Duration::from_millis(900) && held < Duration::from_secs(4),
+        "dropped after {held:?} with a 1 s header timeout"
+    );
+
+    let t = std::time::Instant::now();
+    let reply = raw(
+        &s.addr,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":",
+        Duration::from_secs(5),
+    );
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(reply.contains("\"code\":\"request_timeout\""), "{reply}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+}
+
+/// Past `--max-connections` a connection gets a JSON 503 with `Retry-After` and is closed;
+/// once the held connections close, requests are served again.
+#[test]
+fn connections_past_the_limit_get_a_json_503_with_retry_after() {
+    let s = Server::start(&["--max-connections", "3", "--header-timeout", "10"]);
+    let held: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(&s.addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let reply = raw(
+        &s.addr,
+        b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        Duration::from_secs(3),
+    );
+    assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+    assert!(
+        reply.to_ascii_lowercase().contains("retry-after: 1"),
+        "{reply}"
+    );
+    assert!(
+        reply.contains("\"code\":\"too_many_connections\""),
+        "{reply}"
+    );
+    drop(held);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = raw(
+            &s.addr,
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            Duration::from_secs(3),
+        );
+        if r.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still refused 5 s after the held connections closed: {r}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -67,6 +67,33 @@ impl ApiError {
         }
     }
 
+    /// A connection over `--max-connections`.
+    pub fn too_many_connections(cap: usize) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: format!(
+                "the server holds {cap} connections (--max-connections); retry in a second"
+            ),
+            kind: "service_unavailable",
+            param: None,
+            code: Some("too_many_connections"),
+        }
+    }
+
+    /// A request body that did not arrive within `--body-timeout`.
+    pub fn body_timeout(limit: std::time::Duration) -> ApiError {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "the request body did not arrive within {:.1} s (--body-timeout)",
+                limit.as_secs_f64()
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,

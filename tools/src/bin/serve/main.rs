@@ -6,6 +6,7 @@
 //! until it is ready).
 
 mod api;
+mod listen;
 mod metrics;
 mod routes;
 mod sse;
@@ -90,6 +91,18 @@ struct Args {
     /// exits 0. Requests that have no token yet get 503 at once.
     #[arg(long, default_value_t = 30.0)]
     shutdown_timeout: f64,
+    /// Seconds a connection has to send a request's headers, counted from its opening or from
+    /// the end of its previous response, so it is also how long an idle keep-alive connection
+    /// is kept; past it the connection is closed.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a request's body has to arrive once its headers have; past it, a JSON 408.
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Connections served at once; one more gets a JSON 503 with `Retry-After: 1` and is
+    /// closed.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
 }
 
 fn main() -> Result<()> {
@@ -98,6 +111,17 @@ fn main() -> Result<()> {
         .device
         .parse()
         .map_err(|e| anyhow::anyhow!("--device {}: {e}", args.device))?;
+    for (flag, v) in [
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+    ] {
+        if !(v.is_finite() && v >= 0.01) {
+            bail!("{flag} {v} must be at least 0.01 seconds");
+        }
+    }
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     if !(args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0) {
         bail!(
             "--shutdown-timeout {} must be a number of seconds, 0 or more",
@@ -239,6 +263,7 @@ async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig)
         args.api_key.clone(),
         config.max_model_len,
         Duration::from_secs_f64(args.sse_keep_alive),
+        Duration::from_secs_f64(args.body_timeout),
         metrics.clone(),
     ));
     let addr = format!("{}:{}", args.host, args.port);
@@ -265,10 +290,11 @@ async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig)
         .context("starting the loading thread")?;
 
     let drain = shutdown_signal(app.clone(), Duration::from_secs_f64(args.shutdown_timeout));
-    axum::serve(listener, routes::router(app))
-        .with_graceful_shutdown(drain)
-        .await
-        .context("serving HTTP")?;
+    let limits = listen::Limits {
+        header_timeout: Duration::from_secs_f64(args.header_timeout),
+        max_connections: args.max_connections,
+    };
+    listen::serve(listener, routes::router(app), limits, drain).await;
     eprintln!("serve: shut down");
     Ok(())
 }

@@ -51,6 +51,8 @@ pub struct App {
     pub max_model_len: usize,
     /// Silence after which a stream gets a `: keep-alive` comment.
     pub keep_alive: Duration,
+    /// How long a request's body may take to arrive.
+    pub body_timeout: Duration,
     pub created: u64,
     pub metrics: Arc<Metrics>,
     pub ready: OnceLock<Ready>,
@@ -73,6 +75,7 @@ impl App {
         api_key: Option<String>,
         max_model_len: usize,
         keep_alive: Duration,
+        body_timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> App {
         let nanos = SystemTime::now()
@@ -83,6 +86,7 @@ impl App {
             api_key,
             max_model_len,
             keep_alive,
+            body_timeout,
             created: now_secs(),
             metrics,
             ready: OnceLock::new(),
@@ -221,8 +225,24 @@ pub fn router(app: Arc<App>) -> Router {
             }
             .into_response()
         })
-        .layer(axum::middleware::from_fn(json_errors))
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            json_errors,
+        ))
         .with_state(app)
+}
+
+/// Whether reading a body failed on its length limit (`http-body-util`'s `LengthLimitError`,
+/// known here by its message: the type is not one of this crate's dependencies).
+fn over_limit(e: &axum::Error) -> bool {
+    let mut cause: Option<&dyn std::error::Error> = Some(e);
+    while let Some(c) = cause {
+        if c.to_string().contains("length limit exceeded") {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// The most bytes a request body may have (axum's default limit, stated here so that the
@@ -232,7 +252,14 @@ pub const BODY_LIMIT: usize = 2 << 20;
 /// Every error a client gets is OpenAI-shaped JSON: a `Content-Length` over [`BODY_LIMIT`] is
 /// refused before any of the body is read, and an extractor's plain-text rejection (a
 /// chunked body that grows past the limit, a missing header) is rewritten as JSON.
-async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+///
+/// The body is read here, within `--body-timeout` (a client that stops sending gets a JSON 408
+/// and its connection back instead of holding the request open).
+async fn json_errors(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -243,6 +270,22 @@ async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) 
             "the request body of {len} bytes (Content-Length) is over the limit of {BODY_LIMIT} bytes"
         ));
     }
+    let (parts, body) = req.into_parts();
+    let read = tokio::time::timeout(app.body_timeout, axum::body::to_bytes(body, BODY_LIMIT));
+    let bytes = match read.await {
+        Err(_) => return ApiError::body_timeout(app.body_timeout).into_response(),
+        Ok(Err(e)) if over_limit(&e) => {
+            return too_large(format!(
+                "the request body is over the limit of {BODY_LIMIT} bytes"
+            ));
+        }
+        Ok(Err(e)) => {
+            return ApiError::body(format!("the request body could not be read: {e}"))
+                .into_response();
+        }
+        Ok(Ok(b)) => b,
+    };
+    let req = axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes));
     let resp = next.run(req).await;
     let status = resp.status();
     let is_json = resp
