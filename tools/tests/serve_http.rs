@@ -328,6 +328,27 @@ fn malformed_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving() 
             400,
             Some("prompt"),
         ),
+        // Fields a client relies on that are not implemented yet are refused, not ignored.
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("x"), "tools": [{"type": "function",
+                   "function": {"name": "f", "parameters": {"type": "object"}}}]})
+            .to_string(),
+            400,
+            Some("tools"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("x"), "response_format": {"type": "json_object"}}).to_string(),
+            400,
+            Some("response_format"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("x"), "tool_choice": "required"}).to_string(),
+            400,
+            Some("tool_choice"),
+        ),
         ("/tokenize", r#"{"prompt": 3}"#.into(), 400, Some("prompt")),
         (
             "/detokenize",

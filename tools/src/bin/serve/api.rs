@@ -443,6 +443,44 @@ pub fn common(o: &Obj, d: &Defaults, fresh_seed: u64) -> R<Common> {
 }
 
 /// `model`, when given, must name the served model.
+/// Chat fields whose meaning a client relies on and this server does not implement yet (tool
+/// calls, constrained output): a 400 naming the field rather than silence, which would return
+/// free text where the client expects a call or JSON. Their neutral values pass (no tools, a
+/// `text` response format, `tool_choice` `none` or `auto`).
+pub fn refuse_unimplemented_chat(o: &Obj) -> R<()> {
+    const KEYS: [&str; 10] = [
+        "tools",
+        "functions",
+        "tool_choice",
+        "function_call",
+        "response_format",
+        "grammar",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ];
+    for key in KEYS {
+        let set = match (key, o.get(key)) {
+            (_, None | Some(Value::Null)) => false,
+            ("tools" | "functions", Some(Value::Array(a))) => !a.is_empty(),
+            ("tool_choice" | "function_call", Some(Value::String(s))) => s != "none" && s != "auto",
+            ("response_format", Some(v)) => v.get("type").and_then(Value::as_str) != Some("text"),
+            _ => true,
+        };
+        if set {
+            return Err(ApiError::invalid(
+                key,
+                format!(
+                    "`{key}` is not supported by this server yet (tool calls and structured \
+                     outputs are not implemented); leave it out"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub fn check_model(o: &Obj, served: &str) -> R<()> {
     match string(o, "model")? {
         Some(m) if m != served => Err(ApiError {

@@ -456,6 +456,7 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
     let ready = app.ready()?;
     let o = api::parse_object(body)?;
     api::check_model(&o, &app.served)?;
+    api::refuse_unimplemented_chat(&o)?;
     let (rendered, _) = ready.render(&o, true)?;
     let common = api::common(&o, &ready.defaults, app.fresh())?;
     api::check_logit_bias(&common, ready.tokenizer.vocab_size())?;
