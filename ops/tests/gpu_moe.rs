@@ -1026,12 +1026,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
                 &offsets.meta,
                 &route_token.meta,
             ];
-            let sb = sw.cuda_scratch_bytes(&ins).max(16);
-            let s_buf = upload(&gpu, &vec![0u8; sb]);
-            let scratch = Scratch {
-                ptr: s_buf.device_ptr(),
-                bytes: sb,
-            };
+            let (_s_buf, scratch) = scratch_for(&gpu, sw.cuda_scratch_bytes(&ins));
             let us = time_us(&gpu, 8, &|_| {
                 sw.cuda(
                     &gpu,
@@ -1054,14 +1049,10 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
                 n_embd: EMBD,
                 kernel,
             };
-            let sb = dn
-                .cuda_scratch_bytes(&[&act_in.meta, &down.meta, &offsets.meta])
-                .max(16);
-            let s_buf = upload(&gpu, &vec![0u8; sb]);
-            let scratch = Scratch {
-                ptr: s_buf.device_ptr(),
-                bytes: sb,
-            };
+            let (_s_buf, scratch) = scratch_for(
+                &gpu,
+                dn.cuda_scratch_bytes(&[&act_in.meta, &down.meta, &offsets.meta]),
+            );
             let us = time_us(&gpu, 8, &|_| {
                 dn.cuda(
                     &gpu,
@@ -1081,6 +1072,17 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             );
         }
     }
+}
+
+/// A zeroed device scratch of `bytes` (at least 16) and its view; keep the buffer alive.
+fn scratch_for(gpu: &GpuCtx, bytes: usize) -> (DeviceBuffer<u8>, Scratch) {
+    let bytes = bytes.max(16);
+    let buf = upload(gpu, &vec![0u8; bytes]);
+    let scratch = Scratch {
+        ptr: buf.device_ptr(),
+        bytes,
+    };
+    (buf, scratch)
 }
 
 fn kernel_tag(kernel: ExpertKernel) -> &'static str {
