@@ -3,6 +3,7 @@
 //! cancellation at token boundaries, and rate statistics.
 
 mod backend;
+pub mod constraint;
 mod generate;
 mod model;
 mod output;
@@ -12,6 +13,7 @@ pub mod sampling;
 pub mod scheduler;
 
 pub use backend::{DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, build_plan};
+pub use constraint::{TokenConstraint, TokenMask};
 pub use generate::{FinishReason, GenerateRequest, Generation, Stats, TokenEvent};
 pub use graph::{LoweringOptions, NodeTime, StepTiming, Target};
 pub use model::Model;

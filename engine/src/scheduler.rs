@@ -16,13 +16,16 @@
 //!
 //! Sampling is per sequence (its own parameters and seeded generator), stop tokens and stop
 //! strings per sequence. Greedy steps end in the device argmax, so only token ids come back.
+//! A sequence may carry a [`TokenConstraint`]: its mask for the next token is computed on a
+//! host thread while the device runs the step, and applied to its logits row before sampling.
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 
 use loader::tokenizer::Tokenizer;
 use rayon::prelude::*;
 
+use crate::constraint::{TokenConstraint, TokenMask};
 use crate::output::TextStream;
 use crate::paged::BlockPool;
 use crate::sampling::{Sampler, argmax};
@@ -120,6 +123,8 @@ struct Seq {
     /// Not admitted before this sequence has prefilled its prompt (its full blocks are then
     /// in the prefix cache for this one to share).
     wait_for: Option<SeqId>,
+    /// Locked by the mask thread during a step, by the sampler after it.
+    constraint: Option<Mutex<Box<dyn TokenConstraint>>>,
 }
 
 impl Seq {
@@ -129,7 +134,7 @@ impl Seq {
 
     fn greedy_on_device(&self) -> bool {
         let p = &self.req.sampling;
-        !self.req.want_logits && p.is_plain_greedy()
+        !self.req.want_logits && p.is_plain_greedy() && self.constraint.is_none()
     }
 }
 
@@ -230,10 +235,23 @@ impl Scheduler {
             admitted_once: false,
             cancelled: false,
             wait_for: None,
+            constraint: None,
             req,
         };
         self.waiting.push_back(seq);
         id
+    }
+
+    /// Gives a queued sequence a constraint on every token it generates. False when `seq` is
+    /// not queued (constraints are set before the first step).
+    pub fn constrain(&mut self, seq: SeqId, constraint: Box<dyn TokenConstraint>) -> bool {
+        match self.waiting.iter_mut().find(|s| s.id == seq) {
+            Some(s) => {
+                s.constraint = Some(Mutex::new(constraint));
+                true
+            }
+            None => false,
+        }
     }
 
     /// Marks `seq` cancelled: it leaves at the next step boundary with
@@ -484,7 +502,44 @@ impl Scheduler {
         if order.len() > 1 && order[0].1 > 1 {
             self.mixed_steps += 1;
         }
-        match self.engine.step_sequences(&slices, argmax) {
+        // The masks of the constrained rows that end in a token, on a host thread while the
+        // device runs the step (the step stays on this thread: it owns the device context).
+        let constrained: Vec<(SeqId, &Mutex<Box<dyn TokenConstraint>>)> = order
+            .iter()
+            .filter(|&&(k, n)| chunk_ends(&self.running[k], n))
+            .filter_map(|&(k, _)| {
+                let s = &self.running[k];
+                s.constraint.as_ref().map(|c| (s.id, c))
+            })
+            .collect();
+        let engine = &mut self.engine;
+        let (result, masks) = if constrained.is_empty() {
+            (engine.step_sequences(&slices, argmax), Masks::new())
+        } else {
+            std::thread::scope(|scope| {
+                let worker = scope.spawn(|| {
+                    constrained
+                        .iter()
+                        .map(|(id, c)| {
+                            let mask = match c.lock() {
+                                Ok(mut c) => c.next_mask(),
+                                Err(_) => Err("the constraint panicked earlier".to_string()),
+                            };
+                            (*id, mask)
+                        })
+                        .collect::<Masks>()
+                });
+                let result = engine.step_sequences(&slices, argmax);
+                let masks = worker.join().unwrap_or_else(|_| {
+                    constrained
+                        .iter()
+                        .map(|(id, _)| (*id, Err("computing the token mask panicked".to_string())))
+                        .collect()
+                });
+                (result, masks)
+            })
+        };
+        match result {
             Ok(out) => {
                 let vocab = self.vocab();
                 let mut picks = Vec::with_capacity(order.len());
@@ -501,7 +556,7 @@ impl Scheduler {
                         picks.push((s.id, row_of(&out, j, vocab)));
                     }
                 }
-                self.sampled(picks, events);
+                self.sampled(picks, masks, events);
             }
             Err(e) => {
                 // The step as a whole failed: every sequence in it is failed, the rest go on.
@@ -530,33 +585,47 @@ impl Scheduler {
     }
 
     /// Takes each sequence's next token from its row and ends the ones that are done.
-    fn sampled(&mut self, picks: Vec<(SeqId, Row<'_>)>, events: &mut Vec<SeqEvent>) {
+    fn sampled(
+        &mut self,
+        picks: Vec<(SeqId, Row<'_>)>,
+        mut masks: Masks,
+        events: &mut Vec<SeqEvent>,
+    ) {
         let max_len = self.engine.config().max_model_len;
         // Sampling from a vocabulary-wide row is the host's share of a step (a sort of 131,072
         // candidates each): the rows are sampled in parallel, each with its own generator.
-        let mut rows: Vec<Option<Row<'_>>> = (0..self.running.len()).map(|_| None).collect();
+        let mut rows: Vec<Option<(Row<'_>, Option<MaskResult>)>> =
+            (0..self.running.len()).map(|_| None).collect();
         let mut order = Vec::with_capacity(picks.len());
         for (id, row) in picks {
             if let Some(k) = self.index_of(id) {
-                rows[k] = Some(row);
+                rows[k] = Some((row, masks.remove(&id)));
                 order.push(id);
             }
         }
-        let chosen: Vec<Option<(u32, Option<Vec<f32>>)>> = self
+        let chosen: Vec<Option<Chosen>> = self
             .running
             .par_iter_mut()
             .zip(rows.into_par_iter())
-            .map(|(s, row)| row.map(|row| choose(s, row)))
+            .map(|(s, row)| row.map(|(row, mask)| choose(s, row, mask)))
             .collect();
-        let mut chosen: std::collections::HashMap<SeqId, (u32, Option<Vec<f32>>)> = self
+        let mut chosen: HashMap<SeqId, Chosen> = self
             .running
             .iter()
             .zip(chosen)
             .filter_map(|(s, c)| c.map(|c| (s.id, c)))
             .collect();
         for id in order {
-            let (Some(k), Some((token, logits))) = (self.index_of(id), chosen.remove(&id)) else {
+            let (Some(k), Some(c)) = (self.index_of(id), chosen.remove(&id)) else {
                 continue;
+            };
+            let (token, logits) = match c {
+                Ok(c) => c,
+                Err(e) => {
+                    let s = self.running.remove(k);
+                    self.fail(s, e, events);
+                    continue;
+                }
             };
             let s = &mut self.running[k];
             if s.req.stop_tokens.contains(&token) {
@@ -612,22 +681,46 @@ impl Scheduler {
     }
 }
 
-/// The next token of `s` from its row, and a copy of the row only when the request wants
-/// logits (a step's rows are 64 × 131,072 floats; copying them all was the step's largest
-/// host allocation).
-fn choose(s: &mut Seq, row: Row<'_>) -> (u32, Option<Vec<f32>>) {
-    match row {
-        Row::Token(t) => (t, None),
+type MaskResult = Result<Option<TokenMask>, String>;
+type Masks = HashMap<SeqId, MaskResult>;
+/// A sequence's next token and its logits row (when asked for), or why it cannot go on.
+type Chosen = Result<(u32, Option<Vec<f32>>), String>;
+
+/// The next token of `s` from its row (masked by its constraint, which then takes the token),
+/// and a copy of the row only when the request wants logits (a step's rows are 64 × 131,072
+/// floats; copying them all was the step's largest host allocation). The logits reported are
+/// the model's, before the mask.
+fn choose(s: &mut Seq, row: Row<'_>, mask: Option<MaskResult>) -> Chosen {
+    let t = match row {
+        Row::Token(t) => t,
         Row::Logits(l) => {
-            let p = &s.req.sampling;
-            let t = if p.is_plain_greedy() {
-                argmax(l) as u32
-            } else {
-                s.sampler.sample(l, &s.tokens)
+            let masked;
+            let row = match mask.transpose()?.flatten() {
+                Some(m) => {
+                    let mut r = l.to_vec();
+                    m.apply(&mut r)?;
+                    masked = r;
+                    &masked[..]
+                }
+                None => l,
             };
-            (t, s.req.want_logits.then(|| l.to_vec()))
+            if s.req.sampling.is_plain_greedy() {
+                argmax(row) as u32
+            } else {
+                s.sampler.sample(row, &s.tokens)
+            }
         }
+    };
+    if let Some(c) = s.constraint.as_mut() {
+        c.get_mut()
+            .map_err(|_| "the constraint panicked earlier".to_string())?
+            .commit(t)?;
     }
+    let logits = match row {
+        Row::Logits(l) if s.req.want_logits => Some(l.to_vec()),
+        _ => None,
+    };
+    Ok((t, logits))
 }
 
 /// One sequence's part of a step's output, borrowed from it.

@@ -13,6 +13,17 @@ pub struct ChatMessage {
     pub content: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// An assistant turn's calls, as OpenAI's API has them: `{"id", "type": "function",
+    /// "function": {"name", "arguments"}}`, `arguments` parsed to JSON where it parses (what
+    /// Hugging Face templates expect).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool turn's answer to this call id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool turn's function name, where the client gave one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -20,9 +31,49 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
-            reasoning_content: None,
+            ..ChatMessage::default()
         }
     }
+}
+
+/// JSON as Python's `json.dumps(value, ensure_ascii=False)` writes it (`", "` and `": "`
+/// separators, no HTML escaping): the `tojson` that Hugging Face's `apply_chat_template`
+/// installs, so a template renders tools as the model was trained to read them.
+pub fn python_json(value: &serde_json::Value) -> String {
+    struct PythonStyle;
+    impl serde_json::ser::Formatter for PythonStyle {
+        fn begin_array_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first { Ok(()) } else { w.write_all(b", ") }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first { Ok(()) } else { w.write_all(b", ") }
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+        ) -> std::io::Result<()> {
+            w.write_all(b": ")
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, PythonStyle);
+    // Writing a `Value` into memory cannot fail.
+    let _ = serde::Serialize::serialize(value, &mut ser);
+    String::from_utf8(out).unwrap_or_default()
+}
+
+fn tojson(value: Value) -> Result<Value, JinjaError> {
+    let json = serde_json::to_value(&value)
+        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(Value::from_safe_string(python_json(&json)))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +137,7 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| ChatError::Syntax(describe(&e)))?;
         Ok(ChatTemplate {
@@ -162,33 +214,41 @@ impl ChatTemplate {
 const OPEN: char = '\u{F0000}';
 const CLOSE: char = '\u{F0001}';
 
-/// Swaps every occurrence of a marker (leftmost, longest first) in each message's content and
-/// reasoning for a placeholder, and returns the swapped strings, placeholder `i` standing for
-/// entry `i`. `markers` are the strings the tokenizer parses as tokens.
-pub fn guard_markers(messages: &mut [ChatMessage], markers: &[String]) -> Vec<String> {
-    let mut sorted: Vec<&str> = markers
-        .iter()
-        .map(String::as_str)
-        .filter(|m| !m.is_empty())
-        .collect();
-    let (open, close) = (OPEN.to_string(), CLOSE.to_string());
-    sorted.extend([open.as_str(), close.as_str()]);
-    sorted.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
-    sorted.dedup();
-    let mut literals = Vec::new();
-    let mut guard = |text: &mut String| {
-        if !sorted.iter().any(|m| text.contains(m)) {
+/// Swaps every occurrence of a marker (leftmost, longest first) in the strings a request
+/// supplies (messages, tool definitions, call arguments) for a placeholder, keeping the
+/// swapped strings: placeholder `i` stands for entry `i` of [`MarkerGuard::into_literals`].
+pub struct MarkerGuard {
+    /// Longest first, then in byte order.
+    sorted: Vec<String>,
+    literals: Vec<String>,
+}
+
+impl MarkerGuard {
+    /// `markers` are the strings the tokenizer parses as tokens.
+    pub fn new(markers: &[String]) -> MarkerGuard {
+        let mut sorted: Vec<String> = markers.iter().filter(|m| !m.is_empty()).cloned().collect();
+        sorted.extend([OPEN.to_string(), CLOSE.to_string()]);
+        sorted.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        sorted.dedup();
+        MarkerGuard {
+            sorted,
+            literals: Vec::new(),
+        }
+    }
+
+    pub fn text(&mut self, text: &mut String) {
+        if !self.sorted.iter().any(|m| text.contains(m.as_str())) {
             return;
         }
         let mut out = String::with_capacity(text.len());
         let mut rest = text.as_str();
         while !rest.is_empty() {
-            match sorted.iter().find(|m| rest.starts_with(**m)) {
+            match self.sorted.iter().find(|m| rest.starts_with(m.as_str())) {
                 Some(m) => {
                     out.push(OPEN);
-                    out.push_str(&literals.len().to_string());
+                    out.push_str(&self.literals.len().to_string());
                     out.push(CLOSE);
-                    literals.push((*m).to_string());
+                    self.literals.push(m.clone());
                     rest = &rest[m.len()..];
                 }
                 None => {
@@ -199,14 +259,50 @@ pub fn guard_markers(messages: &mut [ChatMessage], markers: &[String]) -> Vec<St
             }
         }
         *text = out;
-    };
-    for m in messages.iter_mut() {
-        guard(&mut m.content);
-        if let Some(r) = m.reasoning_content.as_mut() {
-            guard(r);
+    }
+
+    /// Every string of `value`, object keys included.
+    pub fn json(&mut self, value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::String(s) => self.text(s),
+            serde_json::Value::Array(a) => a.iter_mut().for_each(|v| self.json(v)),
+            serde_json::Value::Object(m) => {
+                let entries = std::mem::take(m);
+                for (mut k, mut v) in entries {
+                    self.text(&mut k);
+                    self.json(&mut v);
+                    m.insert(k, v);
+                }
+            }
+            _ => {}
         }
     }
-    literals
+
+    pub fn messages(&mut self, messages: &mut [ChatMessage]) {
+        for m in messages.iter_mut() {
+            self.text(&mut m.content);
+            for s in [&mut m.reasoning_content, &mut m.tool_call_id, &mut m.name]
+                .into_iter()
+                .flatten()
+            {
+                self.text(s);
+            }
+            for call in m.tool_calls.iter_mut().flatten() {
+                self.json(call);
+            }
+        }
+    }
+
+    pub fn into_literals(self) -> Vec<String> {
+        self.literals
+    }
+}
+
+/// [`MarkerGuard`] over the messages alone.
+pub fn guard_markers(messages: &mut [ChatMessage], markers: &[String]) -> Vec<String> {
+    let mut guard = MarkerGuard::new(markers);
+    guard.messages(messages);
+    guard.into_literals()
 }
 
 /// A rendered prompt cut at its placeholders: `(text, literal)` pieces, where a literal piece
@@ -241,8 +337,10 @@ pub fn prompt_pieces<'a>(rendered: &'a str, literals: &'a [String]) -> Vec<(&'a 
 /// This project's template in the released layout (MODEL.md §8): `<_system>{system}` (empty when
 /// there is no system message), `<_user>{text}`, past answers as `<_bot></think>{answer}<_end>\n`,
 /// and a generation prompt `<_bot><think>\n` (thinking) or `<_bot></think>` (no thinking). Past
-/// reasoning is not replayed. Tool results are wrapped in `<tool_response>` inside a user turn
-/// (the released template's tool layout is unknown; this is our choice).
+/// reasoning is not replayed. The released template's tool layout is unknown; ours (spec §8.1's
+/// output form): declared `tools` go in the system turn as JSON signatures with the call format,
+/// a past answer's calls follow its text as `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>`
+/// blocks, and tool results are `<tool_response>` blocks of one user turn.
 pub const XING4_CHAT_TEMPLATE: &str = r#"{%- if messages and messages[0].role == "system" -%}
 <_system>{{ messages[0].content }}
 {%- set turns = messages[1:] -%}
@@ -250,13 +348,28 @@ pub const XING4_CHAT_TEMPLATE: &str = r#"{%- if messages and messages[0].role ==
 <_system>
 {%- set turns = messages -%}
 {%- endif -%}
+{%- if tools -%}
+{%- if messages and messages[0].role == "system" and messages[0].content -%}{{ "\n\n" }}{%- endif -%}
+# Tools{{ "\n\n" }}You may call one or more functions to help with the user's request. Their signatures:{{ "\n" }}<tools>{{ "\n" }}
+{%- for t in tools -%}
+{{ (t.function if t.function is defined else t) | tojson }}{{ "\n" }}
+{%- endfor -%}
+</tools>{{ "\n\n" }}To call a function, answer with one block per call:{{ "\n" }}<tool_call>{{ "\n" }}{"name": <function name>, "arguments": <arguments as a JSON object>}{{ "\n" }}</tool_call>
+{%- endif -%}
 {%- for m in turns -%}
 {%- if m.role == "user" -%}
 <_user>{{ m.content }}
 {%- elif m.role == "assistant" -%}
-<_bot></think>{{ m.content }}<_end>{{ "\n" }}
+<_bot></think>{{ m.content }}
+{%- for tc in (m.tool_calls or []) -%}
+{%- set f = tc.function if tc.function is defined else tc -%}
+{%- if m.content or not loop.first -%}{{ "\n" }}{%- endif -%}
+<tool_call>{{ "\n" }}{"name": {{ f.name | tojson }}, "arguments": {{ f.arguments | tojson }}}{{ "\n" }}</tool_call>
+{%- endfor -%}
+<_end>{{ "\n" }}
 {%- elif m.role == "tool" -%}
-<_user><tool_response>{{ "\n" }}{{ m.content }}{{ "\n" }}</tool_response>
+{%- if loop.first or turns[loop.index0 - 1].role != "tool" -%}<_user>{%- else -%}{{ "\n" }}{%- endif -%}
+<tool_response>{{ "\n" }}{{ m.content }}{{ "\n" }}</tool_response>
 {%- elif m.role == "system" -%}
 {{ raise_exception("a system message must come first, found one at position " ~ loop.index0) }}
 {%- else -%}

@@ -136,3 +136,98 @@ fn a_request_for_no_tokens_finishes_at_once_with_none() {
     assert_eq!(out.finished[&id].0, FinishReason::Length);
     assert_eq!(s.stats().steps, 1);
 }
+
+/// Allows only the tokens of `allowed` (a cycle: the n-th token must be `allowed[n % len]`),
+/// and records what it was told.
+struct Cycle {
+    allowed: Vec<u32>,
+    vocab: usize,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u32>>>,
+}
+
+impl engine::TokenConstraint for Cycle {
+    fn next_mask(&mut self) -> Result<Option<engine::TokenMask>, String> {
+        let n = self.seen.lock().unwrap().len();
+        let want = self.allowed[n % self.allowed.len()];
+        Ok(Some(engine::TokenMask::of(self.vocab, &[want])))
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        self.seen.lock().unwrap().push(token);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_constrained_sequence_takes_only_masked_tokens_and_its_neighbours_are_undisturbed() {
+    let reqs = prompts();
+    let solo: Vec<Vec<u32>> = reqs.iter().map(|r| alone(Device::Cpu, r)).collect();
+    let vocab = tiny().decl.n_vocab();
+    let mut s = scheduler(Device::Cpu, 0, false);
+    let mut out = Outcome::default();
+    let ids: Vec<SeqId> = reqs[..3].iter().map(|r| s.add(r.clone())).collect();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let allowed = vec![300, 301, 7];
+    assert!(s.constrain(
+        ids[1],
+        Box::new(Cycle {
+            allowed: allowed.clone(),
+            vocab,
+            seen: seen.clone(),
+        })
+    ));
+    out.take(s.run_to_completion());
+    let got = out.of(ids[1]);
+    let want: Vec<u32> = (0..got.len()).map(|n| allowed[n % 3]).collect();
+    assert_eq!(got, want, "the constrained sequence left its mask");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        got,
+        "the constraint was not told each token once"
+    );
+    assert_eq!(got.len(), reqs[1].max_tokens);
+    for k in [0, 2] {
+        assert_eq!(out.of(ids[k]), solo[k], "sequence {k} was disturbed");
+    }
+}
+
+struct Empty;
+
+impl engine::TokenConstraint for Empty {
+    fn next_mask(&mut self) -> Result<Option<engine::TokenMask>, String> {
+        Ok(Some(engine::TokenMask::of(8, &[])))
+    }
+
+    fn commit(&mut self, _: u32) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_constraint_that_allows_nothing_fails_its_sequence_alone() {
+    let reqs = prompts();
+    let solo = alone(Device::Cpu, &reqs[0]);
+    let mut s = scheduler(Device::Cpu, 0, false);
+    let mut out = Outcome::default();
+    let a = s.add(reqs[0].clone());
+    let b = s.add(reqs[1].clone());
+    assert!(s.constrain(b, Box::new(Empty)));
+    let events = s.run_to_completion();
+    let failed: Vec<&String> = events
+        .iter()
+        .filter_map(|e| match e {
+            engine::scheduler::SeqEvent::Failed { seq, error } if *seq == b => Some(error),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 1, "{events:?}");
+    assert!(failed[0].contains("allows no token"), "{}", failed[0]);
+    out.take(
+        events
+            .into_iter()
+            .filter(|e| !matches!(e, engine::scheduler::SeqEvent::Failed { .. }))
+            .collect(),
+    );
+    assert_eq!(out.of(a), solo);
+    assert_eq!(s.pool().available(), s.pool().total());
+}

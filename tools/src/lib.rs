@@ -1,5 +1,7 @@
 //! Shared plumbing for the command-line tools.
 
+pub mod guidance;
+
 use std::path::PathBuf;
 
 use graph::LoweringOptions;

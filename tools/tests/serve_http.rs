@@ -328,26 +328,47 @@ fn malformed_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving() 
             400,
             Some("prompt"),
         ),
-        // Fields a client relies on that are not implemented yet are refused, not ignored.
+        // Tools and structured outputs that cannot be honoured are refused, naming the field.
         (
             "/v1/chat/completions",
             json!({"messages": user("x"), "tools": [{"type": "function",
-                   "function": {"name": "f", "parameters": {"type": "object"}}}]})
+                   "function": {"name": "two words", "parameters": {"type": "object"}}}]})
             .to_string(),
             400,
-            Some("tools"),
+            Some("tools[0].function.name"),
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": user("x"), "response_format": {"type": "json_object"}}).to_string(),
+            json!({"messages": user("x"), "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x", "strict": true,
+                                   "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}})
+            .to_string(),
             400,
-            Some("response_format"),
+            Some("response_format.json_schema.schema"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("x"), "response_format": {"type": "xml"}}).to_string(),
+            400,
+            Some("response_format.type"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("x"), "grammar": "start: (("}).to_string(),
+            400,
+            Some("grammar"),
         ),
         (
             "/v1/chat/completions",
             json!({"messages": user("x"), "tool_choice": "required"}).to_string(),
             400,
             Some("tool_choice"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("x"), "functions": [{"name": "f"}]}).to_string(),
+            400,
+            Some("functions"),
         ),
         ("/tokenize", r#"{"prompt": 3}"#.into(), 400, Some("prompt")),
         (

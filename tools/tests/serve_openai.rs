@@ -1,6 +1,8 @@
 //! The official `openai` Python package drives `serve` on loopback: chat (whole and streamed,
 //! equal under greedy decoding), a completion, the models list, and error classes; and sixteen
-//! concurrent streaming chats, batched together, each equal to its whole answer.
+//! concurrent streaming chats, batched together, each equal to its whole answer; tool calls
+//! and structured outputs (a required call's arguments and 50 random JSON schemas validated
+//! with `jsonschema`).
 //!
 //! The package lives in a virtualenv that .ci/run makes; its python is `$XING4_TEST_PYTHON`.
 //! Without it a developer run skips with a message; under CI it is a failure.
@@ -64,4 +66,9 @@ fn the_official_openai_client_works_against_serve_unmodified() {
 #[test]
 fn sixteen_concurrent_streaming_chats_decode_together_and_each_equals_its_whole_answer() {
     run_script("many_streams.py", &[]);
+}
+
+#[test]
+fn required_tool_calls_and_fifty_random_json_schemas_hold_through_the_openai_client() {
+    run_script("agent.py", &[]);
 }

@@ -292,6 +292,34 @@ impl Tokenizer {
         }
     }
 
+    /// The bytes token `id` adds to a text, as a grammar over bytes sees it: a SentencePiece
+    /// piece with `▁` as a space, a byte piece as its byte, a byte-level (GPT-2) piece through
+    /// the byte alphabet. `None` for a special token (control, unknown, added special), which
+    /// is no text.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        if self.is_special(id) {
+            return None;
+        }
+        let piece = self.token_to_piece(id)?;
+        let byte_level = match &self.backend {
+            Backend::Spm(_) => false,
+            Backend::Hf { tok, .. } => matches!(
+                tok.get_decoder(),
+                Some(tokenizers::DecoderWrapper::ByteLevel(_))
+            ),
+        };
+        if byte_level {
+            return piece.chars().map(byte_of_char).collect();
+        }
+        if let Some(hex) = piece.strip_prefix("<0x").and_then(|r| r.strip_suffix('>'))
+            && hex.len() == 2
+            && let Ok(b) = u8::from_str_radix(hex, 16)
+        {
+            return Some(vec![b]);
+        }
+        Some(piece.replace('\u{2581}', " ").into_bytes())
+    }
+
     /// The vocabulary piece of `id` as stored (`▁Hello`, `<0x0A>`, `<_user>`).
     pub fn token_to_piece(&self, id: u32) -> Option<String> {
         match &self.backend {
@@ -406,6 +434,22 @@ impl<T: std::ops::Deref<Target = Tokenizer>> StreamDecoder<T> {
             .decode(&self.ids[self.prefix..], self.skip_special)?;
         Ok((before, now))
     }
+}
+
+/// The byte a GPT-2 byte-level character stands for: printable Latin-1 bytes are themselves,
+/// the other 68 bytes are U+0100 onwards in byte order.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u32| {
+        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
+    let c = c as u32;
+    if c < 0x100 {
+        return printable(c).then_some(c as u8);
+    }
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth((c - 0x100) as usize)
+        .map(|b| b as u8)
 }
 
 fn new_suffix(before: &str, now: &str) -> String {

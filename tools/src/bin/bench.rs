@@ -79,6 +79,12 @@ struct Args {
     /// Replaces the single-sequence tests.
     #[arg(short = 'b', long = "batch", value_delimiter = ',')]
     batch: Vec<usize>,
+    /// Structured outputs' host cost instead of the model tests: the JSON schema in FILE is
+    /// compiled against the checkpoint's vocabulary and the token mask of every step of `-r`
+    /// answers is timed (each token drawn at random among the allowed ones); prints the median
+    /// and p90 µs per token.
+    #[arg(long, value_name = "FILE")]
+    mask_schema: Option<PathBuf>,
 }
 
 /// `blk.12.attn.q_a` → `attn.q_a`, and in a node fused across layers every part loses its
@@ -237,6 +243,13 @@ fn main() -> Result<()> {
         }
     };
     let loaded = models::load(&gguf, release_dir.as_deref(), true)?;
+    if let Some(schema) = &a.mask_schema {
+        let tok = loaded
+            .tokenizer
+            .as_ref()
+            .context("--mask-schema needs the checkpoint's tokenizer")?;
+        return mask_cost(tok, schema, a.reps);
+    }
     let model = loaded.model.clone();
     let vocab = model.decl.n_vocab();
     if !a.batch.is_empty() {
@@ -631,6 +644,83 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
     println!(
         "(decode: tokens of the steps where all B sequences decode, from the last first token to the first finish; mean ± sd over {} reps; prefill: B·prompt over the time until every sequence had its first token, decode steps of early sequences included)",
         a.reps
+    );
+    Ok(())
+}
+
+/// The structured-output mask's cost per token (see `--mask-schema`).
+fn mask_cost(
+    tok: &loader::tokenizer::Tokenizer,
+    path: &std::path::Path,
+    answers: usize,
+) -> Result<()> {
+    use engine::sampling::Rng;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let schema: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let eos = tok
+        .piece_to_id("<_end>")
+        .or(tok.eos_id())
+        .context("the vocabulary has no end-of-turn token")?;
+    let t = Instant::now();
+    let guidance = tools::guidance::Guidance::new(tok, eos, None, &[eos])?;
+    let trie_ms = t.elapsed().as_secs_f64() * 1e3;
+    let grammar = tools::guidance::json_schema_grammar(&schema, true);
+    let mut rng = Rng::new(1);
+    let (mut compile_us, mut step_us, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..answers {
+        let t = Instant::now();
+        let mut c = guidance
+            .constraint(&grammar, false)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        compile_us.push(t.elapsed().as_secs_f64() * 1e6);
+        let mut n = 0;
+        loop {
+            let t = Instant::now();
+            let mask = c.next_mask().map_err(anyhow::Error::msg)?;
+            step_us.push(t.elapsed().as_secs_f64() * 1e6);
+            let mask = mask.context("a JSON schema's constraint always has a mask")?;
+            let allowed: Vec<u32> = (0..tok.vocab_size() as u32)
+                .filter(|&id| mask.allows(id))
+                .collect();
+            if allowed.is_empty() || allowed == [eos] || n >= 4096 {
+                break;
+            }
+            let others: Vec<u32> = allowed.iter().copied().filter(|&id| id != eos).collect();
+            let pick = others[(rng.next_u64() % others.len() as u64) as usize];
+            c.commit(pick).map_err(anyhow::Error::msg)?;
+            n += 1;
+        }
+        lengths.push(n as f64);
+    }
+    let q = |v: &mut Vec<f64>, p: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() - 1) as f64 * p).round() as usize]
+    };
+    println!(
+        "mask cost: {} over a vocabulary of {} ({} answers, {} masks; trie built once in {trie_ms:.0} ms)",
+        path.display(),
+        tok.vocab_size(),
+        answers,
+        step_us.len()
+    );
+    println!("| measure | median | p90 |");
+    println!("| --- | ---: | ---: |");
+    println!(
+        "| mask µs/token | {:.1} | {:.1} |",
+        q(&mut step_us, 0.5),
+        q(&mut step_us, 0.9)
+    );
+    println!(
+        "| compile µs/request | {:.0} | {:.0} |",
+        q(&mut compile_us, 0.5),
+        q(&mut compile_us, 0.9)
+    );
+    println!(
+        "| tokens/answer | {:.0} | {:.0} |",
+        q(&mut lengths, 0.5),
+        q(&mut lengths, 0.9)
     );
     Ok(())
 }

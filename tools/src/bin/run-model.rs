@@ -116,11 +116,7 @@ fn main() -> Result<()> {
                     .chat_template
                     .as_ref()
                     .context("the checkpoint has no chat template; pass --raw")?;
-                let msgs = [ChatMessage {
-                    role: "user".into(),
-                    content: args.prompt.clone(),
-                    reasoning_content: None,
-                }];
+                let msgs = [ChatMessage::new("user", args.prompt.clone())];
                 tpl.render(&msgs, true, !args.no_thinking, None)?
             };
             tok.encode(&text, true)?

@@ -443,44 +443,6 @@ pub fn common(o: &Obj, d: &Defaults, fresh_seed: u64) -> R<Common> {
 }
 
 /// `model`, when given, must name the served model.
-/// Chat fields whose meaning a client relies on and this server does not implement yet (tool
-/// calls, constrained output): a 400 naming the field rather than silence, which would return
-/// free text where the client expects a call or JSON. Their neutral values pass (no tools, a
-/// `text` response format, `tool_choice` `none` or `auto`).
-pub fn refuse_unimplemented_chat(o: &Obj) -> R<()> {
-    const KEYS: [&str; 10] = [
-        "tools",
-        "functions",
-        "tool_choice",
-        "function_call",
-        "response_format",
-        "grammar",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-    ];
-    for key in KEYS {
-        let set = match (key, o.get(key)) {
-            (_, None | Some(Value::Null)) => false,
-            ("tools" | "functions", Some(Value::Array(a))) => !a.is_empty(),
-            ("tool_choice" | "function_call", Some(Value::String(s))) => s != "none" && s != "auto",
-            ("response_format", Some(v)) => v.get("type").and_then(Value::as_str) != Some("text"),
-            _ => true,
-        };
-        if set {
-            return Err(ApiError::invalid(
-                key,
-                format!(
-                    "`{key}` is not supported by this server yet (tool calls and structured \
-                     outputs are not implemented); leave it out"
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
 pub fn check_model(o: &Obj, served: &str) -> R<()> {
     match string(o, "model")? {
         Some(m) if m != served => Err(ApiError {
@@ -588,18 +550,88 @@ pub fn messages(o: &Obj) -> R<Vec<ChatMessage>> {
             &format!("{p}.content"),
             role == "assistant",
         )?;
-        let reasoning_content = match m.get("reasoning_content") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(v) => return Err(wrong(&format!("{p}.reasoning_content"), "a string", v)),
+        let optional_string = |key: &str| -> R<Option<String>> {
+            match m.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(v) => Err(wrong(&format!("{p}.{key}"), "a string", v)),
+            }
+        };
+        let reasoning_content = optional_string("reasoning_content")?;
+        let tool_call_id = optional_string("tool_call_id")?;
+        let name = optional_string("name")?;
+        let tool_calls = match (role, m.get("tool_calls")) {
+            (_, None | Some(Value::Null)) => None,
+            ("assistant", Some(Value::Array(calls))) => Some(
+                calls
+                    .iter()
+                    .enumerate()
+                    .map(|(j, c)| history_call(c, &format!("{p}.tool_calls[{j}]")))
+                    .collect::<R<Vec<_>>>()?,
+            ),
+            ("assistant", Some(v)) => return Err(wrong(&format!("{p}.tool_calls"), "an array", v)),
+            (_, Some(_)) => {
+                return Err(ApiError::invalid(
+                    format!("{p}.tool_calls"),
+                    format!("`{p}.tool_calls` is only allowed on assistant messages"),
+                ));
+            }
         };
         out.push(ChatMessage {
             role: role.to_string(),
             content: text,
             reasoning_content,
+            tool_calls,
+            tool_call_id,
+            name,
         });
     }
     Ok(out)
+}
+
+/// A past call of an assistant message, `{"id", "type": "function", "function": {"name",
+/// "arguments"}}`, with its arguments string parsed to JSON where it parses (the template
+/// renders them as JSON).
+fn history_call(c: &Value, p: &str) -> R<Value> {
+    let Value::Object(c) = c else {
+        return Err(wrong(p, "an object", c));
+    };
+    let f = object(c, "function")
+        .map_err(|e| nested(e, "function", &format!("{p}.function")))?
+        .ok_or_else(|| {
+            ApiError::invalid(
+                format!("{p}.function"),
+                format!("`{p}.function` is required"),
+            )
+        })?;
+    let name = string(f, "name")
+        .map_err(|e| nested(e, "name", &format!("{p}.function.name")))?
+        .ok_or_else(|| {
+            ApiError::invalid(
+                format!("{p}.function.name"),
+                format!("`{p}.function.name` is required"),
+            )
+        })?;
+    let arguments = match f.get("arguments") {
+        None | Some(Value::Null) => json!({}),
+        Some(Value::String(s)) => {
+            serde_json::from_str(s).unwrap_or_else(|_| Value::from(s.clone()))
+        }
+        Some(v @ Value::Object(_)) => v.clone(),
+        Some(v) => {
+            return Err(wrong(
+                &format!("{p}.function.arguments"),
+                "a JSON string",
+                v,
+            ));
+        }
+    };
+    let id = string(c, "id").map_err(|e| nested(e, "id", &format!("{p}.id")))?;
+    Ok(json!({
+        "id": id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }))
 }
 
 /// Chat `logprobs` (bool) + `top_logprobs` (0..=20): the number of alternatives, when asked.

@@ -10,6 +10,8 @@ mod listen;
 mod metrics;
 mod routes;
 mod sse;
+mod structured;
+mod toolcall;
 mod worker;
 
 use std::io::{IsTerminal, Write};
@@ -414,7 +416,16 @@ fn finish_loading(
     )
     .context("starting the engine thread")?;
     let markers = tokenizer.marker_strings();
+    // A constrained answer ends with the turn's end (the first chat stop that is EOS).
+    let guidance = match eos_stops.first().copied().or(tokenizer.eos_id()) {
+        Some(eos) => Some(
+            structured::Guidance::new(&tokenizer, eos, think.end, &chat_stops)
+                .context("building the structured-output token trie")?,
+        ),
+        None => None,
+    };
     let ready = Ready {
+        guidance,
         markers,
         tokenizer,
         template: loaded.chat_template,

@@ -11,9 +11,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use engine::TokenConstraint;
 use engine::sampling::Rng;
 use engine::{FinishReason, GenerateRequest};
-use loader::chat::{ChatError, ChatTemplate, guard_markers, prompt_pieces};
+use loader::chat::{ChatError, ChatTemplate, MarkerGuard, prompt_pieces};
 use loader::tokenizer::Tokenizer;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -21,6 +22,8 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use crate::api::{self, ApiError, Common, Defaults, Obj, Prompt};
 use crate::metrics::Metrics;
 use crate::sse::{CancelGuard, SseBody};
+use crate::structured::{Guidance, output_grammar};
+use crate::toolcall::{self, CallParser, ToolCall, Tools};
 use crate::worker::{Delta, Done, Event, Job, Shutdown, ThinkIds, TokenLogprob};
 
 /// What exists once the model is loaded.
@@ -37,6 +40,8 @@ pub struct Ready {
     pub eos_stops: Vec<u32>,
     /// The strings the tokenizer parses as tokens: inside a message they are text.
     pub markers: Vec<String>,
+    /// Structured outputs (None when the vocabulary has no end-of-turn token to end them).
+    pub guidance: Option<Guidance>,
 }
 
 /// A chat prompt as the template rendered it, with the marker strings its messages held.
@@ -172,9 +177,20 @@ impl Ready {
         Ok(ids)
     }
 
-    fn render(&self, o: &Obj, add_generation_prompt: bool) -> R<(Rendered, bool)> {
+    fn render(
+        &self,
+        o: &Obj,
+        add_generation_prompt: bool,
+        tools: Option<&Tools>,
+    ) -> R<(Rendered, bool)> {
         let mut messages = api::messages(o)?;
-        let literals = guard_markers(&mut messages, &self.markers);
+        let mut guard = MarkerGuard::new(&self.markers);
+        guard.messages(&mut messages);
+        let mut tool_defs = tools.map(|t| Value::Array(t.defs.clone()));
+        if let Some(defs) = tool_defs.as_mut() {
+            guard.json(defs);
+        }
+        let literals = guard.into_literals();
         let kwargs = api::object(o, "chat_template_kwargs")?;
         let enable_thinking = match kwargs {
             Some(k) => api::boolean(k, "enable_thinking")
@@ -190,7 +206,11 @@ impl Ready {
                 "this checkpoint has no chat template; use /v1/completions",
             )
         })?;
-        let extra = kwargs.map(|k| Value::Object(k.clone()));
+        let mut extra = kwargs.cloned().unwrap_or_default();
+        if let Some(defs) = tool_defs {
+            extra.insert("tools".into(), defs);
+        }
+        let extra = (!extra.is_empty()).then_some(Value::Object(extra));
         let text = template
             .render(
                 &messages,
@@ -384,7 +404,8 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) 
         api::check_model(&o, &app.served)?;
         let tokens = if o.contains_key("messages") {
             let add = api::boolean(&o, "add_generation_prompt")?.unwrap_or(true);
-            let (rendered, _) = ready.render(&o, add)?;
+            let tools = toolcall::parse(&o)?;
+            let (rendered, _) = ready.render(&o, add, tools.as_ref())?;
             ready.encode_chat(&rendered)?
         } else {
             let key = if o.contains_key("content") {
@@ -456,14 +477,47 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
     let ready = app.ready()?;
     let o = api::parse_object(body)?;
     api::check_model(&o, &app.served)?;
-    api::refuse_unimplemented_chat(&o)?;
-    let (rendered, _) = ready.render(&o, true)?;
+    let tools = toolcall::parse(&o)?;
+    let output = output_grammar(&o)?;
+    let required = tools.as_ref().and_then(|t| {
+        toolcall::required_grammar(t, (ready.think.call_open, ready.think.call_close))
+    });
+    if let (Some(_), Some((_, param))) = (&required, &output) {
+        return Err(ApiError::invalid(
+            param.clone(),
+            format!("`{param}` cannot be combined with a required tool call (`tool_choice`)"),
+        ));
+    }
+    let (rendered, _) = ready.render(&o, true, tools.as_ref())?;
     let common = api::common(&o, &ready.defaults, app.fresh())?;
     api::check_logit_bias(&common, ready.tokenizer.vocab_size())?;
     let logprobs = api::chat_logprobs(&o)?;
     let prompt = ready.encode_chat(&rendered)?;
     app.check_prompt_len(prompt.len(), "messages")?;
-    let reasoning = Some(ready.think.opens_reasoning(&prompt));
+    let opens_reasoning = ready.think.opens_reasoning(&prompt);
+    let reasoning = Some(opens_reasoning);
+    let grammar = required.map(|g| (g, "tool_choice".to_string())).or(output);
+    // One constraint a choice, each compiled here so that a grammar llguidance refuses is a
+    // 400 before anything runs.
+    let constraints = match &grammar {
+        None => Vec::new(),
+        Some((g, param)) => {
+            let guidance = ready.guidance.as_ref().ok_or_else(|| {
+                ApiError::invalid(
+                    param.clone(),
+                    format!("`{param}`: this checkpoint's vocabulary has no end-of-turn token to end a constrained answer"),
+                )
+            })?;
+            (0..common.n.max(1))
+                .map(|_| {
+                    guidance.constraint(g, opens_reasoning).map_err(|e| {
+                        ApiError::invalid(param.clone(), format!("`{param}` cannot be used: {e}"))
+                    })
+                })
+                .collect::<R<Vec<_>>>()?
+        }
+    };
+    let calls = tools.filter(Tools::parse_calls);
     let stops = if common.ignore_eos {
         Vec::new()
     } else {
@@ -480,7 +534,24 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
         choices: 1,
         done: Vec::new(),
     };
-    submit(app, ready, prompt, common, stops, reasoning, logprobs, fmt).await
+    let extras = Extras {
+        constraints,
+        calls,
+        call_ids: format!("{:016x}", app.fresh()),
+    };
+    submit(
+        app, ready, prompt, common, stops, reasoning, logprobs, fmt, extras,
+    )
+    .await
+}
+
+/// What a chat request adds to its jobs: a constraint per choice, tools to find in the answer.
+#[derive(Default)]
+struct Extras {
+    constraints: Vec<Box<dyn TokenConstraint>>,
+    calls: Option<Tools>,
+    /// Call ids are `call_{call_ids}{choice}_{index}`.
+    call_ids: String,
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -538,7 +609,11 @@ async fn completion(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Respo
         choices: 1,
         done: Vec::new(),
     };
-    submit(app, ready, prompt, common, stops, None, logprobs, fmt).await
+    let extras = Extras::default();
+    submit(
+        app, ready, prompt, common, stops, None, logprobs, fmt, extras,
+    )
+    .await
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -551,7 +626,9 @@ async fn submit(
     reasoning: Option<bool>,
     logprobs: Option<usize>,
     fmt: Formatter,
+    extras: Extras,
 ) -> R<Response> {
+    let mut constraints = extras.constraints.into_iter();
     let max_tokens = common
         .max_tokens
         .unwrap_or(app.max_model_len.saturating_sub(prompt.len()));
@@ -583,6 +660,11 @@ async fn submit(
             events: tx.clone(),
             cancel: cancel.clone(),
             arrived: Instant::now(),
+            constraint: constraints.next(),
+            calls: extras
+                .calls
+                .as_ref()
+                .map(|t| CallParser::new(t, format!("{}{index}_", extras.call_ids))),
         };
         app.metrics.waiting.fetch_add(1, Relaxed);
         if ready.jobs.send(job).is_err() {
@@ -617,6 +699,7 @@ pub struct Collected {
     content: String,
     /// With the character offset of the token's text in `content`.
     logprobs: Vec<(usize, TokenLogprob)>,
+    tool_calls: Vec<ToolCall>,
     done: Option<Done>,
 }
 
@@ -634,6 +717,7 @@ async fn collect(mut rx: UnboundedReceiver<Event>, n: usize) -> R<Vec<Collected>
                 c.logprobs.extend(d.logprob.map(|l| (offset, l)));
                 c.reasoning.push_str(&d.reasoning);
                 c.content.push_str(&d.content);
+                c.tool_calls.extend(d.tool_calls);
             }
             Event::Done(d) => {
                 if let Some(c) = cs.get_mut(d.index) {
@@ -653,12 +737,22 @@ async fn collect(mut rx: UnboundedReceiver<Event>, n: usize) -> R<Vec<Collected>
     ))
 }
 
-fn finish_str(f: FinishReason) -> &'static str {
-    match f {
+fn finish_str(d: &Done) -> &'static str {
+    match d.finish {
+        FinishReason::Stop if d.tool_calls => "tool_calls",
         FinishReason::Stop => "stop",
         // A cancelled request has no client to read this.
         FinishReason::Length | FinishReason::Cancelled => "length",
     }
+}
+
+/// A call as OpenAI's message has it.
+fn call_json(c: &ToolCall) -> Value {
+    json!({
+        "id": c.id,
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments},
+    })
 }
 
 /// A request's usage over its choices: the prompt (and its cached part) once, as the first
@@ -730,6 +824,7 @@ impl Formatter {
                 c.done.unwrap_or(Done {
                     index,
                     finish: FinishReason::Length,
+                    tool_calls: false,
                     prompt_tokens: 0,
                     completion_tokens: 0,
                     cached_tokens: 0,
@@ -741,15 +836,22 @@ impl Formatter {
             .zip(&dones)
             .enumerate()
             .map(|(index, (c, done))| {
-                let finish = finish_str(done.finish);
+                let finish = finish_str(done);
                 if self.chat {
                     let logprobs = self.logprobs.then(|| {
                         json!({"content": c.logprobs.iter().map(|(_, l)| chat_logprob(l)).collect::<Vec<_>>()})
                     });
                     let reasoning = (!c.reasoning.is_empty()).then(|| c.reasoning.clone());
+                    let mut message = json!({"role": "assistant", "content": c.content, "reasoning_content": reasoning});
+                    if !c.tool_calls.is_empty() {
+                        message["tool_calls"] = c.tool_calls.iter().map(call_json).collect();
+                        if c.content.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                    }
                     json!({
                         "index": index,
-                        "message": {"role": "assistant", "content": c.content, "reasoning_content": reasoning},
+                        "message": message,
                         "logprobs": logprobs,
                         "finish_reason": finish,
                     })
@@ -837,9 +939,28 @@ impl Formatter {
             let logprobs = self.logprobs.then(
                 || json!({"content": lps.iter().map(|(_, l)| chat_logprob(l)).collect::<Vec<_>>()}),
             );
-            self.chunk(
-                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null}),
-            )
+            let text = !d.content.is_empty() || !d.reasoning.is_empty() || d.tool_calls.is_empty();
+            let mut s = if text || logprobs.is_some() {
+                self.chunk(
+                    json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null}),
+                )
+            } else {
+                String::new()
+            };
+            // A call as two deltas, OpenAI's order: its id, type and name with empty
+            // arguments, then the arguments.
+            for c in &d.tool_calls {
+                let head = json!({"index": c.index, "id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": ""}});
+                let args = json!({"index": c.index, "function": {"arguments": c.arguments}});
+                for call in [head, args] {
+                    s.push_str(
+                        &self.chunk(json!({"index": index, "delta": {"tool_calls": [call]},
+                                                  "logprobs": null, "finish_reason": null})),
+                    );
+                }
+            }
+            s
         } else {
             let logprobs = self.logprobs.then(|| Self::completion_logprobs(&lps));
             self.chunk(
@@ -854,7 +975,7 @@ impl Formatter {
         match ev {
             Some(Event::Token(d)) => (self.delta_chunk(&d), false),
             Some(Event::Done(done)) => {
-                let finish = finish_str(done.finish);
+                let finish = finish_str(&done);
                 let index = done.index;
                 let mut s = if self.chat {
                     self.chunk(

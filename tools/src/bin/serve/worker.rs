@@ -11,11 +11,12 @@ use std::time::Instant;
 
 use engine::prefix::PrefixStats;
 use engine::scheduler::{Scheduler, SchedulerConfig, SeqEvent, SeqId};
-use engine::{Engine, FinishReason, GenerateRequest};
+use engine::{Engine, FinishReason, GenerateRequest, TokenConstraint};
 use loader::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
+use crate::toolcall::{CALL_CLOSE, CALL_OPEN, CallParser, Piece, ToolCall};
 
 pub struct Job {
     pub req: GenerateRequest,
@@ -32,6 +33,10 @@ pub struct Job {
     /// Set when the client goes away; the decode stops at the next token boundary.
     pub cancel: Arc<AtomicBool>,
     pub arrived: Instant,
+    /// What the output must match (a schema, a grammar, a required call).
+    pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// Finds tool calls in the answer when the request declared tools.
+    pub calls: Option<CallParser>,
 }
 
 #[derive(Debug)]
@@ -60,11 +65,30 @@ pub struct Delta {
     pub reasoning: String,
     pub content: String,
     pub logprob: Option<TokenLogprob>,
+    /// Calls that became whole with this token.
+    pub tool_calls: Vec<ToolCall>,
 }
 
 impl Delta {
     pub fn is_empty(&self) -> bool {
-        self.reasoning.is_empty() && self.content.is_empty() && self.logprob.is_none()
+        self.reasoning.is_empty()
+            && self.content.is_empty()
+            && self.logprob.is_none()
+            && self.tool_calls.is_empty()
+    }
+
+    /// Moves the content through the call parser: its calls out, its text back.
+    fn parse_calls(&mut self, parser: &mut CallParser, end: bool) {
+        let mut pieces = parser.push(&std::mem::take(&mut self.content));
+        if end {
+            pieces.extend(parser.finish());
+        }
+        for p in pieces {
+            match p {
+                Piece::Text(t) => self.content.push_str(&t),
+                Piece::Call(c) => self.tool_calls.push(c),
+            }
+        }
     }
 }
 
@@ -80,24 +104,45 @@ pub struct TokenLogprob {
 pub struct Done {
     pub index: usize,
     pub finish: FinishReason,
+    /// The answer ended in tool calls (`finish_reason` "tool_calls").
+    pub tool_calls: bool,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
 }
 
-/// The reasoning markers of the vocabulary (spec §8.1).
+/// The reasoning and tool-call markers of the vocabulary (spec §8.1).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ThinkIds {
     pub start: Option<u32>,
     pub end: Option<u32>,
+    /// `<tool_call>` and `</tool_call>` where they are special tokens (decoding drops a
+    /// special token's text, so the worker puts the marker back for the call parser).
+    pub call_open: Option<u32>,
+    pub call_close: Option<u32>,
 }
 
 impl ThinkIds {
     pub fn of(tok: &Tokenizer) -> ThinkIds {
+        let special = |piece: &str| tok.piece_to_id(piece).filter(|&id| tok.is_special(id));
         ThinkIds {
             start: tok.piece_to_id("<think>"),
             end: tok.piece_to_id("</think>"),
+            call_open: special(CALL_OPEN),
+            call_close: special(CALL_CLOSE),
         }
+    }
+
+    /// The text a token released, with a tool-call marker's own text where the token is one.
+    fn with_call_marker<'a>(&self, id: u32, text: &'a str) -> std::borrow::Cow<'a, str> {
+        let marker = if Some(id) == self.call_open {
+            CALL_OPEN
+        } else if Some(id) == self.call_close {
+            CALL_CLOSE
+        } else {
+            return text.into();
+        };
+        format!("{}{marker}", text.strip_suffix(marker).unwrap_or(text)).into()
     }
 
     /// Whether generation after `prompt` starts inside reasoning: the last marker is `<think>`.
@@ -361,7 +406,7 @@ impl Worker {
         }
     }
 
-    fn admit(&mut self, job: Job) {
+    fn admit(&mut self, mut job: Job) {
         self.metrics.waiting.fetch_sub(1, Relaxed);
         if job.cancel.load(Relaxed) || job.events.is_closed() {
             // Gone while it waited: nothing to decode.
@@ -378,6 +423,9 @@ impl Worker {
         };
         if job.index == 0 {
             self.groups.insert(job.group, id);
+        }
+        if let Some(c) = job.constraint.take() {
+            self.sched.constrain(id, c);
         }
         let splitter = job.reasoning.map(|r| Splitter::new(self.think, r));
         self.live.insert(
@@ -412,9 +460,13 @@ impl Worker {
                     index: l.job.index,
                     ..Delta::default()
                 };
+                let text = self.think.with_call_marker(id, &text);
                 match l.splitter.as_mut() {
                     Some(s) => s.push(Some(id), &text, &mut d),
                     None => d.content.push_str(&text),
+                }
+                if let Some(p) = l.job.calls.as_mut() {
+                    d.parse_calls(p, false);
                 }
                 if let Some(top) = l.job.logprobs {
                     d.logprob = Some(token_logprob(
@@ -455,6 +507,10 @@ impl Worker {
                     }
                     None => d.content.push_str(&rest),
                 }
+                if let Some(p) = l.job.calls.as_mut() {
+                    d.parse_calls(p, true);
+                }
+                let tool_calls = l.job.calls.as_ref().is_some_and(|p| p.calls() > 0);
                 if !d.is_empty() {
                     let _ = l.job.events.send(Event::Token(d));
                 }
@@ -480,6 +536,7 @@ impl Worker {
                 let _ = l.job.events.send(Event::Done(Done {
                     index: l.job.index,
                     finish,
+                    tool_calls,
                     prompt_tokens: usage.prompt_tokens,
                     completion_tokens: usage.completion_tokens,
                     cached_tokens: usage.cached_tokens,
@@ -503,6 +560,8 @@ mod tests {
     const IDS: ThinkIds = ThinkIds {
         start: Some(9),
         end: Some(10),
+        call_open: Some(11),
+        call_close: Some(12),
     };
 
     fn run(start_in_reasoning: bool, pieces: &[(u32, &str)]) -> (String, String) {
@@ -545,6 +604,42 @@ mod tests {
     fn a_start_marker_in_content_opens_reasoning_and_an_unclosed_reasoning_keeps_its_newline() {
         let (r, c) = run(false, &[(100, "A"), (9, ""), (101, "hmm\n")]);
         assert_eq!((r.as_str(), c.as_str()), ("hmm\n", "A"));
+    }
+
+    #[test]
+    fn a_tool_call_inside_reasoning_stays_reasoning_and_one_after_it_is_a_call() {
+        let o = serde_json::json!({"tools": [{"type": "function", "function": {"name": "f"}}]});
+        let tools = crate::toolcall::parse(o.as_object().unwrap())
+            .unwrap()
+            .unwrap();
+        let mut parser = CallParser::new(&tools, "t".into());
+        let mut s = Splitter::new(IDS, true);
+        let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
+        // The marker tokens decode to nothing (special); the worker puts their text back.
+        let pieces = [
+            (11, ""),
+            (100, r#"{"name": "f", "arguments": {}}"#),
+            (12, ""),
+            (10, ""),
+            (11, ""),
+            (101, "\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n"),
+            (12, ""),
+        ];
+        for (k, (id, text)) in pieces.into_iter().enumerate() {
+            let mut d = Delta::default();
+            s.push(Some(id), &IDS.with_call_marker(id, text), &mut d);
+            d.parse_calls(&mut parser, k + 1 == pieces.len());
+            reasoning.push_str(&d.reasoning);
+            content.push_str(&d.content);
+            calls.extend(d.tool_calls);
+        }
+        assert_eq!(
+            reasoning,
+            r#"<tool_call>{"name": "f", "arguments": {}}</tool_call>"#
+        );
+        assert_eq!(content, "");
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].arguments, r#"{"x":1}"#);
     }
 
     #[test]
