@@ -137,27 +137,6 @@ fn a_request_for_no_tokens_finishes_at_once_with_none() {
     assert_eq!(s.stats().steps, 1);
 }
 
-/// Allows only the tokens of `allowed` (a cycle: the n-th token must be `allowed[n % len]`),
-/// and records what it was told.
-struct Cycle {
-    allowed: Vec<u32>,
-    vocab: usize,
-    seen: std::sync::Arc<std::sync::Mutex<Vec<u32>>>,
-}
-
-impl engine::TokenConstraint for Cycle {
-    fn next_mask(&mut self) -> Result<Option<engine::TokenMask>, String> {
-        let n = self.seen.lock().unwrap().len();
-        let want = self.allowed[n % self.allowed.len()];
-        Ok(Some(engine::TokenMask::of(self.vocab, &[want])))
-    }
-
-    fn commit(&mut self, token: u32) -> Result<(), String> {
-        self.seen.lock().unwrap().push(token);
-        Ok(())
-    }
-}
-
 #[test]
 fn a_constrained_sequence_takes_only_masked_tokens_and_its_neighbours_are_undisturbed() {
     let reqs = prompts();

@@ -146,3 +146,36 @@ fn thirty_two_sequences_on_the_gpu_part_from_their_alone_tokens_only_at_near_tie
     }
     assert_eq!(s.pool().available(), s.pool().total());
 }
+
+/// A constrained sequence turns its batch's steps to logits read-back (no on-card argmax) and
+/// takes only its mask's tokens; the others still decode to their length.
+#[test]
+fn a_constrained_sequence_on_the_gpu_takes_only_masked_tokens_beside_greedy_ones() {
+    if !gpu_present() {
+        return;
+    }
+    let dev = Device::Cuda(0);
+    let reqs = prompts();
+    let vocab = model_for(dev).decl.n_vocab();
+    let mut s = scheduler(dev, 0, false);
+    let ids: Vec<SeqId> = reqs[..4].iter().map(|r| s.add(r.clone())).collect();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let allowed = vec![400, 401, 9];
+    assert!(s.constrain(
+        ids[2],
+        Box::new(Cycle {
+            allowed: allowed.clone(),
+            vocab,
+            seen: seen.clone(),
+        })
+    ));
+    let mut out = Outcome::default();
+    out.take(s.run_to_completion());
+    let got = out.of(ids[2]);
+    let want: Vec<u32> = (0..got.len()).map(|n| allowed[n % 3]).collect();
+    assert_eq!(got, want);
+    assert_eq!(*seen.lock().unwrap(), got);
+    for (k, id) in ids.iter().enumerate() {
+        assert_eq!(out.of(*id).len(), reqs[k].max_tokens, "sequence {k}");
+    }
+}

@@ -133,3 +133,25 @@ pub fn prompts() -> Vec<GenerateRequest> {
         .map(|(len, salt, n)| request(prompt(len, salt), n))
         .collect()
 }
+
+/// Allows only the tokens of `allowed` (a cycle: the n-th token must be `allowed[n % len]`),
+/// and records what it was told.
+pub struct Cycle {
+    pub allowed: Vec<u32>,
+    pub vocab: usize,
+    pub seen: std::sync::Arc<std::sync::Mutex<Vec<u32>>>,
+}
+
+impl engine::TokenConstraint for Cycle {
+    fn next_mask(&mut self) -> Result<Option<engine::TokenMask>, String> {
+        let n = self.seen.lock().unwrap().len();
+        let want = self.allowed[n % self.allowed.len()];
+        Ok(Some(engine::TokenMask::of(self.vocab, &[want])))
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        self.seen.lock().unwrap().push(token);
+        Ok(())
+    }
+}
+

@@ -22,29 +22,38 @@ pub const MODEL: &str = "tiny";
 /// One tiny xing4_0 checkpoint per test process (deterministic: seed 1).
 pub fn tiny_checkpoint() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
-        // Checkpoints of earlier test processes that have exited.
-        for e in std::fs::read_dir(tmp).into_iter().flatten().flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if let Some(pid) = name.strip_prefix("serve-tiny-")
-                && !Path::new("/proc").join(pid).exists()
-            {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
+    DIR.get_or_init(|| checkpoint("tiny", Preset::Tiny))
+}
+
+/// One small xing4_0 checkpoint (tens of MB, a 4,096-token vocabulary) per test process.
+pub fn small_checkpoint() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| checkpoint("small", Preset::Small))
+}
+
+fn checkpoint(name: &str, preset: Preset) -> PathBuf {
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    // Checkpoints of earlier test processes that have exited.
+    let prefix = format!("serve-{name}-");
+    for e in std::fs::read_dir(tmp).into_iter().flatten().flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        if let Some(pid) = file.strip_prefix(&prefix)
+            && !Path::new("/proc").join(pid).exists()
+        {
+            let _ = std::fs::remove_dir_all(e.path());
         }
-        let dir = tmp.join(format!("serve-tiny-{}", std::process::id()));
-        write_checkpoint(&SynthOptions {
-            arch: Arch::Xing4_0,
-            dims: Dims::preset(Preset::Tiny),
-            seed: 1,
-            out: dir.clone(),
-            force: true,
-            progress: false,
-        })
-        .unwrap_or_else(|e| panic!("making the tiny checkpoint: {e:#}"));
-        dir
+    }
+    let dir = tmp.join(format!("{prefix}{}", std::process::id()));
+    write_checkpoint(&SynthOptions {
+        arch: Arch::Xing4_0,
+        dims: Dims::preset(preset),
+        seed: 1,
+        out: dir.clone(),
+        force: true,
+        progress: false,
     })
+    .unwrap_or_else(|e| panic!("making the {name} checkpoint: {e:#}"));
+    dir
 }
 
 pub struct Server {
@@ -56,7 +65,10 @@ pub struct Server {
 
 impl Server {
     pub fn start(extra: &[&str]) -> Server {
-        let dir = tiny_checkpoint();
+        Server::start_on(tiny_checkpoint(), extra)
+    }
+
+    pub fn start_on(dir: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_serve"))
             .arg("--model")
             .arg(dir)
