@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Bounded soak: starts `serve` on a free port, runs concurrent streaming clients against it for
-# DURATION seconds with a fraction of them cancelled midway (tools/src/bin/load-test), stops it.
-# Fails on any failed request and on cache blocks still held once the clients are gone. The
-# load test's output (its last line `load-test: summary ...`) goes to stdout.
+# DURATION seconds with a fraction of them cancelled midway and a fraction read slowly
+# (tools/src/bin/load-test), samples the server's resident memory every 10 s, stops it.
+# Fails on any failed request, on cache blocks still held once the clients are gone, and on
+# resident memory at the end more than RSS_GROWTH_MAX (default 1.25) times its sample at 60 s
+# (after warm-up). The load test's output (its last line `load-test: summary ...`) and a line
+# `soak: rss ...` go to stdout.
 #
 #   bench/soak.sh                                   # 64 clients, 5 min, the embedded small checkpoint
 #   CLIENTS=16 DURATION=20 MODEL=tiny bench/soak.sh # a tiny synthetic checkpoint, a short run
@@ -21,6 +24,9 @@ PROFILE=${PROFILE:-release}
 CLIENTS=${CLIENTS:-64}
 DURATION=${DURATION:-300}
 CANCEL=${CANCEL:-0.1}
+SLOW=${SLOW:-0.1}
+SLOW_READ_MS=${SLOW_READ_MS:-50}
+RSS_GROWTH_MAX=${RSS_GROWTH_MAX:-1.25}
 MAX_TOKENS=${MAX_TOKENS:-64}
 MODEL=${MODEL:-default}
 REQUESTS=${REQUESTS:-64}
@@ -65,12 +71,34 @@ for _ in $(seq $((READY_TIMEOUT * 10))); do
 done
 [ -n "$addr" ] || { echo "serve did not become ready in ${READY_TIMEOUT}s" >&2; cat "$work/serve.err" >&2; exit 1; }
 
+# Resident memory every 10 s while the clients run.
+( while kill -0 "$pid" 2>/dev/null; do
+      awk -v t="$SECONDS" '/^VmRSS:/ {print t, $2}' "/proc/$pid/status" 2>/dev/null || true
+      sleep 10
+  done ) >"$work/rss.log" &
+sampler=$!
+
 bound=(--requests "$REQUESTS" --time-limit "$TIME_LIMIT")
 [ "$DURATION" != 0 ] && bound=(--duration "$DURATION")
 rc=0
 # shellcheck disable=SC2086
 "$bin/load-test" --url "http://$addr" --clients "$CLIENTS" --max-tokens "$MAX_TOKENS" \
-    --cancel-fraction "$CANCEL" --seed "$SEED" "${bound[@]}" $LOAD_TEST_ARGS || rc=$?
+    --cancel-fraction "$CANCEL" --slow-fraction "$SLOW" --slow-read-ms "$SLOW_READ_MS" \
+    --seed "$SEED" "${bound[@]}" $LOAD_TEST_ARGS || rc=$?
+kill "$sampler" 2>/dev/null || true
+# The sample nearest 60 s after start (or the first) against the last, in KiB.
+rss_line=$(awk -v lim="$RSS_GROWTH_MAX" '
+    { t[NR] = $1; k[NR] = $2 }
+    END {
+        if (NR == 0) { print "soak: rss no samples"; exit }
+        w = 1; for (i = 1; i <= NR; i++) if (t[i] - t[1] <= 60) w = i
+        min = k[1]; max = k[1]; for (i = 1; i <= NR; i++) { if (k[i] < min) min = k[i]; if (k[i] > max) max = k[i] }
+        s = ""; for (i = 1; i <= NR; i++) s = s sprintf("%s%.0f", (i > 1 ? "," : ""), k[i] / 1024)
+        g = k[NR] / k[w]
+        printf "soak: rss samples=%d warm_mib=%.0f end_mib=%.0f min_mib=%.0f max_mib=%.0f growth=%.3f limit=%s series_mib=%s\n", NR, k[w] / 1024, k[NR] / 1024, min / 1024, max / 1024, g, lim, s
+        if (g > lim) exit 3
+    }' "$work/rss.log") || { [ "$rc" = 0 ] && rc=3; }
+echo "$rss_line"
 # The server's own counts, to set beside the client's (cancellations as the server saw them).
 curl -s "http://$addr/metrics" 2>/dev/null |
     grep -E '^xing4_(request_success_total|request_errors_total|cancellations_total|time_to_first_token_seconds_(sum|count))' || true

@@ -705,10 +705,12 @@ fn mask_cost(
         answers,
         step_us.len()
     );
+    let mean = step_us.iter().sum::<f64>() / step_us.len().max(1) as f64;
     println!("| measure | median | p90 |");
     println!("| --- | ---: | ---: |");
     println!(
-        "| mask µs/token | {:.1} | {:.1} |",
+        "| mask µs/token (mean {mean:.1}, max {:.0}) | {:.1} | {:.1} |",
+        q(&mut step_us, 1.0),
         q(&mut step_us, 0.5),
         q(&mut step_us, 0.9)
     );

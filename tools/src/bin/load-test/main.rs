@@ -1,6 +1,7 @@
 //! Loopback load test for `serve`: N concurrent clients stream chat completions against --url,
 //! either until --requests are done (or --time-limit passes) or, with --duration, for that
-//! long. A seeded fraction of the requests is cancelled midway by closing the connection.
+//! long. A seeded fraction of the requests is cancelled midway by closing the connection, and
+//! another is read slowly.
 //! Reports requests/s, generated tokens/s, the p50/p99 time to first token and inter-token
 //! latency, then checks on `/metrics` that the server went idle with every cache block back;
 //! fails on any failed request or leaked block. Starts no server itself (bench/soak.sh and
@@ -42,6 +43,12 @@ struct Args {
     /// (1..=--max-tokens) of content chunks.
     #[arg(long, default_value_t = 0.0)]
     cancel_fraction: f64,
+    /// Fraction of the requests read slowly: the client waits --slow-read-ms after each event
+    /// it reads, so the server's stream outruns it (its bytes queue in the connection).
+    #[arg(long, default_value_t = 0.0)]
+    slow_fraction: f64,
+    #[arg(long, default_value_t = 50)]
+    slow_read_ms: u64,
     /// Seeds the choice of cancelled requests and the sampling seeds of all of them.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -60,6 +67,8 @@ struct Plan {
     max_tokens: usize,
     /// Close the connection after this many content chunks.
     cancel_after: Option<usize>,
+    /// Wait this long after each event read (a slow reader).
+    read_pause: Option<Duration>,
     seed: u64,
     timeout: Duration,
 }
@@ -79,10 +88,14 @@ impl Plan {
         let u = (r >> 11) as f64 / (1u64 << 53) as f64;
         let cancel_after = (u < args.cancel_fraction)
             .then(|| 1 + (splitmix64(r) % args.max_tokens.max(1) as u64) as usize);
+        let v = (splitmix64(r ^ 0x51_0e) >> 11) as f64 / (1u64 << 53) as f64;
+        let read_pause =
+            (v < args.slow_fraction).then(|| Duration::from_millis(args.slow_read_ms));
         Plan {
             index,
             max_tokens: args.max_tokens,
             cancel_after,
+            read_pause,
             // The API takes an i64; the mask keeps it positive.
             seed: splitmix64(r ^ 0x5eed) & (i64::MAX as u64),
             timeout: Duration::from_secs(args.request_timeout),
@@ -146,6 +159,9 @@ fn one(addr: &str, auth: &[(&str, &str)], plan: &Plan) -> Result<Outcome> {
     let mut finished = false;
     let mut done = false;
     while let Some(ev) = events.next_event()? {
+        if let Some(p) = plan.read_pause {
+            std::thread::sleep(p);
+        }
         if start.elapsed() > plan.timeout {
             bail!(
                 "not finished after {} s ({} content chunks)",
@@ -320,6 +336,9 @@ fn main() -> Result<()> {
         .to_string();
     if addr.contains('/') || args.url.starts_with("https://") {
         bail!("--url {}: give http://host:port", args.url);
+    }
+    if !(0.0..=1.0).contains(&args.slow_fraction) {
+        bail!("--slow-fraction {}: give 0..=1", args.slow_fraction);
     }
     if !(0.0..=1.0).contains(&args.cancel_fraction) {
         bail!("--cancel-fraction {}: give 0..=1", args.cancel_fraction);
