@@ -10,5 +10,6 @@ pub mod quant;
 pub mod release;
 pub mod schema;
 pub mod tokenizer;
+pub mod toolcall;
 
 pub use dtype::GgmlType;

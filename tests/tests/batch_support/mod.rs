@@ -154,4 +154,3 @@ impl engine::TokenConstraint for Cycle {
         Ok(())
     }
 }
-

@@ -157,13 +157,23 @@ def json_schemas(client, model):
             jsonschema.validate(value, schema)
         except Exception as e:
             raise AssertionError(f"schema {i} {json.dumps(schema)}: {text!r}: {e}") from e
+    # n > 1: each choice has its own constraint.
+    schema = random_object(rng)
+    r = client.chat.completions.create(
+        model=model, temperature=1.0, seed=11, max_tokens=400, n=3, extra_body=NO_THINKING,
+        messages=[{"role": "user", "content": "Three objects."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "n3", "schema": schema, "strict": True}})
+    assert [c.index for c in r.choices] == [0, 1, 2], r.choices
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
     # json_object: any object.
     r = client.chat.completions.create(
         model=model, temperature=0.7, seed=7, max_tokens=400, extra_body=NO_THINKING,
         messages=[{"role": "user", "content": "JSON please"}],
         response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content), dict), r
-    return 51
+    return 52
 
 
 def errors(client, model):

@@ -89,8 +89,7 @@ impl Plan {
         let cancel_after = (u < args.cancel_fraction)
             .then(|| 1 + (splitmix64(r) % args.max_tokens.max(1) as u64) as usize);
         let v = (splitmix64(r ^ 0x51_0e) >> 11) as f64 / (1u64 << 53) as f64;
-        let read_pause =
-            (v < args.slow_fraction).then(|| Duration::from_millis(args.slow_read_ms));
+        let read_pause = (v < args.slow_fraction).then(|| Duration::from_millis(args.slow_read_ms));
         Plan {
             index,
             max_tokens: args.max_tokens,

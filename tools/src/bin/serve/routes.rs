@@ -518,6 +518,8 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
         }
     };
     let calls = tools.filter(Tools::parse_calls);
+    // A required call's form is the grammar's: its arguments stream as they come.
+    let stream_calls = matches!(&grammar, Some((_, p)) if p == "tool_choice");
     let stops = if common.ignore_eos {
         Vec::new()
     } else {
@@ -537,6 +539,7 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
     let extras = Extras {
         constraints,
         calls,
+        stream_calls,
         call_ids: format!("{:016x}", app.fresh()),
     };
     submit(
@@ -550,6 +553,7 @@ async fn chat(app: &Arc<App>, headers: &HeaderMap, body: &[u8]) -> R<Response> {
 struct Extras {
     constraints: Vec<Box<dyn TokenConstraint>>,
     calls: Option<Tools>,
+    stream_calls: bool,
     /// Call ids are `call_{call_ids}{choice}_{index}`.
     call_ids: String,
 }
@@ -661,10 +665,10 @@ async fn submit(
             cancel: cancel.clone(),
             arrived: Instant::now(),
             constraint: constraints.next(),
-            calls: extras
-                .calls
-                .as_ref()
-                .map(|t| CallParser::new(t, format!("{}{index}_", extras.call_ids))),
+            calls: extras.calls.as_ref().map(|t| {
+                CallParser::new(t.names(), format!("{}{index}_", extras.call_ids))
+                    .streaming(extras.stream_calls)
+            }),
         };
         app.metrics.waiting.fetch_add(1, Relaxed);
         if ready.jobs.send(job).is_err() {
@@ -717,7 +721,23 @@ async fn collect(mut rx: UnboundedReceiver<Event>, n: usize) -> R<Vec<Collected>
                 c.logprobs.extend(d.logprob.map(|l| (offset, l)));
                 c.reasoning.push_str(&d.reasoning);
                 c.content.push_str(&d.content);
-                c.tool_calls.extend(d.tool_calls);
+                for part in d.tool_calls {
+                    match part.head {
+                        Some((id, name)) => c.tool_calls.push(ToolCall {
+                            index: part.index,
+                            id,
+                            name,
+                            arguments: part.arguments,
+                        }),
+                        None => {
+                            if let Some(call) =
+                                c.tool_calls.iter_mut().find(|t| t.index == part.index)
+                            {
+                                call.arguments.push_str(&part.arguments);
+                            }
+                        }
+                    }
+                }
             }
             Event::Done(d) => {
                 if let Some(c) = cs.get_mut(d.index) {
@@ -947,13 +967,18 @@ impl Formatter {
             } else {
                 String::new()
             };
-            // A call as two deltas, OpenAI's order: its id, type and name with empty
-            // arguments, then the arguments.
+            // OpenAI's order: a call's id, type and name with empty arguments, then its
+            // arguments (in as many deltas as they came in).
             for c in &d.tool_calls {
-                let head = json!({"index": c.index, "id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": ""}});
-                let args = json!({"index": c.index, "function": {"arguments": c.arguments}});
-                for call in [head, args] {
+                let mut calls = Vec::new();
+                if let Some((id, name)) = &c.head {
+                    calls.push(json!({"index": c.index, "id": id, "type": "function",
+                                      "function": {"name": name, "arguments": ""}}));
+                }
+                if !c.arguments.is_empty() {
+                    calls.push(json!({"index": c.index, "function": {"arguments": c.arguments}}));
+                }
+                for call in calls {
                     s.push_str(
                         &self.chunk(json!({"index": index, "delta": {"tool_calls": [call]},
                                                   "logprobs": null, "finish_reason": null})),

@@ -16,7 +16,7 @@ use loader::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
-use crate::toolcall::{CALL_CLOSE, CALL_OPEN, CallParser, Piece, ToolCall};
+use crate::toolcall::{CALL_CLOSE, CALL_OPEN, CallParser, Piece};
 
 pub struct Job {
     pub req: GenerateRequest,
@@ -65,8 +65,17 @@ pub struct Delta {
     pub reasoning: String,
     pub content: String,
     pub logprob: Option<TokenLogprob>,
-    /// Calls that became whole with this token.
-    pub tool_calls: Vec<ToolCall>,
+    /// Calls, or parts of calls, that came with this token.
+    pub tool_calls: Vec<CallPart>,
+}
+
+/// A call's part of a stream: the first part of a call has its id and name.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallPart {
+    pub index: usize,
+    /// Id and name.
+    pub head: Option<(String, String)>,
+    pub arguments: String,
 }
 
 impl Delta {
@@ -84,10 +93,28 @@ impl Delta {
             pieces.extend(parser.finish());
         }
         for p in pieces {
-            match p {
-                Piece::Text(t) => self.content.push_str(&t),
-                Piece::Call(c) => self.tool_calls.push(c),
-            }
+            let part = match p {
+                Piece::Text(t) => {
+                    self.content.push_str(&t);
+                    continue;
+                }
+                Piece::Call(c) => CallPart {
+                    index: c.index,
+                    head: Some((c.id, c.name)),
+                    arguments: c.arguments,
+                },
+                Piece::CallStart { index, id, name } => CallPart {
+                    index,
+                    head: Some((id, name)),
+                    arguments: String::new(),
+                },
+                Piece::CallArguments { index, text } => CallPart {
+                    index,
+                    head: None,
+                    arguments: text,
+                },
+            };
+            self.tool_calls.push(part);
         }
     }
 }
@@ -612,7 +639,7 @@ mod tests {
         let tools = crate::toolcall::parse(o.as_object().unwrap())
             .unwrap()
             .unwrap();
-        let mut parser = CallParser::new(&tools, "t".into());
+        let mut parser = CallParser::new(tools.names(), "t".into());
         let mut s = Splitter::new(IDS, true);
         let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
         // The marker tokens decode to nothing (special); the worker puts their text back.
@@ -639,7 +666,8 @@ mod tests {
         );
         assert_eq!(content, "");
         assert_eq!(calls.len(), 1);
-        assert_eq!(calls[0].arguments, r#"{"x":1}"#);
+        assert_eq!(calls[0].head.as_ref().map(|h| h.1.as_str()), Some("f"));
+        assert_eq!(calls[0].arguments, r#"{"x": 1}"#);
     }
 
     #[test]
