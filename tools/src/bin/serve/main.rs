@@ -223,6 +223,13 @@ fn gib(b: u128) -> f64 {
 fn check_memory(loaded: &Loaded, config: &EngineConfig) -> Result<()> {
     let per_position = loaded.model.decl.state_bytes_per_position() as u128;
     let len = config.max_model_len;
+    let trained = loaded.model.hparams.n_ctx_train;
+    if trained > 0 && len > trained {
+        bail!(
+            "--max-model-len {len} is longer than the checkpoint's context length {trained} ({}.context_length); lower it",
+            loaded.model.hparams.arch.name()
+        );
+    }
     let rows = len
         .max(config.min_kv_bucket)
         .checked_next_power_of_two()
@@ -239,17 +246,16 @@ fn check_memory(loaded: &Loaded, config: &EngineConfig) -> Result<()> {
         } else {
             fit.next_power_of_two() / 2
         };
+        // Never more than the checkpoint can attend over.
+        let fit = if trained > 0 {
+            fit.min(trained as u128)
+        } else {
+            fit
+        };
         bail!(
             "--max-model-len {len} needs a KV cache of {need} bytes ({:.2} GiB: {per_position} bytes a position x {rows} rows), but /proc/meminfo MemAvailable is {avail} bytes ({:.2} GiB); lower --max-model-len to at most {fit}",
             gib(need),
             gib(avail as u128)
-        );
-    }
-    let trained = loaded.model.hparams.n_ctx_train;
-    if trained > 0 && len > trained {
-        bail!(
-            "--max-model-len {len} is longer than the checkpoint's context length {trained} ({}.context_length); lower it",
-            loaded.model.hparams.arch.name()
         );
     }
     Ok(())
@@ -361,6 +367,14 @@ fn finish_loading(
     app.metrics
         .kv_cache_bytes
         .store(engine.cache_bytes() as u64, Relaxed);
+    let budget = app.metrics.prefix_budget();
+    if budget > engine.cache_bytes() {
+        eprintln!(
+            "serve: note: --prefix-cache-bytes {budget} is more than the whole KV cache ({} bytes): \
+             cached prefixes live in the cache's blocks, so they never hold more than it",
+            engine.cache_bytes()
+        );
+    }
     let mut engine = engine;
     tools::upload_with_progress(&mut engine, "serve")?;
 
