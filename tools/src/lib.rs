@@ -5,7 +5,6 @@ pub mod guidance;
 use std::path::PathBuf;
 
 use graph::LoweringOptions;
-use models::synth;
 
 /// The GPU lowering's switches a user may flip for an A/B run. Each flag's environment
 /// variable sets it too, so a script can A/B binaries it does not start itself; the flag wins.
@@ -105,31 +104,51 @@ pub fn cache_dir() -> PathBuf {
     }
 }
 
-/// Bump when the synthetic generator changes what it writes, so cached checkpoints are remade.
-const DEFAULT_CHECKPOINT_VERSION: u32 = 1;
+/// The embedded default model (`tools/default-model`, made by `scripts/gpu-train`): the
+/// `trained` preset of the Xing4.0 architecture, trained on public-domain English (Jane
+/// Austen's novels and the King James Bible). It writes readable text and knows nothing else.
+const DEFAULT_MODEL: [(&str, &[u8]); 5] = [
+    ("model.gguf", include_bytes!("../default-model/model.gguf")),
+    (
+        "config.json",
+        include_bytes!("../default-model/config.json"),
+    ),
+    (
+        "tokenizer.json",
+        include_bytes!("../default-model/tokenizer.json"),
+    ),
+    (
+        "tokenizer_config.json",
+        include_bytes!("../default-model/tokenizer_config.json"),
+    ),
+    (
+        "generation_config.json",
+        include_bytes!("../default-model/generation_config.json"),
+    ),
+];
 
-/// The embedded default: the `small` synthetic Xing4.0 checkpoint, made on first use
-/// and cached. Its weights are random.
+/// What `run-model` and `serve` print when they run the embedded default.
+pub const DEFAULT_MODEL_NOTE: &str = "the embedded default model, 16M parameters of the \
+Xing4.0 architecture trained on Jane Austen's novels and the King James Bible: it writes \
+English of that kind and knows nothing else (pass --model for the released checkpoint)";
+
+/// The embedded default model's directory: written once under the cache directory (and
+/// rewritten where a file there differs from the embedded one), each file through a temporary
+/// name, so a concurrent or interrupted start never leaves a partial file.
 pub fn default_checkpoint() -> anyhow::Result<PathBuf> {
-    let dir = cache_dir().join(format!(
-        "models/xing4_0-small-v{DEFAULT_CHECKPOINT_VERSION}"
-    ));
-    if synth::FILES.iter().all(|f| dir.join(f).is_file()) {
-        return Ok(dir);
+    use anyhow::Context;
+    let dir = cache_dir().join("models/xing4_0-default");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    for (name, bytes) in DEFAULT_MODEL {
+        let path = dir.join(name);
+        if std::fs::read(&path).is_ok_and(|b| b == bytes) {
+            continue;
+        }
+        let tmp = dir.join(format!("{name}.{}.partial", std::process::id()));
+        std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path)
+            .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
     }
-    eprintln!(
-        "making the small synthetic checkpoint once, in {}",
-        dir.display()
-    );
-    let opts = synth::SynthOptions {
-        arch: loader::hparams::Arch::Xing4_0,
-        dims: synth::Dims::preset(synth::Preset::Small),
-        seed: 0,
-        out: dir.clone(),
-        force: true,
-        progress: true,
-    };
-    synth::write_checkpoint(&opts)?;
     Ok(dir)
 }
 

@@ -1,11 +1,12 @@
-//! Writes a synthetic checkpoint directory (random, deterministic weights) in the release layout.
+//! Writes a checkpoint directory in the release layout: random, deterministic weights, or
+//! (`--weights`) trained ones quantized to the release's types.
 
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 use clap::Parser;
 use loader::hparams::Arch;
-use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
+use models::synth::{Dims, Preset, SynthOptions, write_checkpoint, write_trained_checkpoint};
 
 #[derive(Parser, Debug)]
 #[command(about = "Write a synthetic xing4_0/deepseek2 checkpoint (model.gguf + release files)")]
@@ -13,7 +14,8 @@ struct Args {
     /// Architecture: xing4_0 or deepseek2.
     #[arg(long, default_value = "xing4_0")]
     arch: String,
-    /// Dimension preset: tiny (<2 MB), small (tens of MB), full (the released dims, ~20 GB).
+    /// Dimension preset: tiny (<2 MB), small (tens of MB), full (the released dims, ~20 GB),
+    /// trained (the trained default model's dims, ~13 MB).
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// Output directory.
@@ -27,6 +29,13 @@ struct Args {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Train the vocabulary (BPE) on this text file instead of the built-in word list.
+    #[arg(long)]
+    corpus: Option<PathBuf>,
+    /// Trained weights: a safetensors file of F32 tensors named as in the GGUF, in PyTorch
+    /// shape (needs --corpus, the vocabulary they were trained with).
+    #[arg(long, requires = "corpus")]
+    weights: Option<PathBuf>,
 
     #[arg(long)]
     n_embd: Option<usize>,
@@ -79,7 +88,10 @@ fn main() -> Result<()> {
         bail!("--arch {:?}: expected xing4_0 or deepseek2", a.arch);
     };
     let Some(preset) = Preset::from_name(&a.preset) else {
-        bail!("--preset {:?}: expected tiny, small or full", a.preset);
+        bail!(
+            "--preset {:?}: expected tiny, small, full or trained",
+            a.preset
+        );
     };
     let mut d = Dims::preset(preset);
     if arch == Arch::Deepseek2 {
@@ -112,14 +124,18 @@ fn main() -> Result<()> {
     if let Some(f) = a.yarn_factor {
         d.yarn_factor = f;
     }
-    let s = write_checkpoint(&SynthOptions {
+    let opts = SynthOptions {
         arch,
         dims: d,
         seed: a.seed,
         out: a.out.clone(),
         force: a.force,
         progress: !a.quiet,
-    })?;
+    };
+    let s = match &a.corpus {
+        Some(c) => write_trained_checkpoint(&opts, c, a.weights.as_deref())?,
+        None => write_checkpoint(&opts)?,
+    };
     eprintln!(
         "wrote {} ({} tensors, {} bytes) and the release files in {:.1} s",
         s.gguf.display(),

@@ -78,7 +78,7 @@ fn main() -> Result<()> {
         .device
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--device: {e}"))?;
-    let (gguf, release_dir, synthetic) = match &args.model {
+    let (gguf, release_dir, embedded) = match &args.model {
         Some(m) => {
             let (g, r) = models::resolve(Some(m), args.tokenizer_path.as_deref())?;
             (g, r, false)
@@ -88,9 +88,10 @@ fn main() -> Result<()> {
             (dir.join("model.gguf"), Some(dir), true)
         }
     };
-    if synthetic {
+    if embedded {
         eprintln!(
-            "note: no --model given; using the embedded small Xing4.0-architecture checkpoint at {}.\n      Its weights are RANDOM: the text below is noise, not the released model's answer.",
+            "note: no --model given; running {} ({})",
+            tools::DEFAULT_MODEL_NOTE,
             gguf.display()
         );
     }

@@ -7,6 +7,7 @@
 
 pub mod rng;
 pub mod tokenizer;
+pub mod trained;
 pub mod weights;
 
 use std::fs;
@@ -32,6 +33,9 @@ pub enum Preset {
     Small,
     /// The real dimensions (~20 GB).
     Full,
+    /// The trained default model's dimensions (`train/`): ~13 MB, and every width one the GPU
+    /// kernels take.
+    Trained,
 }
 
 impl Preset {
@@ -40,6 +44,7 @@ impl Preset {
             "tiny" => Some(Preset::Tiny),
             "small" => Some(Preset::Small),
             "full" => Some(Preset::Full),
+            "trained" => Some(Preset::Trained),
             _ => None,
         }
     }
@@ -113,6 +118,28 @@ impl Dims {
                 n_ff: 1536,
                 n_ff_exp: 256,
                 n_expert: 16,
+                n_expert_used: 4,
+                n_expert_shared: 1,
+                n_vocab: 4096,
+                n_ctx: 16384,
+                hc: 4,
+                yarn_factor: 4.0,
+                yarn_orig_ctx: 4096,
+            },
+            Preset::Trained => Dims {
+                n_embd: 256,
+                n_layer: 6,
+                n_nextn: 1,
+                n_dense: 2,
+                n_head: 4,
+                q_lora: 64,
+                kv_lora: 128,
+                qk_nope: 64,
+                qk_rope: 64,
+                v_head: 64,
+                n_ff: 768,
+                n_ff_exp: 256,
+                n_expert: 8,
                 n_expert_used: 4,
                 n_expert_shared: 1,
                 n_vocab: 4096,
@@ -285,6 +312,21 @@ pub const FILES: [&str; 5] = [
 /// Writes the checkpoint directory. The GGUF is written under a temporary name and renamed
 /// when complete, so an interrupted run never leaves a valid-looking partial file.
 pub fn write_checkpoint(opts: &SynthOptions) -> Result<Summary> {
+    write(opts, None, None)
+}
+
+/// [`write_checkpoint`] with a vocabulary BPE-trained on the text file `corpus` (see
+/// [`tokenizer::train_vocab`]) and, where `weights` is given, the trained values of a
+/// safetensors file (see [`trained::TrainedWeights`]) in place of random draws.
+pub fn write_trained_checkpoint(
+    opts: &SynthOptions,
+    corpus: &Path,
+    weights: Option<&Path>,
+) -> Result<Summary> {
+    write(opts, Some(corpus), weights)
+}
+
+fn write(opts: &SynthOptions, corpus: Option<&Path>, weights: Option<&Path>) -> Result<Summary> {
     let start = Instant::now();
     let h = opts.dims.hparams(opts.arch)?;
     let out = &opts.out;
@@ -299,20 +341,44 @@ pub fn write_checkpoint(opts: &SynthOptions) -> Result<Summary> {
     fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
 
     let template = loader::chat::XING4_CHAT_TEMPLATE;
-    let vocab = tokenizer::build_vocab(h.n_vocab, opts.seed);
+    let vocab = match corpus {
+        None => tokenizer::build_vocab(h.n_vocab, opts.seed),
+        Some(c) => {
+            let text = fs::read_to_string(c)
+                .with_context(|| format!("cannot read the corpus {}", c.display()))?;
+            tokenizer::train_vocab(h.n_vocab, &text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", c.display()))?
+        }
+    };
+    let tensors = plan(&h);
+    let trained = match weights {
+        None => None,
+        Some(w) => {
+            let t = trained::TrainedWeights::open(w)?;
+            t.check(&tensors)?;
+            Some(t)
+        }
+    };
     let mut meta = Metadata::new();
     h.to_metadata(&mut meta);
-    meta.insert(
-        "general.name",
-        Value::String(format!("synthetic-{}-seed{}", h.arch, opts.seed)),
-    );
-    meta.insert(
-        "general.description",
-        Value::String(format!(
-            "random-weight synthetic checkpoint written by make-model ({})",
-            describe(&opts.dims, opts.seed)
-        )),
-    );
+    let (name, description) = match &trained {
+        None => (
+            format!("synthetic-{}-seed{}", h.arch, opts.seed),
+            format!(
+                "random-weight synthetic checkpoint written by make-model ({})",
+                describe(&opts.dims, opts.seed)
+            ),
+        ),
+        Some(_) => (
+            format!("trained-{}", h.arch),
+            format!(
+                "trained weights quantized by make-model ({})",
+                describe(&opts.dims, opts.seed)
+            ),
+        ),
+    };
+    meta.insert("general.name", Value::String(name));
+    meta.insert("general.description", Value::String(description));
     // MOSTLY_IQ4_NL, as the release.
     meta.insert("general.file_type", Value::U32(25));
     meta.insert("general.quantization_version", Value::U32(2));
@@ -326,10 +392,13 @@ pub fn write_checkpoint(opts: &SynthOptions) -> Result<Summary> {
     )?;
     write_json(&out.join("generation_config.json"), &generation_config())?;
 
-    let tensors = plan(&h);
     let gguf = out.join("model.gguf");
     let partial = out.join("model.gguf.partial");
-    write_gguf(&partial, &meta, &tensors, opts.seed, opts.progress)?;
+    let source = match &trained {
+        Some(t) => Source::Trained(t),
+        None => Source::Random(opts.seed),
+    };
+    write_gguf(&partial, &meta, &tensors, &source, opts.progress)?;
     fs::rename(&partial, &gguf)
         .with_context(|| format!("cannot rename {} to {}", partial.display(), gguf.display()))?;
     let gguf_bytes = fs::metadata(&gguf)
@@ -377,6 +446,12 @@ fn write_json(path: &Path, v: &Json) -> Result<()> {
     fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Where a tensor's values come from.
+enum Source<'a> {
+    Random(u64),
+    Trained(&'a trained::TrainedWeights),
+}
+
 /// Encodes rows `rows` of `t` into `dst`.
 pub fn encode_rows(
     t: &PlannedTensor,
@@ -384,8 +459,20 @@ pub fn encode_rows(
     rows: std::ops::Range<usize>,
     dst: &mut Vec<u8>,
 ) -> Result<(), quant::BlockSizeError> {
+    encode(t, &Source::Random(seed), rows, dst)
+}
+
+fn encode(
+    t: &PlannedTensor,
+    source: &Source,
+    rows: std::ops::Range<usize>,
+    dst: &mut Vec<u8>,
+) -> Result<(), quant::BlockSizeError> {
     let mut vals = vec![0f32; rows.len() * t.row_len()];
-    t.generate_rows(seed, rows, &mut vals);
+    match source {
+        Source::Random(seed) => t.generate_rows(*seed, rows, &mut vals),
+        Source::Trained(w) => w.rows(t, rows, &mut vals),
+    }
     quant::quantize(t.ty, &vals, dst)
 }
 
@@ -393,7 +480,7 @@ fn write_gguf(
     path: &Path,
     meta: &Metadata,
     tensors: &[PlannedTensor],
-    seed: u64,
+    source: &Source,
     progress: bool,
 ) -> Result<()> {
     let specs = tensors
@@ -431,7 +518,7 @@ fn write_gguf(
                 .map(|r0| {
                     let r1 = end.min(r0 + per_task);
                     let mut buf = Vec::with_capacity((r1 - r0) * row_bytes);
-                    encode_rows(t, seed, r0..r1, &mut buf).map(|_| buf)
+                    encode(t, source, r0..r1, &mut buf).map(|_| buf)
                 })
                 .collect::<Result<_, _>>()
                 .with_context(|| format!("tensor `{}`", t.name))?;

@@ -111,18 +111,7 @@ pub struct Vocab {
 
 /// Builds a vocabulary of exactly `n_vocab` pieces (at least [`MIN_VOCAB`]).
 pub fn build_vocab(n_vocab: usize, seed: u64) -> Vocab {
-    let mut pieces: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
-    for i in 0..FIRST_BYTE - SPECIALS.len() {
-        pieces.push(format!("<_unused{i}>"));
-    }
-    for b in 0..=255u8 {
-        pieces.push(format!("<0x{b:02X}>"));
-    }
-    pieces.push(SPACE.to_string());
-    for c in 0x21u8..0x7F {
-        pieces.push((c as char).to_string());
-    }
-    debug_assert_eq!(pieces.len(), MIN_VOCAB);
+    let pieces = fixed_pieces();
     let n_merged = n_vocab.saturating_sub(MIN_VOCAB);
 
     let mut normal: HashSet<String> = pieces[SPACE_ID..].iter().cloned().collect();
@@ -135,42 +124,13 @@ pub fn build_vocab(n_vocab: usize, seed: u64) -> Vocab {
 
     // 1. BPE training over the word list: most frequent adjacent pair first (ties by the pair
     //    itself, for determinism); each word is weighted by its frequency rank.
-    let mut words: Vec<(Vec<String>, u64)> = WORDS
+    let words: Vec<(&str, u64)> = WORDS
         .split_whitespace()
         .enumerate()
-        .map(|(i, w)| {
-            let syms = std::iter::once(SPACE.to_string())
-                .chain(w.chars().map(|c| c.to_string()))
-                .collect();
-            (syms, 1000 / (i as u64 + 10) + 1)
-        })
+        .map(|(i, w)| (w, 1000 / (i as u64 + 10) + 1))
         .collect();
-    while merged.len() < n_merged {
-        let mut counts: HashMap<(&str, &str), u64> = HashMap::new();
-        for (syms, f) in &words {
-            for w in syms.windows(2) {
-                *counts.entry((&w[0], &w[1])).or_default() += f;
-            }
-        }
-        let Some(((a, b), _)) = counts
-            .into_iter()
-            .max_by(|x, y| x.1.cmp(&y.1).then_with(|| y.0.cmp(&x.0)))
-        else {
-            break;
-        };
-        let (a, b) = (a.to_string(), b.to_string());
-        let joined = format!("{a}{b}");
-        for (syms, _) in &mut words {
-            let mut i = 0;
-            while i + 1 < syms.len() {
-                if syms[i] == a && syms[i + 1] == b {
-                    syms[i] = joined.clone();
-                    syms.remove(i + 1);
-                }
-                i += 1;
-            }
-        }
-        add(joined, &mut normal, &mut merged);
+    for p in bpe_merges(&words, n_merged) {
+        add(p, &mut normal, &mut merged);
     }
 
     // 2. Every character with a leading `▁`.
@@ -204,7 +164,153 @@ pub fn build_vocab(n_vocab: usize, seed: u64) -> Vocab {
         }
         pool.push(p);
     }
+    finish(pieces, merged)
+}
 
+/// A vocabulary of exactly `n_vocab` pieces (at least [`MIN_VOCAB`]) whose merged pieces are
+/// BPE-trained on `corpus`: words are its whitespace-separated runs, each with a leading `▁`,
+/// counted by occurrence; a character outside the single pieces (printable ASCII) splits a
+/// word, since byte-fallback pieces never merge. Fewer distinct merges than asked for (a tiny
+/// corpus) leaves the vocabulary short, which is an error.
+pub fn train_vocab(n_vocab: usize, corpus: &str) -> Result<Vocab, String> {
+    let pieces = fixed_pieces();
+    let n_merged = n_vocab.saturating_sub(MIN_VOCAB);
+    let mut counts: HashMap<String, u64> = HashMap::new();
+    for word in corpus.split_whitespace() {
+        let mut first = true;
+        for run in word.split(|c: char| !c.is_ascii_graphic()) {
+            if run.is_empty() {
+                first = false;
+                continue;
+            }
+            let key = if first {
+                format!("{SPACE}{run}")
+            } else {
+                run.to_string()
+            };
+            *counts.entry(key).or_default() += 1;
+            first = false;
+        }
+    }
+    // Sorted so that the training's input order, and so its result, is fixed.
+    let mut words: Vec<(&str, u64)> = counts.iter().map(|(w, &n)| (w.as_str(), n)).collect();
+    words.sort_unstable();
+    let merged = bpe_merges(&words, n_merged);
+    if merged.len() < n_merged {
+        return Err(format!(
+            "the corpus yields {} merged pieces; a vocabulary of {n_vocab} needs {n_merged}",
+            merged.len()
+        ));
+    }
+    Ok(finish(pieces, merged))
+}
+
+/// Ids `0..MIN_VOCAB`: specials, unused control pieces, bytes, `▁`, printable ASCII.
+fn fixed_pieces() -> Vec<String> {
+    let mut pieces: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
+    for i in 0..FIRST_BYTE - SPECIALS.len() {
+        pieces.push(format!("<_unused{i}>"));
+    }
+    for b in 0..=255u8 {
+        pieces.push(format!("<0x{b:02X}>"));
+    }
+    pieces.push(SPACE.to_string());
+    for c in 0x21u8..0x7F {
+        pieces.push((c as char).to_string());
+    }
+    debug_assert_eq!(pieces.len(), MIN_VOCAB);
+    pieces
+}
+
+/// Up to `n` distinct pieces from byte-pair merges over `words` (each a string and its weight;
+/// every character a starting symbol): the heaviest adjacent pair first, ties to the smaller
+/// pair, applied left to right within a word. Pair counts are kept up to date incrementally,
+/// touching only the words that hold the merged pair.
+fn bpe_merges(words: &[(&str, u64)], n: usize) -> Vec<String> {
+    let mut symbols: Vec<String> = Vec::new();
+    let mut ids: HashMap<String, u32> = HashMap::new();
+    let mut intern = |s: String, symbols: &mut Vec<String>| -> u32 {
+        *ids.entry(s.clone()).or_insert_with(|| {
+            symbols.push(s);
+            (symbols.len() - 1) as u32
+        })
+    };
+    let mut seqs: Vec<Vec<u32>> = words
+        .iter()
+        .map(|(w, _)| {
+            w.chars()
+                .map(|c| intern(c.to_string(), &mut symbols))
+                .collect()
+        })
+        .collect();
+    let weight: Vec<u64> = words.iter().map(|w| w.1).collect();
+    let mut pairs: HashMap<(u32, u32), u64> = HashMap::new();
+    let mut holders: HashMap<(u32, u32), HashSet<usize>> = HashMap::new();
+    for (i, s) in seqs.iter().enumerate() {
+        for p in s.windows(2) {
+            *pairs.entry((p[0], p[1])).or_default() += weight[i];
+            holders.entry((p[0], p[1])).or_default().insert(i);
+        }
+    }
+    let mut out: Vec<String> = Vec::new();
+    let mut seen: HashSet<String> = HashSet::new();
+    while out.len() < n {
+        let best = pairs
+            .iter()
+            .filter(|&(_, &c)| c > 0)
+            .max_by(|x, y| {
+                x.1.cmp(y.1).then_with(|| {
+                    let key = |p: &(u32, u32)| {
+                        (symbols[p.0 as usize].clone(), symbols[p.1 as usize].clone())
+                    };
+                    key(y.0).cmp(&key(x.0))
+                })
+            })
+            .map(|(p, _)| *p);
+        let Some((a, b)) = best else { break };
+        let joined = format!("{}{}", symbols[a as usize], symbols[b as usize]);
+        let j = intern(joined.clone(), &mut symbols);
+        let mut touched: Vec<usize> = holders
+            .remove(&(a, b))
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        touched.sort_unstable();
+        for i in touched {
+            let s = &mut seqs[i];
+            for p in s.windows(2) {
+                if let Some(c) = pairs.get_mut(&(p[0], p[1])) {
+                    *c -= weight[i];
+                }
+            }
+            let mut k = 0;
+            while k + 1 < s.len() {
+                if s[k] == a && s[k + 1] == b {
+                    s[k] = j;
+                    s.remove(k + 1);
+                }
+                k += 1;
+            }
+            for p in s.windows(2) {
+                *pairs.entry((p[0], p[1])).or_default() += weight[i];
+                holders.entry((p[0], p[1])).or_default().insert(i);
+            }
+        }
+        pairs.remove(&(a, b));
+        if seen.insert(joined.clone()) {
+            out.push(joined);
+        }
+    }
+    out
+}
+
+/// The merge list, scores and types of `fixed` followed by `merged` in rank order.
+fn finish(mut pieces: Vec<String>, merged: Vec<String>) -> Vocab {
+    let normal: HashSet<&str> = pieces[SPACE_ID..]
+        .iter()
+        .chain(merged.iter())
+        .map(String::as_str)
+        .collect();
     let mut merges = Vec::new();
     for p in &merged {
         for (i, _) in p.char_indices().skip(1) {

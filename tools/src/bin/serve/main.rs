@@ -148,7 +148,8 @@ fn main() -> Result<()> {
         None => {
             let dir = tools::default_checkpoint()?;
             eprintln!(
-                "note: no --model given; serving the embedded small Xing4.0-architecture checkpoint at {}.\n      Its weights are RANDOM: its answers are noise, not the released model's.",
+                "note: no --model given; running {} ({})",
+                tools::DEFAULT_MODEL_NOTE,
                 dir.display()
             );
             (dir.join("model.gguf"), Some(dir))
