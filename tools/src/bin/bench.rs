@@ -20,7 +20,7 @@ use engine::{CacheSnapshot, Device, Engine, EngineConfig, GenerateRequest, Sampl
 #[derive(Parser, Debug)]
 #[command(about = "Prefill/decode rates of a checkpoint, llama-bench style")]
 struct Args {
-    /// A .gguf file or a release directory holding one. Default: the embedded small checkpoint.
+    /// A .gguf file or a release directory holding one. Default: the embedded default model (tools/default-model).
     #[arg(long)]
     model: Option<PathBuf>,
     #[command(flatten)]

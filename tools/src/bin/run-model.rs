@@ -1,5 +1,5 @@
-//! Generate text with a checkpoint. With no arguments it makes (once, cached) the
-//! small synthetic Xing4.0 checkpoint and chats with it.
+//! Generate text with a checkpoint. With no arguments it chats with the embedded default
+//! model (tools/default-model).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -19,7 +19,7 @@ use loader::chat::ChatMessage;
     about = "Generate text with a Xing4.0 (or deepseek2) GGUF checkpoint"
 )]
 struct Args {
-    /// A .gguf file or a release directory holding one. Default: the embedded small checkpoint.
+    /// A .gguf file or a release directory holding one. Default: the embedded default model (tools/default-model).
     #[arg(long)]
     model: Option<PathBuf>,
     /// The release directory (tokenizer.json, config.json, chat template).

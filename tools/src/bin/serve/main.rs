@@ -38,7 +38,7 @@ use engine::scheduler::SchedulerConfig;
     about = "Serve a Xing4.0 (or deepseek2) GGUF checkpoint over the OpenAI API"
 )]
 struct Args {
-    /// A .gguf file or a release directory holding one. Default: the embedded small checkpoint.
+    /// A .gguf file or a release directory holding one. Default: the embedded default model (tools/default-model).
     #[arg(long, short = 'm')]
     model: Option<PathBuf>,
     #[command(flatten)]
