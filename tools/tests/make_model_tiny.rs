@@ -401,3 +401,132 @@ fn dimensions_that_break_block_sizes_are_refused_naming_the_flag() {
         }
     }
 }
+
+/// Writes `tensors` (name, PyTorch shape, F32 values) as safetensors.
+fn write_safetensors(path: &Path, tensors: &[(String, Vec<u64>, Vec<f32>)], dtype: &str) {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, shape, vals) in tensors {
+        let start = data.len();
+        for v in vals {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    let h = serde_json::to_vec(&header).unwrap();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&data);
+    fs::write(path, out).unwrap();
+}
+
+/// The random draws of `seed` for a checkpoint of `d`, as a trainer would hand them over.
+fn draws(d: &Dims, seed: u64) -> Vec<(String, Vec<u64>, Vec<f32>)> {
+    let h = d.hparams(Arch::Xing4_0).unwrap();
+    plan(&h)
+        .iter()
+        .map(|t| {
+            let mut vals = vec![0f32; t.row_len() * t.n_rows()];
+            t.generate_rows(seed, 0..t.n_rows(), &mut vals);
+            (t.name.clone(), t.ne.iter().rev().copied().collect(), vals)
+        })
+        .collect()
+}
+
+/// `make-model --weights` quantizes the values it is given exactly as it quantizes its own
+/// draws: handed the draws of seed 5, it writes the tensor bytes of the seed-5 checkpoint.
+#[test]
+fn trained_weights_are_quantized_like_the_writers_own_draws() {
+    let dir = tmp("trained");
+    fs::create_dir_all(&dir).unwrap();
+    let corpus = dir.join("corpus.txt");
+    fs::write(
+        &corpus,
+        "the quick brown fox jumps over the lazy dog ".repeat(50),
+    )
+    .unwrap();
+    let mut d = dims(Arch::Xing4_0);
+    d.n_vocab = models::synth::tokenizer::MIN_VOCAB + 20;
+    let weights = dir.join("w.safetensors");
+    write_safetensors(&weights, &draws(&d, 5), "F32");
+    let opts = |out: PathBuf| SynthOptions {
+        arch: Arch::Xing4_0,
+        dims: d.clone(),
+        seed: 5,
+        out,
+        force: true,
+        progress: false,
+    };
+    models::synth::write_trained_checkpoint(&opts(dir.join("a")), &corpus, Some(&weights))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    write_checkpoint(&opts(dir.join("b"))).unwrap();
+    let a = GgufFile::open(&dir.join("a/model.gguf")).unwrap();
+    let b = GgufFile::open(&dir.join("b/model.gguf")).unwrap();
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    for t in &a.tensors {
+        assert_eq!(
+            a.tensor_data(t),
+            b.data(&t.name).unwrap(),
+            "tensor `{}`",
+            t.name
+        );
+    }
+    // The vocabulary is the corpus's: `▁the` is a piece of it, not of the built-in one's size.
+    let tok = fs::read_to_string(dir.join("a/tokenizer.json")).unwrap();
+    assert!(tok.contains("\"\u{2581}the\""), "no ▁the piece");
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn trained_weights_that_do_not_fit_the_checkpoint_are_refused_by_name() {
+    let dir = tmp("trained_bad");
+    fs::create_dir_all(&dir).unwrap();
+    let corpus = dir.join("corpus.txt");
+    fs::write(
+        &corpus,
+        "the quick brown fox jumps over the lazy dog ".repeat(50),
+    )
+    .unwrap();
+    let mut d = dims(Arch::Xing4_0);
+    d.n_vocab = models::synth::tokenizer::MIN_VOCAB + 20;
+    let opts = SynthOptions {
+        arch: Arch::Xing4_0,
+        dims: d.clone(),
+        seed: 5,
+        out: dir.join("out"),
+        force: true,
+        progress: false,
+    };
+    let weights = dir.join("w.safetensors");
+    let refused = |tensors: Vec<(String, Vec<u64>, Vec<f32>)>, dtype: &str| {
+        write_safetensors(&weights, &tensors, dtype);
+        let e =
+            models::synth::write_trained_checkpoint(&opts, &corpus, Some(&weights)).unwrap_err();
+        assert!(!dir.join("out/model.gguf").exists());
+        format!("{e:#}")
+    };
+    let mut missing = draws(&d, 5);
+    missing.retain(|t| t.0 != "blk.1.attn_q_a.weight");
+    let e = refused(missing, "F32");
+    assert!(
+        e.contains("missing 1 tensors: blk.1.attn_q_a.weight"),
+        "{e}"
+    );
+    let mut shape = draws(&d, 5);
+    shape[0].1.reverse();
+    let e = refused(shape, "F32");
+    assert!(e.contains("tensor `token_embd.weight` has shape"), "{e}");
+    let mut extra = draws(&d, 5);
+    extra.push(("blk.0.lora.weight".into(), vec![2], vec![0.0, 1.0]));
+    let e = refused(extra, "F32");
+    assert!(e.contains("no place for: blk.0.lora.weight"), "{e}");
+    let e = refused(draws(&d, 5), "F16");
+    assert!(e.contains("expected F32"), "{e}");
+    fs::write(&weights, [200u8, 0, 0, 0, 0, 0, 0, 0, b'{']).unwrap();
+    let e = models::synth::write_trained_checkpoint(&opts, &corpus, Some(&weights)).unwrap_err();
+    assert!(format!("{e:#}").contains("runs past the end"), "{e:#}");
+    fs::remove_dir_all(&dir).unwrap();
+}

@@ -88,3 +88,52 @@ fn merged_pieces_shorten_encodings_of_seed_words() {
         );
     }
 }
+
+/// A vocabulary BPE-trained on a corpus (`make-model --corpus`) keeps the property the
+/// synthetic one has: both encoders agree. Checked on a corpus made here and on the shipped
+/// default model's vocabulary (trained on Austen and the King James Bible).
+#[test]
+fn hf_and_gguf_encoders_agree_on_corpus_trained_vocabularies() {
+    let corpus = texts(3000, 7).join("\n");
+    let trained = models::synth::tokenizer::train_vocab(MIN_VOCAB + 400, &corpus).unwrap();
+    assert_eq!(trained.pieces.len(), MIN_VOCAB + 400);
+    let json = serde_json::to_string(&trained.to_tokenizer_json()).unwrap();
+    let hf: tokenizers::Tokenizer = json.parse().unwrap();
+    let mut meta = Metadata::new();
+    trained.to_metadata(&mut meta, "");
+    let spm = loader::tokenizer::Tokenizer::from_gguf(&meta).unwrap();
+
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("default-model");
+    let shipped_hf = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let gguf = loader::gguf::GgufFile::open(&dir.join("model.gguf")).unwrap();
+    let shipped_spm = loader::tokenizer::Tokenizer::from_gguf(&gguf.metadata).unwrap();
+
+    let english = "It is a truth universally acknowledged, that a single man in possession \
+                   of a good fortune, must be in want of a wife. And God said, Let there be light.";
+    for text in texts(300, 8).iter().map(String::as_str).chain([english]) {
+        for (hf, spm, which) in [
+            (&hf, &spm, "made here"),
+            (&shipped_hf, &shipped_spm, "shipped"),
+        ] {
+            let a = hf.encode(text, false).unwrap().get_ids().to_vec();
+            let b = spm.encode(text, true).unwrap();
+            assert_eq!(a, b, "{which}: {text:?}");
+            assert_eq!(hf.decode(&a, false).unwrap(), text, "{which}");
+        }
+    }
+    // The shipped vocabulary learned its corpus: frequent words are single pieces.
+    for w in ["the", "and", "Elizabeth", "LORD"] {
+        let ids = shipped_hf.encode(w, false).unwrap().get_ids().to_vec();
+        assert_eq!(
+            ids.len(),
+            1,
+            "{w}: {:?}",
+            shipped_hf.encode(w, false).unwrap().get_tokens()
+        );
+    }
+    // Too little text for the vocabulary asked for is an error, not a short vocabulary.
+    let err = models::synth::tokenizer::train_vocab(MIN_VOCAB + 400, "a b a b")
+        .err()
+        .unwrap();
+    assert!(err.contains("needs 400"), "{err}");
+}

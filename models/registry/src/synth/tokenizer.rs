@@ -124,11 +124,12 @@ pub fn build_vocab(n_vocab: usize, seed: u64) -> Vocab {
 
     // 1. BPE training over the word list: most frequent adjacent pair first (ties by the pair
     //    itself, for determinism); each word is weighted by its frequency rank.
-    let words: Vec<(&str, u64)> = WORDS
+    let words: Vec<(String, u64)> = WORDS
         .split_whitespace()
         .enumerate()
-        .map(|(i, w)| (w, 1000 / (i as u64 + 10) + 1))
+        .map(|(i, w)| (format!("{SPACE}{w}"), 1000 / (i as u64 + 10) + 1))
         .collect();
+    let words: Vec<(&str, u64)> = words.iter().map(|(w, n)| (w.as_str(), *n)).collect();
     for p in bpe_merges(&words, n_merged) {
         add(p, &mut normal, &mut merged);
     }
