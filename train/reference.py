@@ -4,8 +4,12 @@ dequantized by the `gguf` package (llama.cpp's own Python reader), over a fixed 
 one row of vocab logits per prompt position) into the checkpoint directory; the runtime's CPU
 logits are tested against them (tests/tests/trained_default.rs).
 
-Usage: python3 train/reference.py DIR     (DIR holds model.gguf, config.json, tokenizer.json)
+Usage: python3 train/reference.py DIR [--out OUT] [--prompt TEXT]
+(DIR holds model.gguf, config.json, tokenizer.json; OUT defaults to DIR.) Any checkpoint this
+script's model reads: xing4_0, and deepseek2 without hyper-connections (tests/tests/reference/).
 """
+
+import argparse
 
 import json
 import os
@@ -27,23 +31,29 @@ PROMPT = (
 
 
 def main():
-    d = sys.argv[1]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir")
+    ap.add_argument("--out")
+    ap.add_argument("--prompt", default=PROMPT)
+    args = ap.parse_args()
+    d, out = args.dir, args.out or args.dir
+    os.makedirs(out, exist_ok=True)
     cfg = Config.load(os.path.join(d, "config.json"))
     tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
-    ids = tok.encode(PROMPT, add_special_tokens=False).ids
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids
     torch.manual_seed(0)
     model = Xing4(cfg).eval()
     load_gguf_weights(model, os.path.join(d, "model.gguf"))
     with torch.no_grad():
         logits = model(torch.tensor([ids]))[0].float().numpy()
-    logits.astype("<f4").tofile(os.path.join(d, "oracle-logits.f32"))
-    with open(os.path.join(d, "oracle.json"), "w") as f:
+    logits.astype("<f4").tofile(os.path.join(out, "oracle-logits.f32"))
+    with open(os.path.join(out, "oracle.json"), "w") as f:
         json.dump(
             {
                 "made_by": "train/reference.py: train/xing4.py's forward in f32 on the CPU over "
                 "model.gguf dequantized by the gguf package",
                 "torch": torch.__version__,
-                "prompt": PROMPT,
+                "prompt": args.prompt,
                 "tokens": ids,
                 "n_vocab": cfg.vocab,
                 "logits": "oracle-logits.f32",

@@ -1,4 +1,7 @@
-"""The Xing4.0 forward pass of spec/MODEL.md §3 in PyTorch, for training and as an oracle.
+"""The Xing4.0 forward pass of spec/MODEL.md §3 in PyTorch, for training and as an oracle; with
+`hc_mult` absent it is the deepseek2 trunk (a plain residual stream), with `q_lora_rank` null the
+query is projected directly (`attn_q`), and with `scoring_func` softmax the router is
+DeepSeek-V2's (softmax scores, no selection bias).
 
 Parameters carry the GGUF tensor names (`blk.3.attn_q_a.weight`) and the PyTorch shape, which is
 the GGUF `ne` reversed (a linear layer is `[out, in]`). The attention is computed in the expanded
@@ -26,7 +29,7 @@ class Config:
         self.n_nextn = c.get("num_nextn_predict_layers", 0)
         self.n_dense = c["first_k_dense_replace"]
         self.n_head = c["num_attention_heads"]
-        self.q_lora = c["q_lora_rank"]
+        self.q_lora = c.get("q_lora_rank") or 0
         self.kv_lora = c["kv_lora_rank"]
         self.nope = c["qk_nope_head_dim"]
         self.rope = c["qk_rope_head_dim"]
@@ -44,13 +47,15 @@ class Config:
         self.beta_fast = y.get("beta_fast", 32.0)
         self.beta_slow = y.get("beta_slow", 1.0)
         self.mscale_all_dim = y.get("mscale_all_dim", 0.0)
-        self.hc = c["hc_mult"]
-        self.sinkhorn_iters = c["hc_sinkhorn_iters"]
-        self.hc_eps = c["hc_eps"]
+        self.mscale = y.get("mscale", 1.0)
+        self.hc = c.get("hc_mult", 0)
+        self.sinkhorn_iters = c.get("hc_sinkhorn_iters", 0)
+        self.hc_eps = c.get("hc_eps", 0.0)
         self.clamp = c.get("mhc_h_res_clamp_max", 30.0)
         self.routed_scale = c["routed_scaling_factor"]
         self.norm_topk = c["norm_topk_prob"]
-        assert c["scoring_func"] == "sigmoid", "this script implements sigmoid routing only"
+        self.softmax = c["scoring_func"] == "softmax"
+        assert self.softmax or c["scoring_func"] == "sigmoid", c["scoring_func"]
 
     @staticmethod
     def load(path):
@@ -68,18 +73,23 @@ def tensor_shapes(cfg):
     for i in range(cfg.n_layer + cfg.n_nextn):
         b = f"blk.{i}."
         nextn = i >= cfg.n_layer
-        if not nextn:
+        if not nextn and cfg.hc:
             for s in ("hc_attn", "hc_ffn"):
                 out += [
                     (f"{b}{s}_fn.weight", (mix, cfg.hc * e), "hc_fn"),
                     (f"{b}{s}_base.weight", (mix,), "hc_base"),
                     (f"{b}{s}_scale.weight", (3,), "ones"),
                 ]
+        out += [(b + "attn_norm.weight", (e,), "ones")]
+        if cfg.q_lora:
+            out += [
+                (b + "attn_q_a.weight", (cfg.q_lora, e), "linear"),
+                (b + "attn_q_a_norm.weight", (cfg.q_lora,), "ones"),
+                (b + "attn_q_b.weight", (cfg.n_head * qk, cfg.q_lora), "linear"),
+            ]
+        else:
+            out += [(b + "attn_q.weight", (cfg.n_head * qk, e), "linear")]
         out += [
-            (b + "attn_norm.weight", (e,), "ones"),
-            (b + "attn_q_a.weight", (cfg.q_lora, e), "linear"),
-            (b + "attn_q_a_norm.weight", (cfg.q_lora,), "ones"),
-            (b + "attn_q_b.weight", (cfg.n_head * qk, cfg.q_lora), "linear"),
             (b + "attn_kv_a_mqa.weight", (cfg.kv_lora + cfg.rope, e), "linear"),
             (b + "attn_kv_a_norm.weight", (cfg.kv_lora,), "ones"),
             (b + "attn_k_b.weight", (cfg.n_head, cfg.kv_lora, cfg.nope), "k_b"),
@@ -95,9 +105,10 @@ def tensor_shapes(cfg):
             ]
         else:
             f, n = cfg.n_ff_exp, cfg.n_expert
+            out += [(b + "ffn_gate_inp.weight", (n, e), "linear")]
+            if not cfg.softmax:
+                out += [(b + "exp_probs_b.bias", (n,), "zeros")]
             out += [
-                (b + "ffn_gate_inp.weight", (n, e), "linear"),
-                (b + "exp_probs_b.bias", (n,), "zeros"),
                 (b + "ffn_gate_exps.weight", (n, f, e), "linear"),
                 (b + "ffn_up_exps.weight", (n, f, e), "linear"),
                 (b + "ffn_down_exps.weight", (n, e, f), "out"),
@@ -145,9 +156,14 @@ def yarn_rope_table(cfg, n_pos, device):
     pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
     extrap = pos * inv
     theta = extrap / factor * (1 - ramp) + extrap * ramp
-    mscale = 1.0 + 0.1 * cfg.mscale_all_dim * math.log(factor) if factor > 1 else 1.0
+    def get_mscale(m):
+        return 1.0 + 0.1 * m * math.log(factor) if factor > 1 else 1.0
+
+    mscale = get_mscale(cfg.mscale_all_dim)
     kq_scale = mscale * mscale / math.sqrt(cfg.nope + cfg.rope)
-    return theta.cos().float().to(device), theta.sin().float().to(device), kq_scale
+    # cos/sin magnitude (HF): mscale(factor, mscale) / mscale(factor, mscale_all_dim); 1 here.
+    g = get_mscale(cfg.mscale) / get_mscale(cfg.mscale_all_dim) if cfg.mscale_all_dim else get_mscale(cfg.mscale)
+    return (theta.cos() * g).float().to(device), (theta.sin() * g).float().to(device), kq_scale
 
 
 def rope(x, cos, sin):
@@ -237,8 +253,11 @@ class Xing4(nn.Module):
         cfg = self.cfg
         B, T, _ = a.shape
         H, nope, rp = cfg.n_head, cfg.nope, cfg.rope
-        qa = rms(a @ self.w(b + "attn_q_a.weight").t(), self.w(b + "attn_q_a_norm.weight"), cfg.eps)
-        q = (qa.to(a.dtype) @ self.w(b + "attn_q_b.weight").t()).view(B, T, H, nope + rp)
+        if cfg.q_lora:
+            qa = rms(a @ self.w(b + "attn_q_a.weight").t(), self.w(b + "attn_q_a_norm.weight"), cfg.eps)
+            q = (qa.to(a.dtype) @ self.w(b + "attn_q_b.weight").t()).view(B, T, H, nope + rp)
+        else:
+            q = (a @ self.w(b + "attn_q.weight").t()).view(B, T, H, nope + rp)
         q = q.transpose(1, 2)  # [B, H, T, qk]
         kv = a @ self.w(b + "attn_kv_a_mqa.weight").t()
         ckv = rms(kv[..., : cfg.kv_lora], self.w(b + "attn_kv_a_norm.weight"), cfg.eps).to(a.dtype)
@@ -268,8 +287,12 @@ class Xing4(nn.Module):
         z = z.reshape(-1, shape[-1])
         with torch.autocast(z.device.type, enabled=False):
             logits = z.float() @ self.w(b + "ffn_gate_inp.weight").float().t()
-            p = torch.sigmoid(logits)
-            sel = p + self.w(b + "exp_probs_b.bias").float().detach()
+            if cfg.softmax:
+                p = torch.softmax(logits, -1)
+                sel = p
+            else:
+                p = torch.sigmoid(logits)
+                sel = p + self.w(b + "exp_probs_b.bias").float().detach()
             top = sel.topk(cfg.n_used, dim=-1).indices
             wk = p.gather(1, top)
             if cfg.norm_topk:
@@ -301,6 +324,8 @@ class Xing4(nn.Module):
         cos, sin, kq_scale = yarn_rope_table(cfg, T, tokens.device)
         dt = torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) else torch.float32
         e = self.w("token_embd.weight")[tokens].float()  # [B, T, E]
+        if not cfg.hc:
+            return self.plain_forward(e, cos, sin, kq_scale, dt)
         Hs = e.reshape(B * T, 1, cfg.embd).expand(B * T, cfg.hc, cfg.embd).contiguous()
         for i in range(cfg.n_layer):
             b = f"blk.{i}."
@@ -317,6 +342,19 @@ class Xing4(nn.Module):
         if next_tokens is None or cfg.n_nextn == 0:
             return logits
         return logits, self.nextn(h.view(B, T, -1), next_tokens, cos, sin, kq_scale, dt)
+
+    def plain_forward(self, x, cos, sin, kq_scale, dt):
+        """The deepseek2 trunk: one f32 residual stream, pre-norm sub-layers."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        for i in range(cfg.n_layer):
+            b = f"blk.{i}."
+            a = rms(x, self.w(b + "attn_norm.weight"), cfg.eps).to(dt)
+            x = x + self.drop(self.attention(a, b, cos, sin, kq_scale)).float()
+            z = rms(x, self.w(b + "ffn_norm.weight"), cfg.eps).to(dt)
+            x = x + self.drop(self.ffn(z, i)).float()
+        logits = rms(x, self.w("output_norm.weight"), cfg.eps).to(dt) @ self.w("output.weight").t()
+        return logits.float()
 
     def nextn(self, h, next_tokens, cos, sin, kq_scale, dt):
         """The NextN (MTP) block (DeepSeek-V3's): the trunk's hidden state at t and the

@@ -217,6 +217,11 @@ impl LoweringOptions {
     }
 
     fn experts(&self, routes: usize, n_in: usize, target: Target) -> ExpertKernel {
+        // The fast kernels take whole 256-value chunks of the input width (a DeepSeek-V2-Lite
+        // expert's 1,408 is 5.5 of them).
+        if !n_in.is_multiple_of(256) {
+            return ExpertKernel::Generic;
+        }
         if routes <= self.expert_gemv_max_routes.min(GEMV_ROUTES_LIMIT) {
             return ExpertKernel::Gemv;
         }

@@ -248,7 +248,8 @@ impl HParams {
         let n_nextn = r.opt_usize("nextn_predict_layers").unwrap_or(0);
         let n_head = r.usize("attention.head_count");
         let n_head_kv = r.usize("attention.head_count_kv");
-        let q_lora_rank = r.usize("attention.q_lora_rank");
+        // Absent (DeepSeek-V2-Lite): the query is projected directly (`attn_q`), no low rank.
+        let q_lora_rank = r.opt_usize("attention.q_lora_rank").unwrap_or(0);
         let kv_lora_rank = r.usize("attention.kv_lora_rank");
         let key_length = r.usize("attention.key_length");
         let value_length = r.usize("attention.value_length");
@@ -339,7 +340,6 @@ impl HParams {
         for (key, v) in [
             ("embedding_length", h.n_embd),
             ("attention.head_count", n_head),
-            ("attention.q_lora_rank", q_lora_rank),
             ("attention.kv_lora_rank", kv_lora_rank),
             ("attention.value_length_mla", v_head),
             ("rope.dimension_count", rope_dim),
@@ -448,7 +448,9 @@ impl HParams {
         put("attention.value_length", u(self.value_length));
         put("attention.key_length_mla", u(self.qk_nope + self.qk_rope));
         put("attention.value_length_mla", u(self.v_head));
-        put("attention.q_lora_rank", u(self.q_lora_rank));
+        if self.q_lora_rank > 0 {
+            put("attention.q_lora_rank", u(self.q_lora_rank));
+        }
         put("attention.kv_lora_rank", u(self.kv_lora_rank));
         put("attention.layer_norm_rms_epsilon", Value::F32(self.rms_eps));
         put("rope.dimension_count", u(self.rope_dim));

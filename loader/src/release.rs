@@ -580,12 +580,17 @@ pub fn cross_check(meta: &Metadata, cfg: &ReleaseConfig) -> Result<(), CrossChec
             want.to_string(),
         );
     }
-    if let Some(m) = rs.mscale.filter(|&m| m != 1.0) {
+    // The header cannot carry HF's mscale; the runtime takes it equal to mscale_all_dim (1.0
+    // where that is absent), as every DeepSeek-V2/V3 and Xing4.0 config has it.
+    let msad = rs.mscale_all_dim.filter(|&m| m != 0.0).unwrap_or(1.0);
+    if let Some(m) = rs.mscale.filter(|&m| !close(m, msad)) {
         c.require(
             "config.json rope_scaling.mscale".into(),
             Some(m.to_string()),
             false,
-            "1.0 (the YaRN magnitude formulas assume it)",
+            &format!(
+                "{msad} (rope_scaling.mscale_all_dim: the YaRN magnitudes assume they are equal)"
+            ),
         );
     }
 

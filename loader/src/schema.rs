@@ -74,7 +74,8 @@ const COMMON_KEYS: &[(&str, KeyKind, bool)] = &[
     ("attention.value_length", U32, true),
     ("attention.key_length_mla", U32, true),
     ("attention.value_length_mla", U32, true),
-    ("attention.q_lora_rank", U32, true),
+    // Absent: no low-rank query (`attn_q` instead of `attn_q_a`/`attn_q_a_norm`/`attn_q_b`).
+    ("attention.q_lora_rank", U32, false),
     ("attention.kv_lora_rank", U32, true),
     ("attention.layer_norm_rms_epsilon", F32, true),
     ("rope.dimension_count", U32, true),

@@ -10,7 +10,7 @@ mod tensors;
 pub use tensors::tensors;
 
 use graph::{GraphBuilder, GraphError, StepShape, ValueId};
-use loader::hparams::HParams;
+use loader::hparams::{ExpertGating, HParams};
 use ops::TensorMeta;
 use ops::elementwise::{Add, SwiGlu};
 use ops::embedding::Embedding;
@@ -31,6 +31,17 @@ pub struct StepInputs {
     pub row_seq: ValueId,
 }
 
+/// The query projection's weights: low-rank with a norm between (`attn_q_a`, `attn_q_a_norm`,
+/// `attn_q_b`), or one matrix (`attn_q`) where `q_lora_rank` is 0.
+enum QueryWeights {
+    LowRank {
+        a: ValueId,
+        norm: ValueId,
+        b: ValueId,
+    },
+    Direct(ValueId),
+}
+
 /// The per-model constants every sub-layer declaration needs.
 #[derive(Clone, Debug)]
 pub struct Trunk {
@@ -43,14 +54,21 @@ impl Trunk {
     pub fn new(h: HParams) -> Trunk {
         let (rope, mscale_all_dim) = match &h.yarn {
             Some(y) => {
-                // The header stores 0.1·mscale_all_dim (spec §1.1); HF's mscale is 1 (checked at load).
+                // The header stores 0.1·mscale_all_dim (spec §1.1). HF's mscale is not in the
+                // header: it equals mscale_all_dim in every DeepSeek-V2/V3 and Xing4.0 config
+                // (checked at load against config.json), so cos/sin keep magnitude 1 and the
+                // attention scale is mscale(factor, mscale_all_dim)², as HF computes them.
                 let mscale_all_dim = y.log_multiplier / 0.1;
                 let yarn = Yarn {
                     factor: y.factor,
                     n_ctx_orig: y.orig_ctx as usize,
                     beta_fast: y.beta_fast,
                     beta_slow: y.beta_slow,
-                    mscale: 1.0,
+                    mscale: if mscale_all_dim != 0.0 {
+                        mscale_all_dim
+                    } else {
+                        1.0
+                    },
                     mscale_all_dim,
                 };
                 (
@@ -149,18 +167,34 @@ impl Trunk {
             &format!("blk.{layer}.kv"),
             TensorMeta::f32([shape.pool.rows(), self.kv_width()]),
         );
-        let w_qa = self.w(b, layer, "attn_q_a")?;
-        let w_qa_norm = self.w(b, layer, "attn_q_a_norm")?;
-        let w_qb = self.w(b, layer, "attn_q_b")?;
+        // The query: through the low rank and its norm, or (q_lora_rank 0) directly.
+        let w_q = if h.q_lora_rank > 0 {
+            QueryWeights::LowRank {
+                a: self.w(b, layer, "attn_q_a")?,
+                norm: self.w(b, layer, "attn_q_a_norm")?,
+                b: self.w(b, layer, "attn_q_b")?,
+            }
+        } else {
+            QueryWeights::Direct(self.w(b, layer, "attn_q")?)
+        };
         let w_kva = self.w(b, layer, "attn_kv_a_mqa")?;
         let w_kva_norm = self.w(b, layer, "attn_kv_a_norm")?;
         let w_kb = self.w(b, layer, "attn_k_b")?;
         let w_vb = self.w(b, layer, "attn_v_b")?;
         let w_o = self.w(b, layer, "attn_output")?;
         b.scope("attn", |b| {
-            let qa = b.op1("q_a", Linear::default(), &[a, w_qa])?;
-            let qa = self.rms(b, "q_a_norm", qa, w_qa_norm)?;
-            let q = b.op1("q_b", Linear::default(), &[qa, w_qb])?;
+            let q = match w_q {
+                QueryWeights::LowRank {
+                    a: w_qa,
+                    norm,
+                    b: w_qb,
+                } => {
+                    let qa = b.op1("q_a", Linear::default(), &[a, w_qa])?;
+                    let qa = self.rms(b, "q_a_norm", qa, norm)?;
+                    b.op1("q_b", Linear::default(), &[qa, w_qb])?
+                }
+                QueryWeights::Direct(w_q) => b.op1("q", Linear::default(), &[a, w_q])?,
+            };
             let kv = b.op1("kv_a", Linear::default(), &[a, w_kva])?;
             let query = MlaQuery {
                 n_head: h.n_head,
@@ -233,7 +267,10 @@ impl Trunk {
             return b.scope("ffn", |b| self.swiglu_ffn(b, layer, "", z));
         }
         let w_router = self.w(b, layer, "ffn_gate_inp")?;
-        let bias = b.weight(&format!("blk.{layer}.exp_probs_b.bias"))?;
+        let bias = match h.expert_gating {
+            ExpertGating::Sigmoid => Some(b.weight(&format!("blk.{layer}.exp_probs_b.bias"))?),
+            ExpertGating::Softmax => None,
+        };
         let w_gate = self.w(b, layer, "ffn_gate_exps")?;
         let w_up = self.w(b, layer, "ffn_up_exps")?;
         let w_down = self.w(b, layer, "ffn_down_exps")?;
@@ -246,7 +283,8 @@ impl Trunk {
                 scale: h.expert_weights_scale,
                 kernel: Default::default(),
             };
-            let [ids, weights] = b.opn("router", router, &[z, w_router, bias])?;
+            let inputs: Vec<ValueId> = [z, w_router].into_iter().chain(bias).collect();
+            let [ids, weights] = b.opn("router", router, &inputs)?;
             // Routes grouped by expert: where each expert's routes start, and each route's
             // token and top-k slot.
             let plan = RoutePlan {

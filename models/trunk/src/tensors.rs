@@ -7,7 +7,7 @@
 //! logits are ≈ N(0, 1), far apart relative to float noise; `exp_probs_b` is small (std 0.02).
 
 use loader::GgmlType::{self, BF16, F32, IQ4_NL, Q6_K};
-use loader::hparams::HParams;
+use loader::hparams::{ExpertGating, HParams};
 use loader::schema::{ANY, F32_ONLY, FLOAT, Init, TensorRule};
 
 const NORM: Init = Init::Around {
@@ -72,9 +72,13 @@ pub fn tensors(
         }
         let qk = h.qk_nope + h.qk_rope;
         t.norm(b("attn_norm.weight"), e);
-        t.matrix(b("attn_q_a.weight"), &[e, h.q_lora_rank], BF16);
-        t.norm(b("attn_q_a_norm.weight"), h.q_lora_rank);
-        t.matrix(b("attn_q_b.weight"), &[h.q_lora_rank, h.n_head * qk], BF16);
+        if h.q_lora_rank > 0 {
+            t.matrix(b("attn_q_a.weight"), &[e, h.q_lora_rank], BF16);
+            t.norm(b("attn_q_a_norm.weight"), h.q_lora_rank);
+            t.matrix(b("attn_q_b.weight"), &[h.q_lora_rank, h.n_head * qk], BF16);
+        } else {
+            t.matrix(b("attn_q.weight"), &[e, h.n_head * qk], BF16);
+        }
         let kv_a = [e, h.kv_lora_rank + h.qk_rope];
         t.matrix(b("attn_kv_a_mqa.weight"), &kv_a, BF16);
         t.norm(b("attn_kv_a_norm.weight"), h.kv_lora_rank);
@@ -91,8 +95,12 @@ pub fn tensors(
         } else {
             let (f, n) = (h.n_ff_exp, h.n_expert);
             t.push(b("ffn_gate_inp.weight"), &[e, n], FLOAT, F32, linear(e));
-            let bias = Init::Normal { std: 0.02 };
-            t.push(b("exp_probs_b.bias"), &[n], F32_ONLY, F32, bias);
+            // The selection bias of sigmoid (noaux_tc) routing; softmax-routed checkpoints
+            // (DeepSeek-V2) have none.
+            if h.expert_gating == ExpertGating::Sigmoid {
+                let bias = Init::Normal { std: 0.02 };
+                t.push(b("exp_probs_b.bias"), &[n], F32_ONLY, F32, bias);
+            }
             t.matrix(b("ffn_gate_exps.weight"), &[e, f, n], IQ4_NL);
             t.matrix(b("ffn_up_exps.weight"), &[e, f, n], IQ4_NL);
             t.matrix(b("ffn_down_exps.weight"), &[f, e, n], IQ4_NL);

@@ -84,6 +84,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
     match kernel {
         ExpertKernel::Gemv => "gemv",
         ExpertKernel::Skinny => "skinny",
+        ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
     }
@@ -273,6 +274,59 @@ fn skinny_expert_cases(v: &mut Vec<ParityCase>) {
     }
 }
 
+/// The generic kernel on input widths the others cannot split (not whole 256-value chunks:
+/// DeepSeek-V2-Lite's 1,408 and small test models' 96 or 160), with 1, 2, 7, 32 and 129
+/// tokens' routes (experts with none, one and many routes).
+fn generic_expert_cases(v: &mut Vec<ParityCase>) {
+    let kernel = ExpertKernel::Generic;
+    for (d, ff, n) in [
+        (160, 96, 1),
+        (160, 96, 2),
+        (256, 1408, 7),
+        (96, 160, 32),
+        (160, 96, 129),
+    ] {
+        v.push(ParityCase::new(
+            format!("expert_swiglu/generic d={d} ff={ff} routes={}", n * TOPK),
+            ExpertSwiGlu {
+                n_expert: X_NE,
+                n_ff: ff,
+                kernel,
+            },
+            41 + n as u64,
+            swiglu_gemv_bound(d),
+            move |r| {
+                let plan = plan_for(r, n, X_NE, TOPK);
+                vec![
+                    uniform(r, &[n, d], -1.0, 1.0),
+                    iq4_weight(r, X_NE, ff, d),
+                    iq4_weight(r, X_NE, ff, d),
+                    plan[0].clone(),
+                    plan[1].clone(),
+                ]
+            },
+        ));
+        v.push(ParityCase::new(
+            format!("expert_down/generic d={d} ff={ff} routes={}", n * TOPK),
+            ExpertDown {
+                n_expert: X_NE,
+                n_embd: d,
+                kernel,
+            },
+            51 + n as u64,
+            nmse_f32_dot(ff),
+            move |r| {
+                let plan = plan_for(r, n, X_NE, TOPK);
+                vec![
+                    uniform(r, &[n * TOPK, ff], -1.0, 1.0),
+                    iq4_weight(r, X_NE, d, ff),
+                    plan[0].clone(),
+                ]
+            },
+        ));
+    }
+}
+
 pub fn cases() -> Vec<ParityCase> {
     let mut v = Vec::new();
     router_cases(&mut v);
@@ -293,6 +347,7 @@ pub fn cases() -> Vec<ParityCase> {
         ));
     }
     expert_cases(&mut v);
+    generic_expert_cases(&mut v);
     for (kernel, n, shared) in [
         (TopKKernel::Scan, 1, true),
         (TopKKernel::Scan, 4, false),

@@ -270,6 +270,7 @@ pub(super) fn expert_launch(
         ExpertKernel::Gemv => None,
         ExpertKernel::Grouped(tc) => Some(tc),
         ExpertKernel::Skinny => None,
+        ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     for w in std::iter::once(a.wa).chain(a.wb) {
         if w.meta.dtype != DType::IQ4_NL {
@@ -383,6 +384,60 @@ pub(super) fn expert_launch(
             a.x_rows,
             a.routes,
         )
+    }
+}
+
+/// `expert_generic_iq4` (moe.cu): any input width of whole 32-value blocks.
+fn launch_expert_generic(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), OpError> {
+    for w in std::iter::once(a.wa).chain(a.wb) {
+        if w.meta.dtype != DType::IQ4_NL {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the CUDA kernels read expert weights as IQ4_NL, found {}",
+                    w.meta
+                ),
+            ));
+        }
+    }
+    if a.n_in == 0 || !a.n_in.is_multiple_of(32) {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the expert input width must be whole IQ4_NL blocks of 32, found {}",
+                a.n_in
+            ),
+        ));
+    }
+    let i = |what, v| dim_i32(op, what, v);
+    // Eight warps a block, a warp an output row at a time; enough row tiles to fill the card
+    // when routes are few.
+    let row_tiles = a.n_out.div_ceil(8).min(64);
+    let kern = ctx.kernel("moe.cu", MOE_CU, "expert_generic_iq4")?;
+    // SAFETY: argument list matches expert_generic_iq4; weights, inputs and outputs were
+    // checked by check_device against the op's shapes; the kernel bounds-checks route ids,
+    // tokens and experts.
+    unsafe {
+        ctx.device
+            .launch(&kern)
+            .grid((
+                i("row tiles", row_tiles)? as u32,
+                i("routes", a.routes)? as u32,
+            ))
+            .block(256)
+            .arg(a.wa.ptr)
+            .arg(a.wb.map_or(0, |w| w.ptr))
+            .arg(a.x.ptr)
+            .arg(a.offsets)
+            .arg(a.route_token)
+            .arg(a.y)
+            .arg(i("input width", a.n_in)?)
+            .arg(i("rows", a.n_out)?)
+            .arg(i("n_expert", a.n_expert)?)
+            .arg(i("input rows", a.x_rows)?)
+            .arg(i("routes", a.routes)?)
+            .enqueue()
+            .map_err(dev_err)
     }
 }
 

@@ -126,6 +126,9 @@ pub enum ExpertKernel {
     /// The skinny grouped product for a decode step's few routes an expert (weights as the
     /// MMA's A operand, routes padded to 8 or 16, the input width split over warps).
     Skinny,
+    /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
+    /// 256-value chunks: one route a block, its expert's rows read once a route.
+    Generic,
 }
 
 impl ExpertKernel {
@@ -136,6 +139,7 @@ impl ExpertKernel {
             ExpertKernel::Grouped(TcKernel::MmaSync) => " [grouped mma.sync]",
             ExpertKernel::Grouped(TcKernel::Wgmma) => " [grouped wgmma]",
             ExpertKernel::Skinny => " [skinny]",
+            ExpertKernel::Generic => " [generic]",
         }
     }
 }

@@ -420,6 +420,69 @@ DENSE_SWIGLU_ROWS(2)
 DENSE_SWIGLU_ROWS(4)
 DENSE_SWIGLU_ROWS(8)
 
+// ---- any width: one route a block ------------------------------------------------------------
+//
+// For input widths of whole IQ4_NL blocks (32 values) that the kernels above cannot split
+// (they take whole 256-value chunks). blockIdx.y = route r, whose expert is found by a binary
+// search of the CSR offsets (routes past the last expert's end are unused and skipped);
+// warps take output rows, lanes take blocks lane, lane+32, ... in order and the warp sums
+// in a fixed tree, so two runs give the same bits. It reads an expert's rows once a route,
+// not once a step: correct for every legal shape, fast for none.
+__device__ __forceinline__ float iq4_block_dot(const unsigned char* __restrict__ b,
+                                               const float* __restrict__ x) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int q = b[2 + j];
+        s = fmaf((float)iq4_code(q & 15), x[j], s);
+        s = fmaf((float)iq4_code(q >> 4), x[j + 16], s);
+    }
+    return h2f(ld_u16(b)) * s;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+expert_generic_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+                   const float* __restrict__ x, const int* __restrict__ offsets,
+                   const int* __restrict__ route_token, float* __restrict__ y, int n_in,
+                   int n_out, int n_expert, int n_x_rows, int n_routes) {
+    PDL_ENTER();
+    const int r = blockIdx.y;
+    if (r >= n_routes || r < offsets[0] || r >= offsets[n_expert]) return;
+    int lo = 0, hi = n_expert;  // offsets[lo] <= r < offsets[hi]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (offsets[mid] <= r) lo = mid; else hi = mid;
+    }
+    const int e = lo;
+    const bool swiglu = Wb != nullptr;
+    const int xrow = swiglu ? route_token[r] : r;
+    if (xrow < 0 || xrow >= n_x_rows) return;
+    const float* xr = x + (long long)xrow * n_in;
+    const int nb = n_in >> 5;
+    const long long row_bytes = (long long)nb * 18;
+    const long long mat = (long long)n_out * row_bytes;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int o = blockIdx.x * 8 + warp; o < n_out; o += gridDim.x * 8) {
+        const unsigned char* wa = Wa + e * mat + o * row_bytes;
+        // Wa's row: the gate (SwiGLU) or the down projection; Wb's: the up projection.
+        float sa = 0.0f, sb = 0.0f;
+        for (int b = lane; b < nb; b += 32) sa += iq4_block_dot(wa + b * 18, xr + b * 32);
+        sa = warp_sum(sa);
+        if (swiglu) {
+            const unsigned char* wb = Wb + e * mat + o * row_bytes;
+            for (int b = lane; b < nb; b += 32) sb += iq4_block_dot(wb + b * 18, xr + b * 32);
+            sb = warp_sum(sb);
+        }
+        if (lane == 0) y[(long long)r * n_out + o] = swiglu ? silu_times(sa, sb) : sa;
+    }
+}
+
 // ---- prefill path: the grouped GEMM over the CSR table runs on the tensor cores
 // (moe_prefill.cu, launched by `expert_launch` above GEMV_MAX_ROUTES routes).
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 use clap::Parser;
-use loader::hparams::Arch;
+use loader::hparams::{Arch, ExpertGating};
 use models::synth::{Dims, Preset, SynthOptions, write_checkpoint, write_trained_checkpoint};
 
 #[derive(Parser, Debug)]
@@ -15,7 +15,8 @@ struct Args {
     #[arg(long, default_value = "xing4_0")]
     arch: String,
     /// Dimension preset: tiny (<2 MB), small (tens of MB), full (the released dims, ~20 GB),
-    /// trained (the trained default model's dims, ~13 MB).
+    /// trained (the trained default model's dims, ~13 MB), lite (DeepSeek-V2-Lite's shapes and
+    /// routing, with --arch deepseek2; ~9 GB).
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// Output directory.
@@ -80,6 +81,18 @@ struct Args {
     yarn_factor: Option<f32>,
     #[arg(long)]
     yarn_orig_ctx: Option<usize>,
+    /// HF `rope_scaling.mscale_all_dim` (the header stores 0.1 × it).
+    #[arg(long)]
+    mscale_all_dim: Option<f32>,
+    /// Router scores: sigmoid (with a selection bias, as the release) or softmax (DeepSeek-V2).
+    #[arg(long)]
+    gating: Option<String>,
+    /// Renormalise the top-k routing weights: true or false.
+    #[arg(long)]
+    norm_topk: Option<bool>,
+    /// routed_scaling_factor.
+    #[arg(long)]
+    routed_scale: Option<f32>,
 }
 
 fn main() -> Result<()> {
@@ -89,7 +102,7 @@ fn main() -> Result<()> {
     };
     let Some(preset) = Preset::from_name(&a.preset) else {
         bail!(
-            "--preset {:?}: expected tiny, small, full or trained",
+            "--preset {:?}: expected tiny, small, full, trained or lite",
             a.preset
         );
     };
@@ -123,6 +136,22 @@ fn main() -> Result<()> {
     set(&mut d.yarn_orig_ctx, a.yarn_orig_ctx);
     if let Some(f) = a.yarn_factor {
         d.yarn_factor = f;
+    }
+    if let Some(m) = a.mscale_all_dim {
+        d.mscale_all_dim = m;
+    }
+    if let Some(g) = &a.gating {
+        d.gating = match g.as_str() {
+            "sigmoid" => ExpertGating::Sigmoid,
+            "softmax" => ExpertGating::Softmax,
+            _ => bail!("--gating {g:?}: expected sigmoid or softmax"),
+        };
+    }
+    if let Some(n) = a.norm_topk {
+        d.norm_topk = n;
+    }
+    if let Some(s) = a.routed_scale {
+        d.routed_scale = s;
     }
     let opts = SynthOptions {
         arch,

@@ -36,6 +36,10 @@ pub enum Preset {
     /// The trained default model's dimensions (`train/`): ~13 MB, and every width one the GPU
     /// kernels take.
     Trained,
+    /// DeepSeek-V2-Lite's shapes (`--arch deepseek2`): no low-rank query, softmax routing
+    /// without a selection bias, top-6 of 64 experts of width 1,408 plus 2 shared, one leading
+    /// dense block, vocabulary 102,400 (~9 GB).
+    Lite,
 }
 
 impl Preset {
@@ -45,6 +49,7 @@ impl Preset {
             "small" => Some(Preset::Small),
             "full" => Some(Preset::Full),
             "trained" => Some(Preset::Trained),
+            "lite" => Some(Preset::Lite),
             _ => None,
         }
     }
@@ -77,7 +82,42 @@ pub struct Dims {
     pub hc: usize,
     pub yarn_factor: f32,
     pub yarn_orig_ctx: usize,
+    /// HF `rope_scaling.mscale_all_dim` (the GGUF stores 0.1 × it).
+    pub mscale_all_dim: f32,
+    pub gating: ExpertGating,
+    /// Renormalise the top-k weights.
+    pub norm_topk: bool,
+    /// `routed_scaling_factor`.
+    pub routed_scale: f32,
 }
+
+/// The release's routing and YaRN magnitudes, which every preset but `lite` shares.
+const XING4_ROUTING: Dims = Dims {
+    n_embd: 0,
+    n_layer: 0,
+    n_nextn: 0,
+    n_dense: 0,
+    n_head: 0,
+    q_lora: 0,
+    kv_lora: 0,
+    qk_nope: 0,
+    qk_rope: 0,
+    v_head: 0,
+    n_ff: 0,
+    n_ff_exp: 0,
+    n_expert: 0,
+    n_expert_used: 0,
+    n_expert_shared: 0,
+    n_vocab: 0,
+    n_ctx: 0,
+    hc: 0,
+    yarn_factor: 1.0,
+    yarn_orig_ctx: 0,
+    mscale_all_dim: 1.0,
+    gating: ExpertGating::Sigmoid,
+    norm_topk: true,
+    routed_scale: 2.0,
+};
 
 impl Dims {
     pub fn preset(p: Preset) -> Dims {
@@ -103,6 +143,7 @@ impl Dims {
                 hc: 4,
                 yarn_factor: 4.0,
                 yarn_orig_ctx: 4096,
+                ..XING4_ROUTING
             },
             Preset::Small => Dims {
                 n_embd: 512,
@@ -125,6 +166,7 @@ impl Dims {
                 hc: 4,
                 yarn_factor: 4.0,
                 yarn_orig_ctx: 4096,
+                ..XING4_ROUTING
             },
             Preset::Trained => Dims {
                 n_embd: 256,
@@ -147,6 +189,33 @@ impl Dims {
                 hc: 4,
                 yarn_factor: 4.0,
                 yarn_orig_ctx: 4096,
+                ..XING4_ROUTING
+            },
+            Preset::Lite => Dims {
+                n_embd: 2048,
+                n_layer: 27,
+                n_nextn: 0,
+                n_dense: 1,
+                n_head: 16,
+                q_lora: 0,
+                kv_lora: 512,
+                qk_nope: 128,
+                qk_rope: 64,
+                v_head: 128,
+                n_ff: 10944,
+                n_ff_exp: 1408,
+                n_expert: 64,
+                n_expert_used: 6,
+                n_expert_shared: 2,
+                n_vocab: 102400,
+                n_ctx: 163840,
+                hc: 0,
+                yarn_factor: 40.0,
+                yarn_orig_ctx: 4096,
+                mscale_all_dim: 0.707,
+                gating: ExpertGating::Softmax,
+                norm_topk: false,
+                routed_scale: 1.0,
             },
             Preset::Full => Dims {
                 n_embd: 3584,
@@ -169,6 +238,7 @@ impl Dims {
                 hc: 4,
                 yarn_factor: 64.0,
                 yarn_orig_ctx: 4096,
+                ..XING4_ROUTING
             },
         }
     }
@@ -222,7 +292,6 @@ impl Dims {
         }
         for (flag, v) in [
             ("--n-head", d.n_head),
-            ("--q-lora", d.q_lora),
             ("--kv-lora", d.kv_lora),
             ("--qk-nope", d.qk_nope),
             ("--v-head", d.v_head),
@@ -253,9 +322,9 @@ impl Dims {
             n_expert_used: d.n_expert_used,
             n_expert_shared: d.n_expert_shared,
             n_dense_lead: d.n_dense,
-            expert_weights_scale: 2.0,
-            expert_weights_norm: true,
-            expert_gating: ExpertGating::Sigmoid,
+            expert_weights_scale: d.routed_scale,
+            expert_weights_norm: d.norm_topk,
+            expert_gating: d.gating,
             rms_eps: 1e-6,
             rope_freq_base: 10000.0,
             rope_dim: d.qk_rope,
@@ -264,7 +333,7 @@ impl Dims {
                 orig_ctx: d.yarn_orig_ctx as u32,
                 beta_fast: 32.0,
                 beta_slow: 1.0,
-                log_multiplier: 0.1 * MSCALE_ALL_DIM,
+                log_multiplier: 0.1 * d.mscale_all_dim,
             }),
             hc: (arch == Arch::Xing4_0).then_some(HcParams {
                 count: d.hc,
@@ -275,7 +344,6 @@ impl Dims {
     }
 }
 
-const MSCALE_ALL_DIM: f32 = 1.0;
 /// The comb-logit clamp of `config.json` (spec §1.2).
 pub const HC_CLAMP: f64 = 30.0;
 /// Rows generated and quantized per parallel batch: bounds memory for the largest tensors.
@@ -546,6 +614,8 @@ pub fn config_json(h: &HParams) -> Json {
         Arch::Deepseek2 => ("DeepseekV3ForCausalLM", "deepseek_v3"),
     };
     let yarn = h.yarn.map(|y| {
+        // The header's 0.1·mscale_all_dim, back to six significant digits.
+        let msad = (dec(y.log_multiplier) * 10.0 * 1e6).round() / 1e6;
         json!({
             "type": "yarn",
             "rope_type": "yarn",
@@ -553,8 +623,9 @@ pub fn config_json(h: &HParams) -> Json {
             "original_max_position_embeddings": y.orig_ctx,
             "beta_fast": dec(y.beta_fast),
             "beta_slow": dec(y.beta_slow),
-            "mscale": 1.0,
-            "mscale_all_dim": dec(MSCALE_ALL_DIM),
+            // HF's mscale equals mscale_all_dim in every release (what the runtime assumes).
+            "mscale": msad,
+            "mscale_all_dim": msad,
         })
     });
     let mut c = json!({
@@ -573,13 +644,17 @@ pub fn config_json(h: &HParams) -> Json {
         "num_experts_per_tok": h.n_expert_used,
         "routed_scaling_factor": dec(h.expert_weights_scale),
         "scoring_func": h.expert_gating.name(),
-        "topk_method": "noaux_tc",
+        "topk_method": match h.expert_gating {
+            ExpertGating::Sigmoid => "noaux_tc",
+            ExpertGating::Softmax => "greedy",
+        },
         "n_group": 1,
         "topk_group": 1,
         "norm_topk_prob": h.expert_weights_norm,
         "moe_layer_freq": 1,
         "first_k_dense_replace": h.n_dense_lead,
-        "q_lora_rank": h.q_lora_rank,
+        // No low-rank query: null, as DeepSeek-V2-Lite's config has it.
+        "q_lora_rank": (h.q_lora_rank > 0).then_some(h.q_lora_rank),
         "kv_lora_rank": h.kv_lora_rank,
         "qk_nope_head_dim": h.qk_nope,
         "qk_rope_head_dim": h.qk_rope,
