@@ -314,6 +314,9 @@ impl Trunk {
                 kernel: Default::default(),
             };
             let routed = b.op1("routed_sum", sum, &[per_route, route_slot, weights])?;
+            if h.n_expert_shared == 0 {
+                return Ok(routed);
+            }
             let shared = b.scope("shared", |b| self.swiglu_ffn(b, layer, "_shexp", z))?;
             b.op1("plus_shared", Add, &[routed, shared])
         })

@@ -92,6 +92,18 @@ pub fn cases() -> Vec<ParityCase> {
     for dtype in [DType::BF16, DType::IQ4_NL, DType::Q8_0, DType::Q6_K] {
         v.push(linear("shared down", GEMV, dtype, 4, 1024, 3584));
     }
+    // Widths of shapes nobody tuned for: one BF16 token whose row is not whole 32-lane rounds
+    // of 16-byte units (an attention output of 5 or 7 heads of 128, a hidden width of 768),
+    // and an IQ4_NL row that is not whole 256-value chunks (DeepSeek-V2-Lite's dense FFN).
+    for (name, dtype, k, o, n) in [
+        ("5 heads of 128", DType::BF16, 640, 512, 1),
+        ("hidden 768", DType::BF16, 768, 192, 1),
+        ("7 heads of 128", DType::BF16, 896, 256, 1),
+        ("lite dense down", DType::IQ4_NL, 10944, 512, 1),
+        ("lite dense down", DType::IQ4_NL, 10944, 512, 3),
+    ] {
+        v.push(linear(name, GEMV, dtype, n, k, o));
+    }
     // Prefill: cuBLAS for BF16, the decoding mma.sync tiles for the block types.
     for (name, dtype, k, o) in [
         ("attn q_a", DType::BF16, 3584, 768),
@@ -118,19 +130,20 @@ pub fn cases() -> Vec<ParityCase> {
         (GEMV, DType::Q8_0, 3),
         (LinearKernel::TensorCore, DType::BF16, 100),
     ] {
-        let (k, o1, o2) = (3584, 768, 576);
-        v.push(ParityCase::new(
-            format!("linear_pair/q_a+kv_a {} {dtype} n={n}", label(kernel)),
-            LinearPair { kernel },
-            0x9a12 + n as u64,
-            bound(kernel, k),
-            move |r| {
-                let x = uniform(r, &[n, k], -2.0, 2.0);
-                let w1 = weight(r, dtype, &[o1, k]);
-                let w2 = weight(r, dtype, &[o2, k]);
-                vec![x, w1, w2]
-            },
-        ));
+        for (k, o1, o2) in [(3584, 768, 576), (768, 96, 192)] {
+            v.push(ParityCase::new(
+                format!("linear_pair/q_a+kv_a {} {dtype} n={n} k={k}", label(kernel)),
+                LinearPair { kernel },
+                0x9a12 + n as u64,
+                bound(kernel, k),
+                move |r| {
+                    let x = uniform(r, &[n, k], -2.0, 2.0);
+                    let w1 = weight(r, dtype, &[o1, k]);
+                    let w2 = weight(r, dtype, &[o2, k]);
+                    vec![x, w1, w2]
+                },
+            ));
+        }
     }
     // norm_linear: one BF16 token normalises inside the GEMV; the rest rms_norm, then linear.
     // The normalised x has rms about that of the norm weight, so the product's bound holds.
