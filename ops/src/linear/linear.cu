@@ -50,7 +50,13 @@ __device__ __forceinline__ void ld_words_a2(const unsigned char* p, unsigned (&o
     }
 }
 
-__device__ __forceinline__ float4 ldx4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+// Activations are written by the step's previous kernel, which under programmatic launch may
+// still be running when this one starts: read them coherently (L2), never through the
+// read-only path (__ldg), whose loads the compiler may move above griddepcontrol.wait and
+// whose cache may hold lines from before the write. With __ldg, one-token BF16 products of
+// K = 640..1,024 returned wrong sums in captured decode steps on the H200 (bench/RESULTS.md
+// 2026-12-02 (j)); graphs, programmatic launch or early weight loads turned off each cured it.
+__device__ __forceinline__ float4 ldx4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 
 // acc[t] += Σ_{i<8} w[i] · x[t][k+i] for the n ≤ NT live tokens.
 template <int NT>
