@@ -10,6 +10,8 @@
 
 use std::path::PathBuf;
 
+mod support;
+
 use engine::{Engine, EngineConfig};
 use graph::LogitRows;
 use loader::GgmlType;
@@ -86,40 +88,20 @@ fn a_lite_shaped_checkpoint_matches_the_pytorch_forward_on_the_cpu() {
         .unwrap_or_else(|e| panic!("{e:#}"));
     let reference =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference/deepseek2-lite-shaped");
-    let oracle: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(reference.join("oracle.json")).unwrap()).unwrap();
-    let tokens: Vec<u32> = oracle["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
+    let o = support::read_oracle(&reference);
+    let (tokens, want) = (&o.tokens, &o.logits);
     let tok = loaded.tokenizer.as_ref().unwrap();
-    assert_eq!(
-        tok.encode(oracle["prompt"].as_str().unwrap(), true)
-            .unwrap(),
-        tokens
-    );
-    let want: Vec<f32> = std::fs::read(reference.join("oracle-logits.f32"))
-        .unwrap()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
+    assert_eq!(tok.encode(&o.prompt, true).unwrap(), *tokens);
     let config = EngineConfig {
         max_model_len: 64,
         ..EngineConfig::default()
     };
     let got = Engine::new(loaded.model.clone(), config)
         .unwrap()
-        .forward(&tokens, LogitRows::All)
+        .forward(tokens, LogitRows::All)
         .unwrap();
     assert_eq!(got.len(), want.len());
-    let (mut d, mut n) = (0f64, 0f64);
-    for (g, w) in got.iter().zip(&want) {
-        d += (*g as f64 - *w as f64).powi(2);
-        n += (*w as f64).powi(2);
-    }
-    let rel = (d / n).sqrt();
+    let rel = support::rel_rms(&got, want);
     eprintln!("lite-shaped: relative RMS against the PyTorch forward {rel:e}");
     // Both sides compute in f32 from the same dequantized weights: summation order only.
     assert!(rel < 1e-4, "relative RMS {rel:e}");

@@ -66,18 +66,7 @@ fn greedy(e: &mut Engine, n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     (g.tokens, rows)
 }
 
-/// The gap between the best and the second-best logit.
-fn top2_gap(row: &[f32]) -> f32 {
-    let mut top = [f32::NEG_INFINITY; 2];
-    for &x in row {
-        if x > top[0] {
-            top = [x, top[0]];
-        } else if x > top[1] {
-            top[1] = x;
-        }
-    }
-    top[0] - top[1]
-}
+use support::top2_gap;
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()

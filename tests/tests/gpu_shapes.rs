@@ -19,6 +19,9 @@ use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
+mod support;
+use support::{argmax, rel_rms, top2_gap};
+
 fn gpu_present() -> bool {
     ops::parity::test_gpu().is_some()
 }
@@ -31,33 +34,6 @@ fn engine(model: Arc<Model>, device: Device, chunk: usize) -> Engine {
         ..EngineConfig::default()
     };
     Engine::new(model, config).unwrap_or_else(|e| panic!("{device}: {e}"))
-}
-
-fn rel_rms(a: &[f32], b: &[f32]) -> f64 {
-    let (mut d, mut n) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        d += (*x as f64 - *y as f64).powi(2);
-        n += (*y as f64).powi(2);
-    }
-    (d / n.max(1e-30)).sqrt()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    (0..row.len())
-        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-        .unwrap_or(0)
-}
-
-fn top2_gap(row: &[f32]) -> f32 {
-    let mut top = [f32::NEG_INFINITY; 2];
-    for &x in row {
-        if x > top[0] {
-            top = [x, top[0]];
-        } else if x > top[1] {
-            top[1] = x;
-        }
-    }
-    top[0] - top[1]
 }
 
 /// CPU and GPU on the checkpoint at `dir`: logits of a prompt (prefilled in one chunk, the
@@ -156,6 +132,20 @@ fn compare(dir: &Path, what: &str) -> Result<String, String> {
     ))
 }
 
+/// `make-model`'s checkpoint of shape `s` (seed `n`) in `dir`.
+fn write_shape(s: &Shape, n: usize, dir: &Path) -> Result<(), String> {
+    write_checkpoint(&SynthOptions {
+        arch: s.arch,
+        dims: s.dims.clone(),
+        seed: n as u64,
+        out: dir.to_path_buf(),
+        force: true,
+        progress: false,
+    })
+    .map(|_| ())
+    .map_err(|e| format!("{e:#}"))
+}
+
 #[derive(Clone, Debug)]
 struct Shape {
     arch: Arch,
@@ -244,16 +234,9 @@ fn gpu_logits_match_the_cpu_on_random_legal_shapes() {
         let dir = root.join(format!("case{n}"));
         let _ = std::fs::remove_dir_all(&dir);
         let what = format!("case {n}: {:?} {:?}", s.arch, s.dims);
-        let r = write_checkpoint(&SynthOptions {
-            arch: s.arch,
-            dims: s.dims.clone(),
-            seed: n as u64,
-            out: dir.clone(),
-            force: true,
-            progress: false,
-        })
-        .map_err(|e| format!("{what}: make-model: {e:#}"))
-        .and_then(|_| compare(&dir, &what));
+        let r = write_shape(&s, n, &dir)
+            .map_err(|e| format!("{what}: make-model: {e}"))
+            .and_then(|_| compare(&dir, &what));
         let _ = std::fs::remove_dir_all(&dir);
         match r {
             Ok(line) => eprintln!("ok {line}"),
@@ -301,15 +284,8 @@ fn random_legal_shapes_build_and_run_on_the_cpu() {
     let result = runner.run(&shapes(), |s| {
         let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
         let dir = root.join(format!("case{n}"));
-        write_checkpoint(&SynthOptions {
-            arch: s.arch,
-            dims: s.dims.clone(),
-            seed: n as u64,
-            out: dir.clone(),
-            force: true,
-            progress: false,
-        })
-        .map_err(|e| TestCaseError::fail(format!("make-model {:?}: {e:#}", s.dims)))?;
+        write_shape(&s, n, &dir)
+            .map_err(|e| TestCaseError::fail(format!("make-model {:?}: {e}", s.dims)))?;
         let loaded = models::load(&dir.join("model.gguf"), Some(&dir), false)
             .map_err(|e| TestCaseError::fail(format!("load {:?}: {e:#}", s.dims)))?;
         let logits = engine(loaded.model.clone(), Device::Cpu, 0)

@@ -1,6 +1,7 @@
 //! The embedded default model (tools/default-model) on the GPU against the oracle and the CPU.
 //! Every test skips (saying why) without a CUDA GPU.
 
+mod support;
 mod trained_support;
 
 use engine::{Device, Engine, GenerateRequest, SamplingParams};
@@ -19,9 +20,10 @@ fn the_gpu_logits_of_the_trained_default_stay_close_to_the_oracle() {
         return;
     }
     let loaded = load();
-    let (tokens, vocab, want) = oracle();
+    let o = oracle();
+    let (tokens, vocab, want) = (&o.tokens, o.n_vocab, &o.logits);
     let got = engine_on(loaded.model.clone(), Device::Cuda(0), 0)
-        .forward(&tokens, LogitRows::All)
+        .forward(tokens, LogitRows::All)
         .unwrap();
     let mut per_pos: Vec<f64> = Vec::new();
     let mut clear = 0;
@@ -37,7 +39,7 @@ fn the_gpu_logits_of_the_trained_default_stay_close_to_the_oracle() {
             assert_eq!(argmax(g), argmax(w), "position {pos}");
         }
     }
-    let all = rel_rms(&got, &want);
+    let all = rel_rms(&got, want);
     per_pos.sort_by(f64::total_cmp);
     let (median, p90) = (per_pos[per_pos.len() / 2], per_pos[per_pos.len() * 9 / 10]);
     eprintln!(

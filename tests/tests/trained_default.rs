@@ -3,30 +3,27 @@
 //! `gguf` package (`train/reference.py` wrote `oracle.json` and `oracle-logits.f32`). Trained
 //! weights, not random ones: routing with loud and quiet experts, attention with structure.
 
+mod support;
 mod trained_support;
 
 use engine::{GenerateRequest, SamplingParams};
 use graph::LogitRows;
-use trained_support::{argmax, chat_prompt, dir, engine, load, oracle, rel_rms};
+use trained_support::{argmax, chat_prompt, engine, load, oracle, rel_rms};
 
 #[test]
 fn the_cpu_logits_of_the_trained_default_match_the_training_scripts_forward() {
     let loaded = load();
-    let (tokens, vocab, want) = oracle();
+    let o = oracle();
+    let (tokens, vocab, want) = (&o.tokens, o.n_vocab, &o.logits);
     // The Python tokenizer that made the training data and the runtime's agree on the prompt.
     let tok = loaded.tokenizer.as_ref().unwrap();
-    let meta: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir().join("oracle.json")).unwrap()).unwrap();
-    assert_eq!(
-        tok.encode(meta["prompt"].as_str().unwrap(), true).unwrap(),
-        tokens
-    );
+    assert_eq!(tok.encode(&o.prompt, true).unwrap(), *tokens);
 
     let got = engine(loaded.model.clone())
-        .forward(&tokens, LogitRows::All)
+        .forward(tokens, LogitRows::All)
         .unwrap();
     assert_eq!(got.len(), want.len());
-    let all = rel_rms(&got, &want);
+    let all = rel_rms(&got, want);
     assert!(all < 2e-3, "relative RMS over every position {all:e}");
     for (pos, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let r = rel_rms(g, w);

@@ -436,20 +436,23 @@ fn draws(d: &Dims, seed: u64) -> Vec<(String, Vec<u64>, Vec<f32>)> {
         .collect()
 }
 
+/// A fresh directory, a small corpus in it, and tiny dimensions whose vocabulary it can fill.
+fn trained_setup(name: &str) -> (PathBuf, PathBuf, Dims) {
+    let dir = tmp(name);
+    fs::create_dir_all(&dir).unwrap();
+    let corpus = dir.join("corpus.txt");
+    let text = "the quick brown fox jumps over the lazy dog ".repeat(50);
+    fs::write(&corpus, text).unwrap();
+    let mut d = dims(Arch::Xing4_0);
+    d.n_vocab = models::synth::tokenizer::MIN_VOCAB + 20;
+    (dir, corpus, d)
+}
+
 /// `make-model --weights` quantizes the values it is given exactly as it quantizes its own
 /// draws: handed the draws of seed 5, it writes the tensor bytes of the seed-5 checkpoint.
 #[test]
 fn trained_weights_are_quantized_like_the_writers_own_draws() {
-    let dir = tmp("trained");
-    fs::create_dir_all(&dir).unwrap();
-    let corpus = dir.join("corpus.txt");
-    fs::write(
-        &corpus,
-        "the quick brown fox jumps over the lazy dog ".repeat(50),
-    )
-    .unwrap();
-    let mut d = dims(Arch::Xing4_0);
-    d.n_vocab = models::synth::tokenizer::MIN_VOCAB + 20;
+    let (dir, corpus, d) = trained_setup("trained");
     let weights = dir.join("w.safetensors");
     write_safetensors(&weights, &draws(&d, 5), "F32");
     let opts = |out: PathBuf| SynthOptions {
@@ -482,16 +485,7 @@ fn trained_weights_are_quantized_like_the_writers_own_draws() {
 
 #[test]
 fn trained_weights_that_do_not_fit_the_checkpoint_are_refused_by_name() {
-    let dir = tmp("trained_bad");
-    fs::create_dir_all(&dir).unwrap();
-    let corpus = dir.join("corpus.txt");
-    fs::write(
-        &corpus,
-        "the quick brown fox jumps over the lazy dog ".repeat(50),
-    )
-    .unwrap();
-    let mut d = dims(Arch::Xing4_0);
-    d.n_vocab = models::synth::tokenizer::MIN_VOCAB + 20;
+    let (dir, corpus, d) = trained_setup("trained_bad");
     let opts = SynthOptions {
         arch: Arch::Xing4_0,
         dims: d.clone(),

@@ -272,16 +272,8 @@ pub(super) fn expert_launch(
         ExpertKernel::Skinny => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
+    iq4_expert_weights(op, a)?;
     for w in std::iter::once(a.wa).chain(a.wb) {
-        if w.meta.dtype != DType::IQ4_NL {
-            return Err(OpError::shape(
-                op,
-                format!(
-                    "the CUDA kernels read expert weights as IQ4_NL, found {}",
-                    w.meta
-                ),
-            ));
-        }
         aligned16(op, "expert weight", w)?;
     }
     if !a.n_in.is_multiple_of(256) {
@@ -387,8 +379,7 @@ pub(super) fn expert_launch(
     }
 }
 
-/// `expert_generic_iq4` (moe.cu): any input width of whole 32-value blocks.
-fn launch_expert_generic(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), OpError> {
+fn iq4_expert_weights(op: &'static str, a: &Experts<'_>) -> Result<(), OpError> {
     for w in std::iter::once(a.wa).chain(a.wb) {
         if w.meta.dtype != DType::IQ4_NL {
             return Err(OpError::shape(
@@ -400,6 +391,12 @@ fn launch_expert_generic(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Res
             ));
         }
     }
+    Ok(())
+}
+
+/// `expert_generic_iq4` (moe.cu): any input width of whole 32-value blocks.
+fn launch_expert_generic(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), OpError> {
+    iq4_expert_weights(op, a)?;
     if a.n_in == 0 || !a.n_in.is_multiple_of(32) {
         return Err(OpError::shape(
             op,

@@ -42,3 +42,65 @@ pub fn synthetic(preset: Preset, seed: u64, name: &str) -> Arc<Model> {
         .unwrap()
         .model
 }
+
+/// ‖a − b‖ / ‖b‖.
+pub fn rel_rms(a: &[f32], b: &[f32]) -> f64 {
+    let (mut d, mut n) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        d += (*x as f64 - *y as f64).powi(2);
+        n += (*y as f64).powi(2);
+    }
+    (d / n.max(1e-30)).sqrt()
+}
+
+pub fn argmax(row: &[f32]) -> usize {
+    (0..row.len())
+        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+        .unwrap_or(0)
+}
+
+/// The gap between the best and the second-best logit.
+pub fn top2_gap(row: &[f32]) -> f32 {
+    let mut top = [f32::NEG_INFINITY; 2];
+    for &x in row {
+        if x > top[0] {
+            top = [x, top[0]];
+        } else if x > top[1] {
+            top[1] = x;
+        }
+    }
+    top[0] - top[1]
+}
+
+/// Logits `train/reference.py` wrote into `dir`: `oracle.json` (the prompt, its token ids, the
+/// vocabulary size) and `oracle-logits.f32` (one row a position).
+pub struct Oracle {
+    pub prompt: String,
+    pub tokens: Vec<u32>,
+    pub n_vocab: usize,
+    pub logits: Vec<f32>,
+}
+
+pub fn read_oracle(dir: &std::path::Path) -> Oracle {
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("oracle.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = meta["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let n_vocab = meta["n_vocab"].as_u64().unwrap() as usize;
+    let logits: Vec<f32> = std::fs::read(dir.join("oracle-logits.f32"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(logits.len(), tokens.len() * n_vocab);
+    Oracle {
+        prompt: meta["prompt"].as_str().unwrap().to_string(),
+        tokens,
+        n_vocab,
+        logits,
+    }
+}

@@ -1,5 +1,5 @@
 //! What the tests of the embedded default model (tools/default-model) share: loading it, the
-//! oracle's files, and logit comparisons.
+//! oracle's files (read by `support`), and the chat prompt. Needs `mod support;` beside it.
 
 #![allow(dead_code)]
 
@@ -40,51 +40,11 @@ pub fn engine_on(model: Arc<Model>, device: Device, prefill_chunk: usize) -> Eng
     Engine::new(model, config).unwrap_or_else(|e| panic!("{device}: {e}"))
 }
 
-pub fn oracle() -> (Vec<u32>, usize, Vec<f32>) {
-    let oracle: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir().join("oracle.json")).unwrap()).unwrap();
-    let tokens: Vec<u32> = oracle["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
-    let vocab = oracle["n_vocab"].as_u64().unwrap() as usize;
-    let bytes = std::fs::read(dir().join("oracle-logits.f32")).unwrap();
-    let logits: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    assert_eq!(logits.len(), tokens.len() * vocab);
-    (tokens, vocab, logits)
-}
+#[allow(unused_imports)]
+pub use crate::support::{argmax, rel_rms, top2_gap};
 
-pub fn rel_rms(a: &[f32], b: &[f32]) -> f64 {
-    let (mut d, mut n) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        d += (*x as f64 - *y as f64).powi(2);
-        n += (*y as f64).powi(2);
-    }
-    (d / n).sqrt()
-}
-
-pub fn argmax(row: &[f32]) -> usize {
-    (0..row.len())
-        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-        .unwrap_or(0)
-}
-
-/// The gap between the best and the second-best logit.
-pub fn top2_gap(row: &[f32]) -> f32 {
-    let mut top = [f32::NEG_INFINITY; 2];
-    for &x in row {
-        if x > top[0] {
-            top = [x, top[0]];
-        } else if x > top[1] {
-            top[1] = x;
-        }
-    }
-    top[0] - top[1]
+pub fn oracle() -> crate::support::Oracle {
+    crate::support::read_oracle(&dir())
 }
 
 pub fn chat_prompt(loaded: &Loaded, user: &str) -> Vec<u32> {
