@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use engine::{Device, Engine, EngineConfig, GenerateRequest, Model, SamplingParams};
+use engine::{Device, Engine, EngineConfig, Model};
 use graph::LogitRows;
 use loader::hparams::{Arch, ExpertGating};
 use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
@@ -101,14 +101,7 @@ fn compare(dir: &Path, what: &str) -> Result<String, String> {
             "{what}: median per-position relative RMS {median:.3e}"
         ));
     }
-    let req = GenerateRequest {
-        prompt: prompt.clone(),
-        max_tokens: 12,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: vec![],
-        stop_strings: vec![],
-        want_logits: false,
-    };
+    let req = support::greedy_request(prompt.clone(), 12, vec![]);
     let mut gaps = Vec::new();
     let c = engine(model.clone(), Device::Cpu, chunk)
         .generate(&req, None, |ev| {

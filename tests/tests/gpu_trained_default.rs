@@ -4,7 +4,7 @@
 mod support;
 mod trained_support;
 
-use engine::{Device, Engine, GenerateRequest, SamplingParams};
+use engine::{Device, Engine};
 use graph::LogitRows;
 use trained_support::{
     argmax, chat_prompt, engine_on, gpu_present, load, oracle, rel_rms, top2_gap,
@@ -68,14 +68,7 @@ fn the_gpu_greedy_answer_of_the_trained_default_is_the_cpus() {
     }
     let loaded = load();
     let tok = loaded.tokenizer.as_ref().unwrap();
-    let req = GenerateRequest {
-        prompt: chat_prompt(&loaded, "Tell me about Elinor."),
-        max_tokens: 64,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: vec![2],
-        stop_strings: vec![],
-        want_logits: false,
-    };
+    let req = support::greedy_request(chat_prompt(&loaded, "Tell me about Elinor."), 64, vec![2]);
     let go = |e: &mut Engine| {
         e.generate(&req, Some(tok), |_| std::ops::ControlFlow::Continue(()))
             .unwrap()

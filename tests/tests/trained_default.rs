@@ -6,7 +6,6 @@
 mod support;
 mod trained_support;
 
-use engine::{GenerateRequest, SamplingParams};
 use graph::LogitRows;
 use trained_support::{argmax, chat_prompt, engine, load, oracle, rel_rms};
 
@@ -42,14 +41,7 @@ fn the_cpu_logits_of_the_trained_default_match_the_training_scripts_forward() {
 fn the_default_model_answers_a_chat_turn_in_words_and_ends_it() {
     let loaded = load();
     let tok = loaded.tokenizer.as_ref().unwrap();
-    let req = GenerateRequest {
-        prompt: chat_prompt(&loaded, "Who is Elizabeth?"),
-        max_tokens: 96,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: vec![2],
-        stop_strings: vec![],
-        want_logits: false,
-    };
+    let req = support::greedy_request(chat_prompt(&loaded, "Who is Elizabeth?"), 96, vec![2]);
     let out = engine(loaded.model.clone())
         .generate(&req, Some(tok), |_| std::ops::ControlFlow::Continue(()))
         .unwrap();

@@ -104,3 +104,19 @@ pub fn read_oracle(dir: &std::path::Path) -> Oracle {
         logits,
     }
 }
+
+/// A greedy request for `max_tokens` after `prompt`, ending at any of `stop_tokens`.
+pub fn greedy_request(
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+) -> engine::GenerateRequest {
+    engine::GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: engine::SamplingParams::greedy(),
+        stop_tokens,
+        stop_strings: vec![],
+        want_logits: false,
+    }
+}
