@@ -57,6 +57,8 @@ pub struct HcParams {
 }
 
 /// `expert_gating_func` values (llama.cpp `llama_expert_gating_func_type`).
+/// Most hyper-connection streams a checkpoint may have (the release has 4).
+pub const MAX_HC_STREAMS: usize = 8;
 pub const GATING_SOFTMAX: u32 = 1;
 pub const GATING_SIGMOID: u32 = 2;
 
@@ -410,10 +412,16 @@ impl HParams {
                 r.bad(key, "1 (group routing is not supported)", n);
             }
         }
+        // The release has 4 streams (llama.cpp asserts it); the kernels take any count, and
+        // the rows pass of the boundaries runs only at 4.
         if let Some(hc) = h.hc
-            && hc.count != 4
+            && !(1..=MAX_HC_STREAMS).contains(&hc.count)
         {
-            r.bad("hyper_connection.count", "4 (hc_mult)", hc.count);
+            r.bad(
+                "hyper_connection.count",
+                format!("1..={MAX_HC_STREAMS} (hc_mult)"),
+                hc.count,
+            );
         }
         if h.n_vocab == 0 {
             r.bad("vocab_size", "a positive value", 0);

@@ -196,7 +196,7 @@ pub enum Mismatch {
         gguf_value: String,
         config_value: String,
     },
-    /// A value the runtime's math assumes (e.g. `hc_mult == 4`).
+    /// A value the runtime's math assumes (e.g. `rope_scaling.mscale == mscale_all_dim`).
     Requirement {
         key: String,
         value: String,
@@ -614,7 +614,13 @@ pub fn cross_check(meta: &Metadata, cfg: &ReleaseConfig) -> Result<(), CrossChec
         c.float("hyper_connection.epsilon", "hc_eps", cfg.hc_eps, Both);
         let hc_key = c.key("hyper_connection.count");
         if let Some(v) = meta.get(&hc_key) {
-            c.require(hc_key, Some(v.describe()), v.as_u64() == Some(4), "4");
+            let max = crate::hparams::MAX_HC_STREAMS as u64;
+            c.require(
+                hc_key,
+                Some(v.describe()),
+                v.as_u64().is_some_and(|n| (1..=max).contains(&n)),
+                &format!("1..={max}"),
+            );
         }
     }
 

@@ -305,15 +305,15 @@ fn the_released_xing4_values_pass_and_carry_the_clamp() {
 }
 
 #[test]
-fn xing4_hyper_connection_keys_are_checked_and_hc_mult_must_be_4() {
+fn xing4_hyper_connection_keys_are_checked_and_hc_mult_is_bounded() {
     let mut m = xing4_0();
-    m.insert("xing4_0.hyper_connection.count", Value::U32(2));
+    m.insert("xing4_0.hyper_connection.count", Value::U32(9));
     m.insert(
         "xing4_0.hyper_connection.sinkhorn_iterations",
         Value::U32(10),
     );
     let mut c = xing_config();
-    c.hc_mult = Some(2);
+    c.hc_mult = Some(9);
     let ms = mismatches(cross_check(&m, &c).unwrap_err());
     let text: Vec<String> = ms.iter().map(|x| x.to_string()).collect();
     assert_eq!(ms.len(), 2, "{text:?}");
@@ -323,8 +323,14 @@ fn xing4_hyper_connection_keys_are_checked_and_hc_mult_must_be_4() {
     );
     assert!(
         text.iter()
-            .any(|t| t.contains("hyper_connection.count") && t.contains("requires 4"))
+            .any(|t| t.contains("hyper_connection.count") && t.contains("requires 1..=8"))
     );
+    // Fewer streams than the release's 4 agree with their config and are taken.
+    let mut m = xing4_0();
+    m.insert("xing4_0.hyper_connection.count", Value::U32(2));
+    let mut c = xing_config();
+    c.hc_mult = Some(2);
+    cross_check(&m, &c).expect("hc_mult 2 is accepted");
 }
 
 #[test]

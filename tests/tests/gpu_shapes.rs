@@ -1,6 +1,6 @@
 //! GPU parity on shapes nobody tuned for: proptest draws legal checkpoint shapes (hidden width,
-//! heads, low ranks, rope width, experts, top-k, shared experts, routing, with and without
-//! hyper-connections), `make-model`'s writer builds each, and the GPU's logits are compared with
+//! heads, low ranks, rope width, experts, top-k, shared experts, routing, deepseek2 without
+//! hyper-connections or xing4_0 with 1, 2 or 4 streams), `make-model`'s writer builds each, and the GPU's logits are compared with
 //! the CPU's: relative RMS at the typical position, the CPU's choice wherever its top-2 gap is
 //! clear of the row's largest difference, and a short greedy continuation on the f32 path.
 //! `XING4_SHAPE_CASES` sets the case count (default 64; `XING4_CPU_SHAPE_CASES` the CPU-only
@@ -36,18 +36,21 @@ fn engine(model: Arc<Model>, device: Device, chunk: usize) -> Engine {
     Engine::new(model, config).unwrap_or_else(|e| panic!("{device}: {e}"))
 }
 
-/// CPU and GPU on the checkpoint at `dir`: logits of a prompt (prefilled in one chunk, the
-/// GPU's bf16 tensor-core paths) and 12 greedy tokens on the f32 path. Err describes a miss.
-fn compare(dir: &Path, what: &str) -> Result<String, String> {
-    let loaded = models::load(&dir.join("model.gguf"), Some(dir), false)
-        .map_err(|e| format!("{what}: load: {e:#}"))?;
-    let model = loaded.model.clone();
+/// The prompt `k` of a checkpoint with `vocab` pieces: 23 ordinary tokens.
+fn prompt(vocab: usize, k: u32) -> Vec<u32> {
+    let (a, b) = [(97, 13), (61, 7)][k as usize];
+    (0..23u32)
+        .map(|i| (i * a + b) % (vocab as u32 - 3) + 3)
+        .collect()
+}
+
+/// The GPU's prompt logits in one chunk (bf16 activations into the tensor-core GEMMs) against
+/// the CPU's: the median per-position relative RMS, or Err where the GPU chose another token
+/// where the CPU's top-2 gap is clear of the row's largest difference.
+fn prefill_median(model: &Arc<Model>, prompt: &[u32], what: &str) -> Result<f64, String> {
     let vocab = model.hparams.n_vocab;
-    let prompt: Vec<u32> = (0..23u32)
-        .map(|i| (i * 97 + 13) % (vocab as u32 - 3) + 3)
-        .collect();
     let cpu = engine(model.clone(), Device::Cpu, 0)
-        .forward(&prompt, LogitRows::All)
+        .forward(prompt, LogitRows::All)
         .map_err(|e| format!("{what}: cpu: {e}"))?;
     let gpu = Engine::new(
         model.clone(),
@@ -58,7 +61,7 @@ fn compare(dir: &Path, what: &str) -> Result<String, String> {
         },
     )
     .map_err(|e| format!("{what}: the GPU refused it: {e}"))?
-    .forward(&prompt, LogitRows::All)
+    .forward(prompt, LogitRows::All)
     .map_err(|e| format!("{what}: gpu: {e}"))?;
     let mut per_pos: Vec<f64> = Vec::new();
     for (pos, (g, c)) in gpu.chunks(vocab).zip(cpu.chunks(vocab)).enumerate() {
@@ -75,7 +78,19 @@ fn compare(dir: &Path, what: &str) -> Result<String, String> {
         }
     }
     per_pos.sort_by(f64::total_cmp);
-    let median = per_pos[per_pos.len() / 2];
+    Ok(per_pos[per_pos.len() / 2])
+}
+
+/// CPU and GPU on the checkpoint at `dir`: logits of a prompt (prefilled in one chunk, the
+/// GPU's bf16 tensor-core paths) and 12 greedy tokens on the f32 path. Err describes a miss.
+fn compare(dir: &Path, what: &str) -> Result<String, String> {
+    let loaded = models::load(&dir.join("model.gguf"), Some(dir), false)
+        .map_err(|e| format!("{what}: load: {e:#}"))?;
+    let model = loaded.model.clone();
+    let prompt = prompt(model.hparams.n_vocab, 0);
+    let cpu = engine(model.clone(), Device::Cpu, 0)
+        .forward(&prompt, LogitRows::All)
+        .map_err(|e| format!("{what}: cpu: {e}"))?;
     // The f32 path (chunks of at most gemv_max_rows: no bf16 tiles) must agree to rounding
     // wherever routing does not flip: its median is the kernels' own error.
     let chunk = graph::LoweringOptions::default().gemv_max_rows;
@@ -83,8 +98,8 @@ fn compare(dir: &Path, what: &str) -> Result<String, String> {
         .forward(&prompt, LogitRows::All)
         .map_err(|e| format!("{what}: gpu f32 path: {e}"))?;
     let mut per_pos32: Vec<f64> = gpu32
-        .chunks(vocab)
-        .zip(cpu.chunks(vocab))
+        .chunks(model.hparams.n_vocab)
+        .zip(cpu.chunks(model.hparams.n_vocab))
         .map(|(g, c)| rel_rms(g, c))
         .collect();
     per_pos32.sort_by(f64::total_cmp);
@@ -96,9 +111,22 @@ fn compare(dir: &Path, what: &str) -> Result<String, String> {
     }
     // bf16 activations into the prefill GEMMs, and the routing flips they cause on random
     // weights (DESIGN §5; tests/tests/gpu_model.rs measured up to 2.4e-2 from flips alone).
+    // One flip of a top-1 route early in the prompt changes that position's whole expert
+    // output and, through attention, every later position (seen on a deepseek2 draw: hidden
+    // 256, 7 heads, top-1 of 10 sigmoid experts, seed 41: layer 1's top-2 router gap at
+    // position 1 is 1.9e-4 in train/xing4.py, and from position 1 on the logits differed by
+    // 0.1 to 0.8 while the f32 path agreed to 2.6e-6; with seed 9 the same shape passed).
+    // A kernel error misses on any prompt; such a near-tie rarely recurs on a second one.
+    let mut median = prefill_median(&model, &prompt, what)?;
+    let mut note = String::new();
+    if median > 3e-2 {
+        let second = prefill_median(&model, &self::prompt(model.hparams.n_vocab, 1), what)?;
+        note = format!(" (first prompt {median:.2e}: a routing near-tie; second prompt)");
+        median = second;
+    }
     if median > 3e-2 {
         return Err(format!(
-            "{what}: median per-position relative RMS {median:.3e}"
+            "{what}: median per-position relative RMS {median:.3e} on both prompts"
         ));
     }
     let req = support::greedy_request(prompt.clone(), 12, vec![]);
@@ -121,7 +149,7 @@ fn compare(dir: &Path, what: &str) -> Result<String, String> {
         ));
     }
     Ok(format!(
-        "{what}: median relative RMS {median:.2e} (bf16 prefill), {median32:.2e} (f32 path)"
+        "{what}: median relative RMS {median:.2e} (bf16 prefill{note}), {median32:.2e} (f32 path)"
     ))
 }
 
@@ -165,12 +193,13 @@ fn shapes() -> impl Strategy<Value = Shape> {
             prop::bool::ANY,
             prop::bool::ANY,
             1usize..=3,
+            prop::sample::select(vec![1usize, 2, 4]),
         ),
     )
         .prop_map(
             |(
                 (embd, heads, q_lora, kv_lora, nope, rope, v),
-                (ne, k, shared, ff_exp, softmax, xing, norm, layers),
+                (ne, k, shared, ff_exp, softmax, xing, norm, layers, hc),
             )| {
                 let arch = if xing { Arch::Xing4_0 } else { Arch::Deepseek2 };
                 let mut d = Dims::preset(Preset::Tiny);
@@ -188,7 +217,7 @@ fn shapes() -> impl Strategy<Value = Shape> {
                 d.n_ff = 2 * ff_exp.max(128);
                 d.n_layer = layers + 1;
                 d.n_dense = 1;
-                d.hc = if xing { 4 } else { 0 };
+                d.hc = if xing { hc } else { 0 };
                 d.gating = if softmax {
                     ExpertGating::Softmax
                 } else {

@@ -74,7 +74,7 @@ struct Args {
     vocab: Option<usize>,
     #[arg(long)]
     ctx: Option<usize>,
-    /// Hyper-connection streams (xing4_0; must be 4).
+    /// Hyper-connection streams (xing4_0; 1..=8, the release has 4, which is all llama.cpp reads).
     #[arg(long)]
     hc: Option<usize>,
     #[arg(long)]

@@ -273,8 +273,10 @@ impl Dims {
         );
         if arch == Arch::Xing4_0 {
             ensure!(
-                d.hc == 4,
-                "--hc must be 4 for xing4_0 (llama.cpp asserts it), got {}",
+                (1..=loader::hparams::MAX_HC_STREAMS).contains(&d.hc),
+                "--hc must be 1..={} for xing4_0 (the release has 4, which is all llama.cpp \
+                 reads), got {}",
+                loader::hparams::MAX_HC_STREAMS,
                 d.hc
             );
         }
