@@ -216,10 +216,16 @@ impl LoweringOptions {
         }
     }
 
-    fn experts(&self, routes: usize, n_in: usize, target: Target) -> ExpertKernel {
-        // The fast kernels take whole 256-value chunks of the input width (a DeepSeek-V2-Lite
-        // expert's 1,408 is 5.5 of them).
-        if !n_in.is_multiple_of(256) {
+    fn experts(
+        &self,
+        routes: usize,
+        n_in: usize,
+        w: Option<&TensorMeta>,
+        target: Target,
+    ) -> ExpertKernel {
+        // The fast kernels take IQ4_NL weights (the release's) in whole 256-value chunks of the
+        // input width (a DeepSeek-V2-Lite expert's 1,408 is 5.5 of them).
+        if !n_in.is_multiple_of(256) || w.is_some_and(|w| w.dtype != DType::IQ4_NL) {
             return ExpertKernel::Generic;
         }
         if routes <= self.expert_gemv_max_routes.min(GEMV_ROUTES_LIMIT) {
@@ -392,13 +398,13 @@ fn choose_kernel(
     }
     if let Some(op) = op_as::<ExpertSwiGlu>(node) {
         return Some(Arc::new(ExpertSwiGlu {
-            kernel: o.experts(rows(g, node, 4), width(0), target),
+            kernel: o.experts(rows(g, node, 4), width(0), meta(g, node, 1), target),
             ..op.clone()
         }));
     }
     if let Some(op) = op_as::<ExpertDown>(node) {
         return Some(Arc::new(ExpertDown {
-            kernel: o.experts(r0, width(0), target),
+            kernel: o.experts(r0, width(0), meta(g, node, 1), target),
             ..op.clone()
         }));
     }

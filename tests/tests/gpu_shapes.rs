@@ -1,6 +1,6 @@
 //! GPU parity on shapes nobody tuned for: proptest draws legal checkpoint shapes (hidden width,
 //! heads, low ranks, rope width, experts, top-k, shared experts, routing, deepseek2 without
-//! hyper-connections or xing4_0 with 1, 2 or 4 streams), `make-model`'s writer builds each, and the GPU's logits are compared with
+//! hyper-connections or xing4_0 with 1, 2 or 4 streams, experts stored as IQ4_NL, Q8_0 or BF16), `make-model`'s writer builds each, and the GPU's logits are compared with
 //! the CPU's: relative RMS at the typical position, the CPU's choice wherever its top-2 gap is
 //! clear of the row's largest difference, and a short greedy continuation on the f32 path.
 //! `XING4_SHAPE_CASES` sets the case count (default 64; `XING4_CPU_SHAPE_CASES` the CPU-only
@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use engine::{Device, Engine, EngineConfig, Model};
 use graph::LogitRows;
+use loader::GgmlType;
 use loader::hparams::{Arch, ExpertGating};
 use models::synth::{Dims, Preset, SynthOptions, write_checkpoint};
 use proptest::prelude::*;
@@ -194,12 +195,14 @@ fn shapes() -> impl Strategy<Value = Shape> {
             prop::bool::ANY,
             1usize..=3,
             prop::sample::select(vec![1usize, 2, 4]),
+            // The release's IQ4_NL experts most often, else a Q8_0 or BF16 quantization's.
+            prop::sample::select(vec![None, None, Some(GgmlType::Q8_0), Some(GgmlType::BF16)]),
         ),
     )
         .prop_map(
             |(
                 (embd, heads, q_lora, kv_lora, nope, rope, v),
-                (ne, k, shared, ff_exp, softmax, xing, norm, layers, hc),
+                (ne, k, shared, ff_exp, softmax, xing, norm, layers, hc, expert_type),
             )| {
                 let arch = if xing { Arch::Xing4_0 } else { Arch::Deepseek2 };
                 let mut d = Dims::preset(Preset::Tiny);
@@ -218,6 +221,7 @@ fn shapes() -> impl Strategy<Value = Shape> {
                 d.n_layer = layers + 1;
                 d.n_dense = 1;
                 d.hc = if xing { hc } else { 0 };
+                d.expert_type = expert_type;
                 d.gating = if softmax {
                     ExpertGating::Softmax
                 } else {

@@ -23,7 +23,7 @@ use super::{
 };
 use crate::linear::LinearKernel;
 use crate::parity::{
-    HostValue, NMSE_EXACT, ParityCase, Rng, cpu_outputs, nmse_bound, nmse_f32_dot, uniform,
+    HostValue, NMSE_EXACT, ParityCase, Rng, cpu_outputs, nmse_bound, nmse_f32_dot, uniform, weight,
 };
 use crate::tensor::{DType, TensorMeta};
 
@@ -327,6 +327,66 @@ fn generic_expert_cases(v: &mut Vec<ParityCase>) {
     }
 }
 
+/// The generic kernel on expert weights stored in the other types the CPU reads (a Q8_0 or
+/// BF16 quantization of a model, F16/F32 conversions, Q6_K), 2 and 33 tokens' routes.
+fn generic_weight_type_cases(v: &mut Vec<ParityCase>) {
+    let kernel = ExpertKernel::Generic;
+    for (dtype, d, ff) in [
+        (DType::Q8_0, 160, 96),
+        (DType::BF16, 96, 64),
+        (DType::F16, 64, 96),
+        (DType::F32, 96, 32),
+        (DType::Q6_K, 256, 512),
+    ] {
+        for n in [2, 33] {
+            v.push(ParityCase::new(
+                format!(
+                    "expert_swiglu/generic {dtype} d={d} ff={ff} routes={}",
+                    n * TOPK
+                ),
+                ExpertSwiGlu {
+                    n_expert: X_NE,
+                    n_ff: ff,
+                    kernel,
+                },
+                61 + n as u64,
+                swiglu_gemv_bound(d),
+                move |r| {
+                    let plan = plan_for(r, n, X_NE, TOPK);
+                    vec![
+                        uniform(r, &[n, d], -1.0, 1.0),
+                        weight(r, dtype, &[X_NE, ff, d]),
+                        weight(r, dtype, &[X_NE, ff, d]),
+                        plan[0].clone(),
+                        plan[1].clone(),
+                    ]
+                },
+            ));
+            v.push(ParityCase::new(
+                format!(
+                    "expert_down/generic {dtype} d={d} ff={ff} routes={}",
+                    n * TOPK
+                ),
+                ExpertDown {
+                    n_expert: X_NE,
+                    n_embd: d,
+                    kernel,
+                },
+                71 + n as u64,
+                nmse_f32_dot(ff),
+                move |r| {
+                    let plan = plan_for(r, n, X_NE, TOPK);
+                    vec![
+                        uniform(r, &[n * TOPK, ff], -1.0, 1.0),
+                        weight(r, dtype, &[X_NE, d, ff]),
+                        plan[0].clone(),
+                    ]
+                },
+            ));
+        }
+    }
+}
+
 pub fn cases() -> Vec<ParityCase> {
     let mut v = Vec::new();
     router_cases(&mut v);
@@ -348,6 +408,7 @@ pub fn cases() -> Vec<ParityCase> {
     }
     expert_cases(&mut v);
     generic_expert_cases(&mut v);
+    generic_weight_type_cases(&mut v);
     for (kernel, n, shared) in [
         (TopKKernel::Scan, 1, true),
         (TopKKernel::Scan, 4, false),

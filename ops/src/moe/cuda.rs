@@ -3,6 +3,7 @@
 use super::prefill::{SkinnyRoutes, launch_expert_gemm_tc_with, launch_expert_skinny};
 use super::*;
 use crate::check::{aligned16, dim_i32, unlowered};
+use crate::dequant::wt_code;
 use crate::elementwise::SwiGlu;
 use crate::gpu::{blocks_for, dev_err};
 use crate::linear::RowsPlan;
@@ -394,26 +395,41 @@ fn iq4_expert_weights(op: &'static str, a: &Experts<'_>) -> Result<(), OpError> 
     Ok(())
 }
 
-/// `expert_generic_iq4` (moe.cu): any input width of whole 32-value blocks.
+/// `expert_generic` (moe.cu): any input width of whole storage blocks, any weight type the
+/// CPU reference reads.
 fn launch_expert_generic(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Result<(), OpError> {
-    iq4_expert_weights(op, a)?;
-    if a.n_in == 0 || !a.n_in.is_multiple_of(32) {
+    let dtype = a.wa.meta.dtype;
+    if let Some(wb) = a.wb
+        && wb.meta.dtype != dtype
+    {
         return Err(OpError::shape(
             op,
             format!(
-                "the expert input width must be whole IQ4_NL blocks of 32, found {}",
-                a.n_in
+                "the gate and up expert weights must share a type, found {} and {}",
+                a.wa.meta, wb.meta
             ),
         ));
+    }
+    let (Some(wt), Some(row_bytes)) = (wt_code(dtype), dtype.row_bytes(a.n_in)) else {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "expert weights of {} with input width {} are not whole storage blocks",
+                a.wa.meta, a.n_in
+            ),
+        ));
+    };
+    if a.n_in == 0 {
+        return Err(OpError::shape(op, "the expert input width is 0"));
     }
     let i = |what, v| dim_i32(op, what, v);
     // Eight warps a block, a warp an output row at a time; enough row tiles to fill the card
     // when routes are few.
     let row_tiles = a.n_out.div_ceil(8).min(64);
-    let kern = ctx.kernel("moe.cu", MOE_CU, "expert_generic_iq4")?;
-    // SAFETY: argument list matches expert_generic_iq4; weights, inputs and outputs were
-    // checked by check_device against the op's shapes; the kernel bounds-checks route ids,
-    // tokens and experts.
+    let kern = ctx.kernel("moe.cu", MOE_CU, "expert_generic")?;
+    // SAFETY: argument list matches expert_generic; weights, inputs and outputs were checked
+    // by check_device against the op's shapes (row_bytes is the weight type's row of n_in
+    // values); the kernel bounds-checks route ids, tokens and experts.
     unsafe {
         ctx.device
             .launch(&kern)
@@ -433,6 +449,8 @@ fn launch_expert_generic(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Res
             .arg(i("n_expert", a.n_expert)?)
             .arg(i("input rows", a.x_rows)?)
             .arg(i("routes", a.routes)?)
+            .arg(wt)
+            .arg(row_bytes as i64)
             .enqueue()
             .map_err(dev_err)
     }

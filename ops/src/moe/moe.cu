@@ -420,14 +420,16 @@ DENSE_SWIGLU_ROWS(2)
 DENSE_SWIGLU_ROWS(4)
 DENSE_SWIGLU_ROWS(8)
 
-// ---- any width: one route a block ------------------------------------------------------------
+// ---- any width, any weight type: one route a block ------------------------------------------
 //
-// For input widths of whole IQ4_NL blocks (32 values) that the kernels above cannot split
-// (they take whole 256-value chunks). blockIdx.y = route r, whose expert is found by a binary
-// search of the CSR offsets (routes past the last expert's end are unused and skipped);
-// warps take output rows, lanes take blocks lane, lane+32, ... in order and the warp sums
-// in a fixed tree, so two runs give the same bits. It reads an expert's rows once a route,
-// not once a step: correct for every legal shape, fast for none.
+// For what the kernels above cannot take: input widths that are not whole 256-value chunks
+// (DeepSeek-V2-Lite's 1,408) and expert weights stored in another type than IQ4_NL (wt, a
+// dequant.cuh code; row_bytes a row's size). blockIdx.y = route r, whose expert is found by a
+// binary search of the CSR offsets (routes past the last expert's end are unused and
+// skipped); warps take output rows, lanes take storage blocks (IQ4_NL) or values (the other
+// types) lane, lane+32, ... in order and the warp sums in a fixed tree, so two runs give the
+// same bits. It reads an expert's rows once a route, not once a step: correct for every legal
+// shape, fast for none.
 __device__ __forceinline__ float iq4_block_dot(const unsigned char* __restrict__ b,
                                                const float* __restrict__ x) {
     float s = 0.0f;
@@ -446,11 +448,24 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// One lane's part of a row's dot with x, then the warp's total.
+__device__ __forceinline__ float generic_row_dot(const unsigned char* __restrict__ w,
+                                                 const float* __restrict__ x, int n_in, int wt,
+                                                 int lane) {
+    float s = 0.0f;
+    if (wt == WT_IQ4_NL) {
+        for (int b = lane; b < (n_in >> 5); b += 32) s += iq4_block_dot(w + b * 18, x + b * 32);
+    } else {
+        for (int k = lane; k < n_in; k += 32) s = fmaf(deq_elem(w, wt, k), x[k], s);
+    }
+    return warp_sum(s);
+}
+
 extern "C" __global__ void __launch_bounds__(256)
-expert_generic_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
-                   const float* __restrict__ x, const int* __restrict__ offsets,
-                   const int* __restrict__ route_token, float* __restrict__ y, int n_in,
-                   int n_out, int n_expert, int n_x_rows, int n_routes) {
+expert_generic(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+               const float* __restrict__ x, const int* __restrict__ offsets,
+               const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,
+               int n_expert, int n_x_rows, int n_routes, int wt, long long row_bytes) {
     PDL_ENTER();
     const int r = blockIdx.y;
     if (r >= n_routes || r < offsets[0] || r >= offsets[n_expert]) return;
@@ -464,21 +479,13 @@ expert_generic_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
     const int xrow = swiglu ? route_token[r] : r;
     if (xrow < 0 || xrow >= n_x_rows) return;
     const float* xr = x + (long long)xrow * n_in;
-    const int nb = n_in >> 5;
-    const long long row_bytes = (long long)nb * 18;
     const long long mat = (long long)n_out * row_bytes;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int o = blockIdx.x * 8 + warp; o < n_out; o += gridDim.x * 8) {
-        const unsigned char* wa = Wa + e * mat + o * row_bytes;
         // Wa's row: the gate (SwiGLU) or the down projection; Wb's: the up projection.
-        float sa = 0.0f, sb = 0.0f;
-        for (int b = lane; b < nb; b += 32) sa += iq4_block_dot(wa + b * 18, xr + b * 32);
-        sa = warp_sum(sa);
-        if (swiglu) {
-            const unsigned char* wb = Wb + e * mat + o * row_bytes;
-            for (int b = lane; b < nb; b += 32) sb += iq4_block_dot(wb + b * 18, xr + b * 32);
-            sb = warp_sum(sb);
-        }
+        const float sa = generic_row_dot(Wa + e * mat + o * row_bytes, xr, n_in, wt, lane);
+        const float sb =
+            swiglu ? generic_row_dot(Wb + e * mat + o * row_bytes, xr, n_in, wt, lane) : 0.0f;
         if (lane == 0) y[(long long)r * n_out + o] = swiglu ? silu_times(sa, sb) : sa;
     }
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 use clap::Parser;
+use loader::GgmlType;
 use loader::hparams::{Arch, ExpertGating};
 use models::synth::{Dims, Preset, SynthOptions, write_checkpoint, write_trained_checkpoint};
 
@@ -93,6 +94,9 @@ struct Args {
     /// routed_scaling_factor.
     #[arg(long)]
     routed_scale: Option<f32>,
+    /// The routed experts' storage type (IQ4_NL, the release's; Q8_0, Q6_K, BF16, F16, F32).
+    #[arg(long)]
+    expert_type: Option<String>,
 }
 
 fn main() -> Result<()> {
@@ -152,6 +156,16 @@ fn main() -> Result<()> {
     }
     if let Some(s) = a.routed_scale {
         d.routed_scale = s;
+    }
+    if let Some(t) = &a.expert_type {
+        let Some(ty) = GgmlType::ALL
+            .into_iter()
+            .find(|g| g.name().eq_ignore_ascii_case(t))
+        else {
+            let names: Vec<&str> = GgmlType::ALL.iter().map(|g| g.name()).collect();
+            bail!("--expert-type {t:?}: expected one of {}", names.join(", "));
+        };
+        d.expert_type = Some(ty);
     }
     let opts = SynthOptions {
         arch,

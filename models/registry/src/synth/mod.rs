@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use indicatif::{ProgressBar, ProgressStyle};
+use loader::GgmlType;
 use loader::gguf::{GgufWriter, Metadata, TensorSpec, Value};
 use loader::hparams::{Arch, ExpertGating, HParams, HcParams, YarnParams};
 use loader::quant;
@@ -89,6 +90,8 @@ pub struct Dims {
     pub norm_topk: bool,
     /// `routed_scaling_factor`.
     pub routed_scale: f32,
+    /// The routed experts' storage type; `None`: the release's IQ4_NL.
+    pub expert_type: Option<GgmlType>,
 }
 
 /// The release's routing and YaRN magnitudes, which every preset but `lite` shares.
@@ -117,6 +120,7 @@ const XING4_ROUTING: Dims = Dims {
     gating: ExpertGating::Sigmoid,
     norm_topk: true,
     routed_scale: 2.0,
+    expert_type: None,
 };
 
 impl Dims {
@@ -216,6 +220,7 @@ impl Dims {
                 gating: ExpertGating::Softmax,
                 norm_topk: false,
                 routed_scale: 1.0,
+                expert_type: None,
             },
             Preset::Full => Dims {
                 n_embd: 3584,
@@ -291,6 +296,15 @@ impl Dims {
                 v > 0 && v.is_multiple_of(block),
                 "{flag} ({v}) must be a positive multiple of {block}"
             );
+        }
+        if let Some(ty) = d.expert_type {
+            for (flag, v) in [("--n-embd", d.n_embd), ("--n-ff-exp", d.n_ff_exp)] {
+                ensure!(
+                    ty.row_bytes(v).is_some(),
+                    "{flag} ({v}) is not whole {} blocks (--expert-type)",
+                    ty.name()
+                );
+            }
         }
         for (flag, v) in [
             ("--n-head", d.n_head),
@@ -420,7 +434,15 @@ fn write(opts: &SynthOptions, corpus: Option<&Path>, weights: Option<&Path>) -> 
                 .map_err(|e| anyhow::anyhow!("{}: {e}", c.display()))?
         }
     };
-    let tensors = plan(&h);
+    let mut tensors = plan(&h);
+    if let Some(ty) = opts.dims.expert_type {
+        for t in tensors
+            .iter_mut()
+            .filter(|t| t.name.ends_with("_exps.weight"))
+        {
+            t.ty = ty;
+        }
+    }
     let trained = match weights {
         None => None,
         Some(w) => {
@@ -486,7 +508,7 @@ fn describe(d: &Dims, seed: u64) -> String {
     format!(
         "seed {seed}, n_embd {}, layers {} (+{} nextn, {} dense), heads {}, q_lora {}, kv_lora {}, \
          qk_nope {}, qk_rope {}, v_head {}, n_ff {}, n_ff_exp {}, experts {} top-{} + {} shared, \
-         vocab {}, ctx {}, hc {}, yarn factor {} orig {}",
+         vocab {}, ctx {}, hc {}, yarn factor {} orig {}, experts stored as {}",
         d.n_embd,
         d.n_layer,
         d.n_nextn,
@@ -506,7 +528,8 @@ fn describe(d: &Dims, seed: u64) -> String {
         d.n_ctx,
         d.hc,
         d.yarn_factor,
-        d.yarn_orig_ctx
+        d.yarn_orig_ctx,
+        d.expert_type.unwrap_or(GgmlType::IQ4_NL).name()
     )
 }
 
