@@ -208,8 +208,11 @@ impl LoweringOptions {
         }
     }
 
-    fn head(&self, rows: usize) -> HeadKernel {
-        if rows <= self.head_gemv_max_rows.min(HEAD_GEMV_ROWS_LIMIT) {
+    fn head(&self, rows: usize, w: Option<&TensorMeta>) -> HeadKernel {
+        // The tuned kernels read BF16 weights (the release's).
+        if w.is_some_and(|w| w.dtype != DType::BF16) {
+            HeadKernel::Generic
+        } else if rows <= self.head_gemv_max_rows.min(HEAD_GEMV_ROWS_LIMIT) {
             HeadKernel::Gemv
         } else {
             HeadKernel::TensorCore
@@ -348,13 +351,13 @@ fn choose_kernel(
     }
     if let Some(op) = op_as::<MlaQuery>(node) {
         return Some(Arc::new(MlaQuery {
-            kernel: o.head(rows(g, node, 2)),
+            kernel: o.head(rows(g, node, 2), meta(g, node, 1)),
             ..op.clone()
         }));
     }
     if let Some(op) = op_as::<MlaValueOut>(node) {
         return Some(Arc::new(MlaValueOut {
-            kernel: o.head(r0),
+            kernel: o.head(r0, meta(g, node, 1)),
             ..op.clone()
         }));
     }

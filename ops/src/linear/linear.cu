@@ -51,12 +51,21 @@ __device__ __forceinline__ void ld_words_a2(const unsigned char* p, unsigned (&o
 }
 
 // Activations are written by the step's previous kernel, which under programmatic launch may
-// still be running when this one starts: read them coherently (L2), never through the
-// read-only path (__ldg), whose loads the compiler may move above griddepcontrol.wait and
-// whose cache may hold lines from before the write. With __ldg, one-token BF16 products of
+// still be running when this one starts. __ldg (the read-only path) is undefined for such data,
+// and the compiler did move those loads above griddepcontrol.wait: one-token BF16 products of
 // K = 640..1,024 returned wrong sums in captured decode steps on the H200 (bench/RESULTS.md
-// 2026-12-02 (j)); graphs, programmatic launch or early weight loads turned off each cured it.
-__device__ __forceinline__ float4 ldx4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+// 2026-12-02 (j)). __ldcg put them after the wait but as strong L2 loads, and cost 1.07 ms a
+// decode step of the full checkpoint (tg128 212 -> 172 t/s, (m)). A volatile asm load with a
+// memory clobber keeps its place after the wait (itself volatile, with a clobber) and is an
+// ordinary L1-cached load.
+__device__ __forceinline__ float4 ldx4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
 
 // acc[t] += Σ_{i<8} w[i] · x[t][k+i] for the n ≤ NT live tokens.
 template <int NT>

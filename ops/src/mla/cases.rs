@@ -17,7 +17,9 @@ use half::bf16;
 use super::{
     AttentionPath, HeadKernel, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut,
 };
-use crate::parity::{HostValue, NMSE_F32, ParityCase, Rng, nmse_bound, nmse_f32_dot, uniform};
+use crate::parity::{
+    HostValue, NMSE_F32, ParityCase, Rng, nmse_bound, nmse_f32_dot, uniform, weight,
+};
 use crate::rope::{RopeParams, Yarn};
 use crate::tensor::{DType, TensorMeta};
 
@@ -203,6 +205,45 @@ pub fn cases() -> Vec<ParityCase> {
             move |r| {
                 let o = uniform(r, &[n, NH, LORA], -1.0, 1.0);
                 vec![o, bf16_weight(r, [NH, VH, LORA])]
+            },
+        ));
+    }
+    // Per-head weights in the other types the CPU reads (a Q8_0 or F16 conversion keeps
+    // attn_k_b/attn_v_b in them): the generic kernel, a decode token and a prefill chunk.
+    for (dtype, n) in [(DType::F16, 1), (DType::Q8_0, 37), (DType::F32, 3)] {
+        let kernel = HeadKernel::Generic;
+        v.push(ParityCase::new(
+            format!("mla_query/generic {dtype} n={n}"),
+            MlaQuery {
+                n_head: 4,
+                qk_nope: NOPE,
+                qk_rope: ROT,
+                kv_lora: LORA,
+                rope: rope(ROT),
+                kernel,
+            },
+            21 + n as u64,
+            nmse_f32_dot(NOPE),
+            move |r| {
+                let q = uniform(r, &[n, 4 * (NOPE + ROT)], -1.0, 1.0);
+                let kb = weight(r, dtype, &[4, LORA, NOPE]);
+                let pos: Vec<i32> = (0..n).map(|_| r.below(1 << 18) as i32).collect();
+                vec![q, kb, HostValue::i32([n], &pos)]
+            },
+        ));
+        v.push(ParityCase::new(
+            format!("mla_value_out/generic {dtype} n={n}"),
+            MlaValueOut {
+                n_head: 4,
+                kv_lora: LORA,
+                v_head: VH,
+                kernel,
+            },
+            31 + n as u64,
+            nmse_f32_dot(LORA),
+            move |r| {
+                let o = uniform(r, &[n, 4, LORA], -1.0, 1.0);
+                vec![o, weight(r, dtype, &[4, VH, LORA])]
             },
         ));
     }

@@ -3,6 +3,7 @@
 use super::prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
 use super::*;
 use crate::check::{aligned16, dim_i32, unlowered};
+use crate::dequant::wt_code;
 use crate::gpu::{blocks_for, dev_err};
 use crate::op::check_device;
 use crate::rope::RopeConsts;
@@ -56,7 +57,11 @@ impl MlaQuery {
 
 /// `mla.cu` as NVRTC compiles it: the rope, head-product, `MlaKv` and cache-write kernels,
 /// then the decode attention (`mla_attention.cu`, which uses the first part's helpers).
-pub(crate) const MLA_CU: &str = concat!(include_str!("mla.cu"), include_str!("mla_attention.cu"));
+pub(crate) const MLA_CU: &str = concat!(
+    include_str!("../dequant/dequant.cuh"),
+    include_str!("mla.cu"),
+    include_str!("mla_attention.cu")
+);
 
 /// Weight segments of 8 BF16 values one lane of `head_gemv_bf16` holds (`HG_SEGS` there).
 pub(super) const HG_SEGS: usize = 4;
@@ -102,6 +107,27 @@ pub(super) struct HeadGemv<'a> {
     rope: Option<HeadRope>,
 }
 
+/// A launch's rope arguments: positions, width, source and destination offsets, constants
+/// (all zero without a rope).
+fn rope_args(rope: &Option<HeadRope>) -> (u64, usize, usize, usize, RopeConsts) {
+    match rope {
+        Some(r) => (r.positions, r.n_rot, r.src, r.dst, r.k),
+        None => (
+            0,
+            0,
+            0,
+            0,
+            RopeConsts {
+                theta_scale: 0.0,
+                freq_scale: 0.0,
+                ext_factor: 0.0,
+                corr: [0.0; 2],
+                mscale: 0.0,
+            },
+        ),
+    }
+}
+
 pub(super) fn head_gemv(
     ctx: &GpuCtx,
     op: &'static str,
@@ -124,6 +150,7 @@ pub(super) fn head_gemv(
         }
         HeadKernel::Gemv => false,
         HeadKernel::TensorCore => true,
+        HeadKernel::Generic => return head_generic(ctx, op, a),
     };
     if a.w.meta.dtype != DType::BF16 {
         return Err(OpError::shape(
@@ -153,22 +180,7 @@ pub(super) fn head_gemv(
             format!("{} heads exceed a grid dimension", a.n_head),
         ));
     }
-    let (pos, rope_n, src, dst, k) = match &a.rope {
-        Some(r) => (r.positions, r.n_rot, r.src, r.dst, r.k),
-        None => (
-            0,
-            0,
-            0,
-            0,
-            RopeConsts {
-                theta_scale: 0.0,
-                freq_scale: 0.0,
-                ext_factor: 0.0,
-                corr: [0.0; 2],
-                mscale: 0.0,
-            },
-        ),
-    };
+    let (pos, rope_n, src, dst, k) = rope_args(&a.rope);
     let i = |what, v| dim_i32(op, what, v);
     let rope_col = usize::from(rope_n > 0);
     if tiles {
@@ -274,6 +286,68 @@ pub(super) fn head_gemv(
             .arg(passes as i32)
             .arg(row_blocks as i32)
             .arg(tok_tile as i32)
+            .arg(pos)
+            .arg(i("rope width", rope_n)?)
+            .arg(i("rope source", src)?)
+            .arg(i("rope destination", dst)?)
+            .arg(k.theta_scale)
+            .arg(k.freq_scale)
+            .arg(k.ext_factor)
+            .arg(k.corr[0])
+            .arg(k.corr[1])
+            .arg(k.mscale)
+            .enqueue()
+            .map_err(dev_err)
+    }
+}
+
+/// `head_generic` (mla.cu): per-head weights of any type the CPU reads, a warp an output row.
+fn head_generic(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), OpError> {
+    let dtype = a.w.meta.dtype;
+    let (Some(wt), Some(row_bytes)) = (wt_code(dtype), dtype.row_bytes(a.n_in)) else {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "per-head weight {} with input width {} is not whole storage blocks",
+                a.w.meta, a.n_in
+            ),
+        ));
+    };
+    if a.n_tok > 65535 || a.n_head > 65535 {
+        return Err(OpError::shape(
+            op,
+            format!("{} tokens of {} heads exceed the grid", a.n_tok, a.n_head),
+        ));
+    }
+    let (pos, rope_n, src, dst, k) = rope_args(&a.rope);
+    let i = |what, v| dim_i32(op, what, v);
+    let row_tiles = a.n_out.div_ceil(8).clamp(1, 16);
+    let kern = ctx.kernel("mla.cu", MLA_CU, "head_generic")?;
+    // SAFETY: argument list matches head_generic; row_bytes is the weight type's row of n_in
+    // values and the shape rule (checked by the caller) keeps every strided access inside the
+    // views, whose sizes check_device verified.
+    unsafe {
+        ctx.device
+            .launch(&kern)
+            .grid((
+                i("row tiles", row_tiles + usize::from(rope_n > 0))? as u32,
+                a.n_head as u32,
+                a.n_tok as u32,
+            ))
+            .block(256)
+            .arg(a.w.ptr)
+            .arg(wt)
+            .arg(row_bytes as i64)
+            .arg(a.x)
+            .arg(a.x_tok as i64)
+            .arg(a.x_head as i64)
+            .arg(a.y)
+            .arg(a.y_tok as i64)
+            .arg(a.y_head as i64)
+            .arg(i("tokens", a.n_tok)?)
+            .arg(i("rows", a.n_out)?)
+            .arg(i("input width", a.n_in)?)
+            .arg(row_tiles as i32)
             .arg(pos)
             .arg(i("rope width", rope_n)?)
             .arg(i("rope source", src)?)

@@ -81,6 +81,37 @@ __device__ __forceinline__ void head_rope(const float* x, long long x_tok, long 
     }
 }
 
+// Per-head weights stored in another type than BF16 (wt, a dequant.cuh code; row_bytes a row's
+// size): grid (row_tiles [+ 1 for the rope], n_head, n_tok); warps take output rows, lanes the
+// values lane, lane+32, ... in order, the warp sums in a fixed tree. Correct for every type the
+// CPU reads, fast for none.
+extern "C" __global__ void __launch_bounds__(256)
+head_generic(const unsigned char* __restrict__ W, int wt, long long row_bytes,
+             const float* __restrict__ x, long long x_tok, long long x_head, float* __restrict__ y,
+             long long y_tok, long long y_head, int n_tok, int n_out, int n_in, int row_tiles,
+             const int* __restrict__ positions, int rope_n, int rope_src, int rope_dst,
+             float theta_scale, float freq_scale, float ext_factor, float corr_low,
+             float corr_high, float mscale) {
+    PDL_ENTER();
+    const int h = blockIdx.y, t = blockIdx.z;
+    if (t >= n_tok) return;
+    if ((int)blockIdx.x == row_tiles) {
+        head_rope(x, x_tok, x_head, y, y_tok, y_head, t, t + 1, positions, rope_n, rope_src,
+                  rope_dst, theta_scale, freq_scale, ext_factor, corr_low, corr_high, mscale);
+        return;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* xr = x + t * x_tok + h * x_head;
+    for (int o = blockIdx.x * 8 + warp; o < n_out; o += row_tiles * 8) {
+        const unsigned char* row = W + ((long long)h * n_out + o) * row_bytes;
+        float s = 0.0f;
+        for (int k = lane; k < n_in; k += 32) s = fmaf(deq_elem(row, wt, k), xr[k], s);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (lane == 0) y[t * y_tok + h * y_head + o] = s;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 head_gemv_bf16(const unsigned short* __restrict__ W, const float* __restrict__ x,
                long long x_tok, long long x_head, float* __restrict__ y, long long y_tok,

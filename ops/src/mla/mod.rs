@@ -128,6 +128,9 @@ pub enum HeadKernel {
     Gemv,
     /// The bf16 tensor-core `head_mma_bf16_*` tiles with x split into two bf16 parts.
     TensorCore,
+    /// Weights stored in another type than BF16: `head_generic`, a warp an output row, any
+    /// token count.
+    Generic,
 }
 
 impl HeadKernel {
@@ -136,6 +139,7 @@ impl HeadKernel {
             HeadKernel::Unlowered => "",
             HeadKernel::Gemv => " [gemv]",
             HeadKernel::TensorCore => " [tensor cores]",
+            HeadKernel::Generic => " [generic]",
         }
     }
 }
