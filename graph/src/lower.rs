@@ -209,8 +209,8 @@ impl LoweringOptions {
     }
 
     fn head(&self, rows: usize, w: Option<&TensorMeta>) -> HeadKernel {
-        // The tuned kernels read BF16 weights (the release's).
-        if w.is_some_and(|w| w.dtype != DType::BF16) {
+        // The tuned kernels read BF16 weights (the release's) of bounded input width.
+        if w.is_some_and(|w| !ops::mla::tuned_head_takes(w)) {
             HeadKernel::Generic
         } else if rows <= self.head_gemv_max_rows.min(HEAD_GEMV_ROWS_LIMIT) {
             HeadKernel::Gemv

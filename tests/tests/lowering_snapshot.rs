@@ -227,3 +227,53 @@ fn the_cuda_lowered_graph_computes_the_declared_one_on_the_cpu() {
     assert_eq!(bits(&declared_rows), bits(&lowered_rows));
     assert_eq!(bits(&declared_next), bits(&lowered_next));
 }
+
+/// Experts stored in another type than IQ4_NL (a Q8_0 quantization of a model) take the
+/// generic expert kernel in every step shape, where IQ4_NL ones take GEMV, skinny or grouped
+/// kernels; the plan has the same nodes.
+#[test]
+fn experts_of_another_weight_type_take_the_generic_kernel_in_every_step_shape() {
+    let dir = std::env::temp_dir().join(format!("lowering_q8_experts_{}", std::process::id()));
+    let mut dims = models::synth::Dims::preset(Preset::Tiny);
+    dims.expert_type = Some(loader::GgmlType::Q8_0);
+    models::synth::write_checkpoint(&models::synth::SynthOptions {
+        arch: loader::hparams::Arch::Xing4_0,
+        dims,
+        seed: 11,
+        out: dir.clone(),
+        force: true,
+        progress: false,
+    })
+    .unwrap();
+    let q8 = models::load(&dir.join("model.gguf"), Some(&dir), false)
+        .unwrap_or_else(|e| panic!("{e:#}"))
+        .model;
+    let iq4 = tiny();
+    for bucket in [DECODE, SHORT_CHUNK, LONG_CHUNK] {
+        let text = plan(&q8, bucket, HOPPER).to_string();
+        let experts: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("expert_swiglu") || l.contains("expert_down"))
+            .collect();
+        assert!(!experts.is_empty(), "{text}");
+        for l in &experts {
+            assert!(l.contains("[generic]"), "{bucket:?}: {l}");
+        }
+        // (tiny's IQ4_NL down projection, 32 wide, is generic anyway; its gate/up, 256 wide,
+        // is not.)
+        let release = plan(&iq4, bucket, HOPPER).to_string();
+        assert!(
+            release
+                .lines()
+                .filter(|l| l.contains("expert_swiglu"))
+                .all(|l| !l.contains("[generic]")),
+            "{bucket:?}:\n{release}"
+        );
+        assert_eq!(
+            text.lines().count(),
+            release.lines().count(),
+            "{bucket:?}: the same nodes"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -117,6 +117,14 @@ impl Op for MlaQuery {
 /// The most tokens the per-head GEMV (`head_gemv_bf16`) stages at once.
 pub const HEAD_GEMV_ROWS_LIMIT: usize = 8;
 
+/// Whether the tuned per-head kernels (GEMV and tensor-core tiles) take the weight `w`
+/// (`[n_head, n_out, n_in]`): BF16, its input width whole 16-byte segments, at most the GEMV's
+/// 32 lanes of `HG_SEGS` segments. Others take [`HeadKernel::Generic`].
+pub fn tuned_head_takes(w: &TensorMeta) -> bool {
+    let n_in = w.shape.last().copied().unwrap_or(0);
+    w.dtype == DType::BF16 && n_in > 0 && n_in.is_multiple_of(8) && n_in <= 8 * 32 * cuda::HG_SEGS
+}
+
 /// How the per-head products of [`MlaQuery`] and [`MlaValueOut`] run on the GPU (chosen by the
 /// graph's lowering).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -647,5 +655,24 @@ impl Op for MlaValueOut {
         scratch: Scratch,
     ) -> Result<(), OpError> {
         self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+#[cfg(test)]
+mod head_kernel_choice {
+    use super::*;
+
+    #[test]
+    fn only_bf16_weights_of_whole_segments_take_the_tuned_head_kernels() {
+        let w = |dtype, n_in| TensorMeta::new([4, 512, n_in], dtype);
+        assert!(tuned_head_takes(&w(DType::BF16, 128)));
+        assert!(tuned_head_takes(&w(DType::BF16, 1024)));
+        assert!(!tuned_head_takes(&w(DType::F16, 128)), "F16");
+        assert!(!tuned_head_takes(&w(DType::Q8_0, 128)), "Q8_0");
+        assert!(!tuned_head_takes(&w(DType::BF16, 12)), "not whole segments");
+        assert!(
+            !tuned_head_takes(&w(DType::BF16, 1032)),
+            "past the GEMV's lanes"
+        );
     }
 }
