@@ -8,15 +8,11 @@
 //! lite --n-embd 256 --n-layer 3 --n-head 4 --kv-lora 64 --qk-nope 32 --v-head 32 --n-ff 512
 //! --n-ff-exp 96 --n-expert 16 --vocab 2048`).
 
-use std::path::PathBuf;
-
 mod support;
 
-use engine::{Engine, EngineConfig};
-use graph::LogitRows;
 use loader::GgmlType;
 use loader::hparams::{Arch, ExpertGating};
-use models::synth::{Dims, Preset, SynthOptions, plan, write_checkpoint};
+use models::synth::{Dims, Preset, plan};
 
 fn lite_shaped() -> Dims {
     let mut d = Dims::preset(Preset::Lite);
@@ -72,38 +68,10 @@ fn the_lite_preset_has_deepseek_v2_lite_shapes() {
 
 #[test]
 fn a_lite_shaped_checkpoint_matches_the_pytorch_forward_on_the_cpu() {
-    let dir = std::env::temp_dir().join(format!("deepseek2_lite_{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    write_checkpoint(&SynthOptions {
-        arch: Arch::Deepseek2,
-        dims: lite_shaped(),
-        seed: 1,
-        out: dir.clone(),
-        force: true,
-        progress: false,
-    })
-    .unwrap();
-    // The release directory passes the config.json cross-check (mscale == mscale_all_dim).
-    let loaded = models::load(&dir.join("model.gguf"), Some(&dir), false)
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    let reference =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference/deepseek2-lite-shaped");
-    let o = support::read_oracle(&reference);
-    let (tokens, want) = (&o.tokens, &o.logits);
-    let tok = loaded.tokenizer.as_ref().unwrap();
-    assert_eq!(tok.encode(&o.prompt, true).unwrap(), *tokens);
-    let config = EngineConfig {
-        max_model_len: 64,
-        ..EngineConfig::default()
-    };
-    let got = Engine::new(loaded.model.clone(), config)
-        .unwrap()
-        .forward(tokens, LogitRows::All)
-        .unwrap();
-    assert_eq!(got.len(), want.len());
-    let rel = support::rel_rms(&got, want);
+    // (Its config.json passes the cross-check: mscale == mscale_all_dim.)
+    let rel =
+        support::cpu_against_oracle(Arch::Deepseek2, lite_shaped(), 1, "deepseek2-lite-shaped");
     eprintln!("lite-shaped: relative RMS against the PyTorch forward {rel:e}");
     // Both sides compute in f32 from the same dequantized weights: summation order only.
     assert!(rel < 1e-4, "relative RMS {rel:e}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

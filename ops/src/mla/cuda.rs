@@ -7,6 +7,7 @@ use crate::dequant::wt_code;
 use crate::gpu::{blocks_for, dev_err};
 use crate::op::check_device;
 use crate::rope::RopeConsts;
+use ::cuda::Launch;
 
 impl MlaQuery {
     /// One launch: the `Kb` product per head plus one extra column of blocks that ropes `q_pe`
@@ -107,24 +108,72 @@ pub(super) struct HeadGemv<'a> {
     rope: Option<HeadRope>,
 }
 
-/// A launch's rope arguments: positions, width, source and destination offsets, constants
-/// (all zero without a rope).
-fn rope_args(rope: &Option<HeadRope>) -> (u64, usize, usize, usize, RopeConsts) {
-    match rope {
-        Some(r) => (r.positions, r.n_rot, r.src, r.dst, r.k),
-        None => (
-            0,
-            0,
-            0,
-            0,
-            RopeConsts {
-                theta_scale: 0.0,
-                freq_scale: 0.0,
-                ext_factor: 0.0,
-                corr: [0.0; 2],
-                mscale: 0.0,
+/// A head-product launch's rope arguments (positions, width, source and destination offsets,
+/// constants; all zero without a rope), appended last to each kernel's argument list.
+struct RopeLaunch {
+    positions: u64,
+    n_rot: usize,
+    src: usize,
+    dst: usize,
+    k: RopeConsts,
+}
+
+impl RopeLaunch {
+    fn of(rope: &Option<HeadRope>) -> RopeLaunch {
+        match rope {
+            Some(r) => RopeLaunch {
+                positions: r.positions,
+                n_rot: r.n_rot,
+                src: r.src,
+                dst: r.dst,
+                k: r.k,
             },
-        ),
+            None => RopeLaunch {
+                positions: 0,
+                n_rot: 0,
+                src: 0,
+                dst: 0,
+                k: RopeConsts {
+                    theta_scale: 0.0,
+                    freq_scale: 0.0,
+                    ext_factor: 0.0,
+                    corr: [0.0; 2],
+                    mscale: 0.0,
+                },
+            },
+        }
+    }
+
+    fn args<'a>(&self, op: &'static str, l: Launch<'a>) -> Result<Launch<'a>, OpError> {
+        let i = |what, v| dim_i32(op, what, v);
+        Ok(l.arg(self.positions)
+            .arg(i("rope width", self.n_rot)?)
+            .arg(i("rope source", self.src)?)
+            .arg(i("rope destination", self.dst)?)
+            .arg(self.k.theta_scale)
+            .arg(self.k.freq_scale)
+            .arg(self.k.ext_factor)
+            .arg(self.k.corr[0])
+            .arg(self.k.corr[1])
+            .arg(self.k.mscale))
+    }
+}
+
+impl HeadGemv<'_> {
+    /// The arguments every head-product kernel opens with: weight, x and y with their strides,
+    /// tokens, output rows, input width.
+    fn io_args<'l>(&self, op: &'static str, l: Launch<'l>) -> Result<Launch<'l>, OpError> {
+        let i = |what, v| dim_i32(op, what, v);
+        Ok(l.arg(self.w.ptr)
+            .arg(self.x)
+            .arg(self.x_tok as i64)
+            .arg(self.x_head as i64)
+            .arg(self.y)
+            .arg(self.y_tok as i64)
+            .arg(self.y_head as i64)
+            .arg(i("tokens", self.n_tok)?)
+            .arg(i("rows", self.n_out)?)
+            .arg(i("input width", self.n_in)?))
     }
 }
 
@@ -180,7 +229,8 @@ pub(super) fn head_gemv(
             format!("{} heads exceed a grid dimension", a.n_head),
         ));
     }
-    let (pos, rope_n, src, dst, k) = rope_args(&a.rope);
+    let rope = RopeLaunch::of(&a.rope);
+    let rope_n = rope.n_rot;
     let i = |what, v| dim_i32(op, what, v);
     let rope_col = usize::from(rope_n > 0);
     if tiles {
@@ -218,41 +268,27 @@ pub(super) fn head_gemv(
         // SAFETY: argument list matches HEAD_MMA_KERNEL's; as for head_gemv_bf16 below (the
         // 16-byte copies and 8-byte stores only where x_vec / y_vec say they are aligned).
         return unsafe {
-            ctx.device
-                .launch(&kern)
-                .grid((
-                    i("column groups", groups + rope_col)? as u32,
-                    a.n_head as u32,
-                    tok_tiles as u32,
-                ))
-                .block(256)
-                .shared_mem(smem as u32)
-                .arg(a.w.ptr)
-                .arg(a.x)
-                .arg(a.x_tok as i64)
-                .arg(a.x_head as i64)
-                .arg(a.y)
-                .arg(a.y_tok as i64)
-                .arg(a.y_head as i64)
-                .arg(i("tokens", a.n_tok)?)
-                .arg(i("rows", a.n_out)?)
-                .arg(i("input width", a.n_in)?)
+            rope.args(
+                op,
+                a.io_args(
+                    op,
+                    ctx.device
+                        .launch(&kern)
+                        .grid((
+                            i("column groups", groups + rope_col)? as u32,
+                            a.n_head as u32,
+                            tok_tiles as u32,
+                        ))
+                        .block(256)
+                        .shared_mem(smem as u32),
+                )?
                 .arg(col_tiles as i32)
                 .arg(col_per_block as i32)
                 .arg(i32::from(x_vec))
-                .arg(i32::from(y_vec))
-                .arg(pos)
-                .arg(i("rope width", rope_n)?)
-                .arg(i("rope source", src)?)
-                .arg(i("rope destination", dst)?)
-                .arg(k.theta_scale)
-                .arg(k.freq_scale)
-                .arg(k.ext_factor)
-                .arg(k.corr[0])
-                .arg(k.corr[1])
-                .arg(k.mscale)
-                .enqueue()
-                .map_err(dev_err)
+                .arg(i32::from(y_vec)),
+            )?
+            .enqueue()
+            .map_err(dev_err)
         };
     }
     // A group of `lpr` lanes owns a row: as many as its 16-byte segments, up to a warp; one
@@ -267,37 +303,23 @@ pub(super) fn head_gemv(
     // SAFETY: argument list matches head_gemv_bf16; the shape rule (checked by the caller)
     // makes every strided access fall inside the views, whose sizes check_device verified.
     unsafe {
-        ctx.device
-            .launch(&kern)
-            .grid((dim_i32(op, "row blocks", grid_x)? as u32, a.n_head as u32))
-            .block(256)
-            .shared_mem((tok_tile * a.n_in * 4) as u32)
-            .arg(a.w.ptr)
-            .arg(a.x)
-            .arg(a.x_tok as i64)
-            .arg(a.x_head as i64)
-            .arg(a.y)
-            .arg(a.y_tok as i64)
-            .arg(a.y_head as i64)
-            .arg(i("tokens", a.n_tok)?)
-            .arg(i("rows", a.n_out)?)
-            .arg(i("input width", a.n_in)?)
+        rope.args(
+            op,
+            a.io_args(
+                op,
+                ctx.device
+                    .launch(&kern)
+                    .grid((dim_i32(op, "row blocks", grid_x)? as u32, a.n_head as u32))
+                    .block(256)
+                    .shared_mem((tok_tile * a.n_in * 4) as u32),
+            )?
             .arg(lpr.trailing_zeros() as i32)
             .arg(passes as i32)
             .arg(row_blocks as i32)
-            .arg(tok_tile as i32)
-            .arg(pos)
-            .arg(i("rope width", rope_n)?)
-            .arg(i("rope source", src)?)
-            .arg(i("rope destination", dst)?)
-            .arg(k.theta_scale)
-            .arg(k.freq_scale)
-            .arg(k.ext_factor)
-            .arg(k.corr[0])
-            .arg(k.corr[1])
-            .arg(k.mscale)
-            .enqueue()
-            .map_err(dev_err)
+            .arg(tok_tile as i32),
+        )?
+        .enqueue()
+        .map_err(dev_err)
     }
 }
 
@@ -319,7 +341,8 @@ fn head_generic(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), 
             format!("{} tokens of {} heads exceed the grid", a.n_tok, a.n_head),
         ));
     }
-    let (pos, rope_n, src, dst, k) = rope_args(&a.rope);
+    let rope = RopeLaunch::of(&a.rope);
+    let rope_n = rope.n_rot;
     let i = |what, v| dim_i32(op, what, v);
     let row_tiles = a.n_out.div_ceil(8).clamp(1, 16);
     let kern = ctx.kernel("mla.cu", MLA_CU, "head_generic")?;
@@ -327,39 +350,25 @@ fn head_generic(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), 
     // values and the shape rule (checked by the caller) keeps every strided access inside the
     // views, whose sizes check_device verified.
     unsafe {
-        ctx.device
-            .launch(&kern)
-            .grid((
-                i("row tiles", row_tiles + usize::from(rope_n > 0))? as u32,
-                a.n_head as u32,
-                a.n_tok as u32,
-            ))
-            .block(256)
-            .arg(a.w.ptr)
-            .arg(wt)
-            .arg(row_bytes as i64)
-            .arg(a.x)
-            .arg(a.x_tok as i64)
-            .arg(a.x_head as i64)
-            .arg(a.y)
-            .arg(a.y_tok as i64)
-            .arg(a.y_head as i64)
-            .arg(i("tokens", a.n_tok)?)
-            .arg(i("rows", a.n_out)?)
-            .arg(i("input width", a.n_in)?)
+        rope.args(
+            op,
+            a.io_args(
+                op,
+                ctx.device
+                    .launch(&kern)
+                    .grid((
+                        i("row tiles", row_tiles + usize::from(rope_n > 0))? as u32,
+                        a.n_head as u32,
+                        a.n_tok as u32,
+                    ))
+                    .block(256),
+            )?
             .arg(row_tiles as i32)
-            .arg(pos)
-            .arg(i("rope width", rope_n)?)
-            .arg(i("rope source", src)?)
-            .arg(i("rope destination", dst)?)
-            .arg(k.theta_scale)
-            .arg(k.freq_scale)
-            .arg(k.ext_factor)
-            .arg(k.corr[0])
-            .arg(k.corr[1])
-            .arg(k.mscale)
-            .enqueue()
-            .map_err(dev_err)
+            .arg(wt)
+            .arg(row_bytes as i64),
+        )?
+        .enqueue()
+        .map_err(dev_err)
     }
 }
 

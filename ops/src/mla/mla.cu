@@ -86,9 +86,9 @@ __device__ __forceinline__ void head_rope(const float* x, long long x_tok, long 
 // values lane, lane+32, ... in order, the warp sums in a fixed tree. Correct for every type the
 // CPU reads, fast for none.
 extern "C" __global__ void __launch_bounds__(256)
-head_generic(const unsigned char* __restrict__ W, int wt, long long row_bytes,
-             const float* __restrict__ x, long long x_tok, long long x_head, float* __restrict__ y,
-             long long y_tok, long long y_head, int n_tok, int n_out, int n_in, int row_tiles,
+head_generic(const unsigned char* __restrict__ W, const float* __restrict__ x, long long x_tok,
+             long long x_head, float* __restrict__ y, long long y_tok, long long y_head, int n_tok,
+             int n_out, int n_in, int row_tiles, int wt, long long row_bytes,
              const int* __restrict__ positions, int rope_n, int rope_src, int rope_dst,
              float theta_scale, float freq_scale, float ext_factor, float corr_low,
              float corr_high, float mscale) {

@@ -120,3 +120,41 @@ pub fn greedy_request(
         want_logits: false,
     }
 }
+
+/// The CPU's relative RMS against `train/reference.py`'s logits in
+/// `tests/reference/<reference>`, on `make-model`'s checkpoint of `arch`/`dims`/`seed` (written
+/// to a temporary directory, removed after; the oracle's prompt must tokenize to its ids).
+pub fn cpu_against_oracle(arch: Arch, dims: Dims, seed: u64, reference: &str) -> f64 {
+    let dir = std::env::temp_dir().join(format!("oracle_{reference}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    write_checkpoint(&SynthOptions {
+        arch,
+        dims,
+        seed,
+        out: dir.clone(),
+        force: true,
+        progress: false,
+    })
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    // The release directory passes the config.json cross-check.
+    let loaded = models::load(&dir.join("model.gguf"), Some(&dir), false)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let o = read_oracle(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/reference")
+            .join(reference),
+    );
+    let tok = loaded.tokenizer.as_ref().unwrap();
+    assert_eq!(tok.encode(&o.prompt, true).unwrap(), o.tokens);
+    let config = engine::EngineConfig {
+        max_model_len: 64,
+        ..engine::EngineConfig::default()
+    };
+    let got = engine::Engine::new(loaded.model.clone(), config)
+        .unwrap()
+        .forward(&o.tokens, graph::LogitRows::All)
+        .unwrap();
+    assert_eq!(got.len(), o.logits.len());
+    std::fs::remove_dir_all(&dir).unwrap();
+    rel_rms(&got, &o.logits)
+}
