@@ -1,8 +1,11 @@
 //! GPU parity on shapes nobody tuned for: proptest draws legal checkpoint shapes (hidden width,
-//! heads, low ranks, rope width, experts, top-k, shared experts, routing, deepseek2 without
-//! hyper-connections or xing4_0 with 1, 2 or 4 streams, experts stored as IQ4_NL, Q8_0 or BF16), `make-model`'s writer builds each, and the GPU's logits are compared with
-//! the CPU's: relative RMS at the typical position, the CPU's choice wherever its top-2 gap is
-//! clear of the row's largest difference, and a short greedy continuation on the f32 path.
+//! heads, low ranks, rope width, experts, top-k, shared experts, routing; deepseek2 without
+//! hyper-connections or xing4_0 with 1, 2 or 4 streams; experts stored as IQ4_NL, Q8_0 or
+//! BF16), `make-model`'s writer builds each, and the GPU's logits are compared with the CPU's:
+//! relative RMS at the typical position, the CPU's choice wherever its top-2 gap is clear of
+//! the row's largest difference, and a short greedy continuation on the f32 path. Each run
+//! draws fresh shapes (`PROPTEST_RNG_SEED` fixes the draw); a failing case prints its whole
+//! shape, which `make-model`'s flags rebuild.
 //! `XING4_SHAPE_CASES` sets the case count (default 64; `XING4_CPU_SHAPE_CASES` the CPU-only
 //! check's, default 6); `XING4_LITE_DIR` adds a checkpoint
 //! from disk (the full `make-model --preset lite`). Skips (saying why) without a CUDA GPU.
