@@ -274,6 +274,49 @@ fn the_cli_writes_a_checkpoint_and_refuses_to_overwrite_without_force() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn expert_type_stores_the_routed_experts_alone_in_that_type_and_bad_names_are_refused() {
+    let dir = tmp("expert_type");
+    let exe = env!("CARGO_BIN_EXE_make-model");
+    let run = |extra: &[&str]| {
+        Command::new(exe)
+            .args([
+                "--arch", "xing4_0", "--preset", "tiny", "--quiet", "--force", "--out",
+            ])
+            .arg(&dir)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = run(&["--expert-type", "q8_0"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let f = GgufFile::open(&dir.join("model.gguf")).unwrap();
+    let ty = |name: &str| f.tensor(name).unwrap_or_else(|| panic!("{name}")).ty;
+    for name in [
+        "blk.1.ffn_gate_exps.weight",
+        "blk.1.ffn_up_exps.weight",
+        "blk.1.ffn_down_exps.weight",
+    ] {
+        assert_eq!(ty(name), loader::GgmlType::Q8_0, "{name}");
+    }
+    // The shared expert and the dense FFN keep the release's type.
+    assert_eq!(ty("blk.1.ffn_up_shexp.weight"), loader::GgmlType::IQ4_NL);
+    assert_eq!(ty("blk.0.ffn_up.weight"), loader::GgmlType::IQ4_NL);
+    models::check_schema(&f.metadata, &f.tensors).unwrap_or_else(|e| panic!("{e}"));
+
+    let o = run(&["--expert-type", "q4"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--expert-type \"q4\""),
+        "{err}"
+    );
+    // Q6_K blocks are 256 wide; tiny's experts are 32.
+    let o = run(&["--expert-type", "Q6_K"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--n-ff-exp"), "{err}");
+    fs::remove_dir_all(&dir).unwrap();
+}
+
 fn rms(v: &[f32]) -> f32 {
     (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt()
 }
