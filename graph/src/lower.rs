@@ -288,8 +288,31 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
         if let Some(op) = choose_kernel(&g, &g.nodes[n], target, opts) {
             g.nodes[n].op = op;
         }
+        refuse_unsupported(&g, &g.nodes[n])?;
     }
     Ok(g)
+}
+
+/// Shapes no CUDA kernel of the node covers, refused when the plan is made (at load) with the
+/// node, its inputs and the rule, rather than when a step first launches it.
+fn refuse_unsupported(g: &Graph, node: &Node) -> Result<(), GraphError> {
+    if let Some(op) = op_as::<MlaAttention>(node) {
+        let width = meta(g, node, 1)
+            .and_then(|m| m.shape.get(1).copied())
+            .unwrap_or(0);
+        op.split_k_supports(width)
+            .map_err(|source| GraphError::Op {
+                node: node.name.clone(),
+                describe: op.describe(),
+                inputs: node
+                    .inputs
+                    .iter()
+                    .map(|v| g.values[v.0].name.clone())
+                    .collect(),
+                source,
+            })?;
+    }
+    Ok(())
 }
 
 fn op_as<T: 'static>(node: &Node) -> Option<&T> {

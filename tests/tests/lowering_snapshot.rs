@@ -228,14 +228,9 @@ fn the_cuda_lowered_graph_computes_the_declared_one_on_the_cpu() {
     assert_eq!(bits(&declared_next), bits(&lowered_next));
 }
 
-/// Experts stored in another type than IQ4_NL (a Q8_0 quantization of a model) take the
-/// generic expert kernel in every step shape, where IQ4_NL ones take GEMV, skinny or grouped
-/// kernels; the plan has the same nodes.
-#[test]
-fn experts_of_another_weight_type_take_the_generic_kernel_in_every_step_shape() {
-    let dir = std::env::temp_dir().join(format!("lowering_q8_experts_{}", std::process::id()));
-    let mut dims = models::synth::Dims::preset(Preset::Tiny);
-    dims.expert_type = Some(loader::GgmlType::Q8_0);
+/// The tiny xing4_0 checkpoint of `dims` (seed 11), loaded; its directory is removed after.
+fn made(dims: models::synth::Dims, name: &str) -> Arc<Model> {
+    let dir = std::env::temp_dir().join(format!("lowering_{name}_{}", std::process::id()));
     models::synth::write_checkpoint(&models::synth::SynthOptions {
         arch: loader::hparams::Arch::Xing4_0,
         dims,
@@ -244,10 +239,22 @@ fn experts_of_another_weight_type_take_the_generic_kernel_in_every_step_shape() 
         force: true,
         progress: false,
     })
-    .unwrap();
-    let q8 = models::load(&dir.join("model.gguf"), Some(&dir), false)
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let model = models::load(&dir.join("model.gguf"), Some(&dir), false)
         .unwrap_or_else(|e| panic!("{e:#}"))
         .model;
+    std::fs::remove_dir_all(&dir).unwrap();
+    model
+}
+
+/// Experts stored in another type than IQ4_NL (a Q8_0 quantization of a model) take the
+/// generic expert kernel in every step shape, where IQ4_NL ones take GEMV, skinny or grouped
+/// kernels; the plan has the same nodes.
+#[test]
+fn experts_of_another_weight_type_take_the_generic_kernel_in_every_step_shape() {
+    let mut dims = models::synth::Dims::preset(Preset::Tiny);
+    dims.expert_type = Some(loader::GgmlType::Q8_0);
+    let q8 = made(dims, "q8_experts");
     let iq4 = tiny();
     for bucket in [DECODE, SHORT_CHUNK, LONG_CHUNK] {
         let text = plan(&q8, bucket, HOPPER).to_string();
@@ -275,5 +282,30 @@ fn experts_of_another_weight_type_take_the_generic_kernel_in_every_step_shape() 
             "{bucket:?}: the same nodes"
         );
     }
-    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A latent wider than the GPU attention kernel covers (kv_lora_rank 640; the release's is 512)
+/// runs on the CPU, and the CUDA plan is refused when it is made, naming the node and the rule.
+#[test]
+fn a_latent_too_wide_for_the_gpu_attention_is_refused_when_the_plan_is_made() {
+    let mut dims = models::synth::Dims::preset(Preset::Tiny);
+    dims.kv_lora = 640;
+    let wide = made(dims, "wide_latent");
+    assert!(
+        plan(&wide, DECODE, Target::Cpu)
+            .to_string()
+            .contains("mla_attention")
+    );
+    let shape = StepShape::single(DECODE, LogitRows::Last);
+    let e = build_plan(&wide, shape, false, HOPPER, &LoweringOptions::default())
+        .unwrap_err()
+        .to_string();
+    for part in [
+        "blk.0.",
+        "mla_attention",
+        "kv_lora_rank (found 640)",
+        "at most 576 and 512",
+    ] {
+        assert!(e.contains(part), "{part:?} missing from: {e}");
+    }
 }

@@ -599,6 +599,24 @@ impl MlaAttention {
         w == self.kv_lora + 64 && self.kv_lora.is_multiple_of(64) && self.kv_lora <= 512
     }
 
+    /// Whether the split kernel, which every step shape can take, covers cache rows of width
+    /// `w` (latent + rope); Err states the rule. The lowering checks it when it plans, so a
+    /// checkpoint whose latent is too wide is refused at load, not at a request.
+    pub fn split_k_supports(&self, w: usize) -> Result<(), OpError> {
+        let lora = self.kv_lora;
+        if !w.is_multiple_of(4) || !lora.is_multiple_of(4) || w > ATT_MAX_W || lora > ATT_MAX_LORA {
+            return Err(OpError::shape(
+                self.name(),
+                format!(
+                    "the CUDA kernel needs cache rows (kv_lora_rank + rope dimension_count, \
+                     found {w}) and kv_lora_rank (found {lora}) to be multiples of 4, at most \
+                     {ATT_MAX_W} and {ATT_MAX_LORA}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// [`Op::cuda`] with the split kernel chosen by the caller, so tests can check and time
     /// every variant; the scratch is the same for all.
     #[doc(hidden)]
@@ -622,15 +640,7 @@ impl MlaAttention {
         if n == 0 {
             return Ok(());
         }
-        if !w.is_multiple_of(4) || !lora.is_multiple_of(4) || w > ATT_MAX_W || lora > ATT_MAX_LORA {
-            return Err(OpError::shape(
-                op,
-                format!(
-                    "the CUDA kernel needs W (found {w}) and kv_lora (found {lora}) to be \
-                     multiples of 4, at most {ATT_MAX_W} and {ATT_MAX_LORA}"
-                ),
-            ));
-        }
+        self.split_k_supports(w)?;
         let tile = kernel.tile;
         let name = match (tile, kernel.bf16_corrections) {
             (16, false) => "mla_attn_split_t16",
