@@ -3,7 +3,7 @@
 use super::prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
 use super::*;
 use crate::check::{aligned16, dim_i32, unlowered};
-use crate::dequant::wt_code;
+use crate::dequant::weight_rows;
 use crate::gpu::{blocks_for, dev_err};
 use crate::op::check_device;
 use crate::rope::RopeConsts;
@@ -325,16 +325,7 @@ pub(super) fn head_gemv(
 
 /// `head_generic` (mla.cu): per-head weights of any type the CPU reads, a warp an output row.
 fn head_generic(ctx: &GpuCtx, op: &'static str, a: &HeadGemv<'_>) -> Result<(), OpError> {
-    let dtype = a.w.meta.dtype;
-    let (Some(wt), Some(row_bytes)) = (wt_code(dtype), dtype.row_bytes(a.n_in)) else {
-        return Err(OpError::shape(
-            op,
-            format!(
-                "per-head weight {} with input width {} is not whole storage blocks",
-                a.w.meta, a.n_in
-            ),
-        ));
-    };
+    let (wt, row_bytes) = weight_rows(op, "per-head weight", a.w.meta, a.n_in)?;
     if a.n_tok > 65535 || a.n_head > 65535 {
         return Err(OpError::shape(
             op,

@@ -274,63 +274,24 @@ fn skinny_expert_cases(v: &mut Vec<ParityCase>) {
     }
 }
 
-/// The generic kernel on input widths the others cannot split (not whole 256-value chunks:
-/// DeepSeek-V2-Lite's 1,408 and small test models' 96 or 160), with 1, 2, 7, 32 and 129
-/// tokens' routes (experts with none, one and many routes).
+/// The generic kernel on what the others cannot take: input widths that are not whole
+/// 256-value chunks (DeepSeek-V2-Lite's 1,408 and small test models' 96 or 160) with 1, 2, 7,
+/// 32 and 129 tokens' routes (experts with none, one and many routes), and expert weights
+/// stored in the other types the CPU reads (a Q8_0 or BF16 quantization of a model, F16/F32
+/// conversions, Q6_K) with 2 and 33 tokens' routes. IQ4_NL weights are drawn as the other
+/// expert cases' (random nibbles and scales).
 fn generic_expert_cases(v: &mut Vec<ParityCase>) {
     let kernel = ExpertKernel::Generic;
-    for (d, ff, n) in [
+    let mut shapes: Vec<(DType, usize, usize, usize, u64)> = [
         (160, 96, 1),
         (160, 96, 2),
         (256, 1408, 7),
         (96, 160, 32),
         (160, 96, 129),
-    ] {
-        v.push(ParityCase::new(
-            format!("expert_swiglu/generic d={d} ff={ff} routes={}", n * TOPK),
-            ExpertSwiGlu {
-                n_expert: X_NE,
-                n_ff: ff,
-                kernel,
-            },
-            41 + n as u64,
-            swiglu_gemv_bound(d),
-            move |r| {
-                let plan = plan_for(r, n, X_NE, TOPK);
-                vec![
-                    uniform(r, &[n, d], -1.0, 1.0),
-                    iq4_weight(r, X_NE, ff, d),
-                    iq4_weight(r, X_NE, ff, d),
-                    plan[0].clone(),
-                    plan[1].clone(),
-                ]
-            },
-        ));
-        v.push(ParityCase::new(
-            format!("expert_down/generic d={d} ff={ff} routes={}", n * TOPK),
-            ExpertDown {
-                n_expert: X_NE,
-                n_embd: d,
-                kernel,
-            },
-            51 + n as u64,
-            nmse_f32_dot(ff),
-            move |r| {
-                let plan = plan_for(r, n, X_NE, TOPK);
-                vec![
-                    uniform(r, &[n * TOPK, ff], -1.0, 1.0),
-                    iq4_weight(r, X_NE, d, ff),
-                    plan[0].clone(),
-                ]
-            },
-        ));
-    }
-}
-
-/// The generic kernel on expert weights stored in the other types the CPU reads (a Q8_0 or
-/// BF16 quantization of a model, F16/F32 conversions, Q6_K), 2 and 33 tokens' routes.
-fn generic_weight_type_cases(v: &mut Vec<ParityCase>) {
-    let kernel = ExpertKernel::Generic;
+    ]
+    .into_iter()
+    .map(|(d, ff, n)| (DType::IQ4_NL, d, ff, n, 41))
+    .collect();
     for (dtype, d, ff) in [
         (DType::Q8_0, 160, 96),
         (DType::BF16, 96, 64),
@@ -338,52 +299,59 @@ fn generic_weight_type_cases(v: &mut Vec<ParityCase>) {
         (DType::F32, 96, 32),
         (DType::Q6_K, 256, 512),
     ] {
-        for n in [2, 33] {
-            v.push(ParityCase::new(
-                format!(
-                    "expert_swiglu/generic {dtype} d={d} ff={ff} routes={}",
-                    n * TOPK
-                ),
-                ExpertSwiGlu {
-                    n_expert: X_NE,
-                    n_ff: ff,
-                    kernel,
-                },
-                61 + n as u64,
-                swiglu_gemv_bound(d),
-                move |r| {
-                    let plan = plan_for(r, n, X_NE, TOPK);
-                    vec![
-                        uniform(r, &[n, d], -1.0, 1.0),
-                        weight(r, dtype, &[X_NE, ff, d]),
-                        weight(r, dtype, &[X_NE, ff, d]),
-                        plan[0].clone(),
-                        plan[1].clone(),
-                    ]
-                },
-            ));
-            v.push(ParityCase::new(
-                format!(
-                    "expert_down/generic {dtype} d={d} ff={ff} routes={}",
-                    n * TOPK
-                ),
-                ExpertDown {
-                    n_expert: X_NE,
-                    n_embd: d,
-                    kernel,
-                },
-                71 + n as u64,
-                nmse_f32_dot(ff),
-                move |r| {
-                    let plan = plan_for(r, n, X_NE, TOPK);
-                    vec![
-                        uniform(r, &[n * TOPK, ff], -1.0, 1.0),
-                        weight(r, dtype, &[X_NE, d, ff]),
-                        plan[0].clone(),
-                    ]
-                },
-            ));
-        }
+        shapes.extend([2, 33].map(|n| (dtype, d, ff, n, 61)));
+    }
+    let stacked = |r: &mut Rng, dtype: DType, e: usize, rows: usize, cols: usize| match dtype {
+        DType::IQ4_NL => iq4_weight(r, e, rows, cols),
+        _ => weight(r, dtype, &[e, rows, cols]),
+    };
+    for (dtype, d, ff, n, seed) in shapes {
+        let tag = if dtype == DType::IQ4_NL {
+            String::new()
+        } else {
+            format!(" {dtype}")
+        };
+        v.push(ParityCase::new(
+            format!(
+                "expert_swiglu/generic{tag} d={d} ff={ff} routes={}",
+                n * TOPK
+            ),
+            ExpertSwiGlu {
+                n_expert: X_NE,
+                n_ff: ff,
+                kernel,
+            },
+            seed + n as u64,
+            swiglu_gemv_bound(d),
+            move |r| {
+                let plan = plan_for(r, n, X_NE, TOPK);
+                vec![
+                    uniform(r, &[n, d], -1.0, 1.0),
+                    stacked(r, dtype, X_NE, ff, d),
+                    stacked(r, dtype, X_NE, ff, d),
+                    plan[0].clone(),
+                    plan[1].clone(),
+                ]
+            },
+        ));
+        v.push(ParityCase::new(
+            format!("expert_down/generic{tag} d={d} ff={ff} routes={}", n * TOPK),
+            ExpertDown {
+                n_expert: X_NE,
+                n_embd: d,
+                kernel,
+            },
+            seed + 10 + n as u64,
+            nmse_f32_dot(ff),
+            move |r| {
+                let plan = plan_for(r, n, X_NE, TOPK);
+                vec![
+                    uniform(r, &[n * TOPK, ff], -1.0, 1.0),
+                    stacked(r, dtype, X_NE, d, ff),
+                    plan[0].clone(),
+                ]
+            },
+        ));
     }
 }
 
@@ -408,7 +376,6 @@ pub fn cases() -> Vec<ParityCase> {
     }
     expert_cases(&mut v);
     generic_expert_cases(&mut v);
-    generic_weight_type_cases(&mut v);
     for (kernel, n, shared) in [
         (TopKKernel::Scan, 1, true),
         (TopKKernel::Scan, 4, false),

@@ -3,7 +3,7 @@
 use super::prefill::{SkinnyRoutes, launch_expert_gemm_tc_with, launch_expert_skinny};
 use super::*;
 use crate::check::{aligned16, dim_i32, unlowered};
-use crate::dequant::wt_code;
+use crate::dequant::weight_rows;
 use crate::elementwise::SwiGlu;
 use crate::gpu::{blocks_for, dev_err};
 use crate::linear::RowsPlan;
@@ -410,18 +410,7 @@ fn launch_expert_generic(ctx: &GpuCtx, op: &'static str, a: &Experts<'_>) -> Res
             ),
         ));
     }
-    let (Some(wt), Some(row_bytes)) = (wt_code(dtype), dtype.row_bytes(a.n_in)) else {
-        return Err(OpError::shape(
-            op,
-            format!(
-                "expert weights of {} with input width {} are not whole storage blocks",
-                a.wa.meta, a.n_in
-            ),
-        ));
-    };
-    if a.n_in == 0 {
-        return Err(OpError::shape(op, "the expert input width is 0"));
-    }
+    let (wt, row_bytes) = weight_rows(op, "expert weights", a.wa.meta, a.n_in)?;
     let i = |what, v| dim_i32(op, what, v);
     // Eight warps a block, a warp an output row at a time; enough row tiles to fill the card
     // when routes are few.
