@@ -86,6 +86,9 @@ pub struct LoweringOptions {
     /// Rows up to which IQ4_NL products past the GEMV take the skinny kernel (the weight read
     /// once for 8 or 16 rows); more take the tensor-core tiles.
     pub skinny_max_rows: usize,
+    /// Rows up to which BF16 products past the GEMV take the skinny BF16 kernel (the weight
+    /// read once for all rows, K split over the chip); more take cuBLAS.
+    pub bf16_skinny_max_rows: usize,
     /// Routes up to which the routed experts past the GEMV take the skinny grouped kernel
     /// (a decode step's few routes an expert); more take the grouped GEMM.
     pub expert_skinny_max_routes: usize,
@@ -116,6 +119,7 @@ impl Default for LoweringOptions {
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
             expert_gemv_max_routes: 8,
             skinny_max_rows: 128,
+            bf16_skinny_max_rows: 128,
             expert_skinny_max_routes: 512,
             router_tiled_min_rows: 64,
             topk_inverse_min_rows: 132,
@@ -133,7 +137,8 @@ impl fmt::Display for LoweringOptions {
         write!(
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={}; \
-             gemv<={} head_gemv<={} expert_gemv<={} routes; skinny<={} rows, <={} routes; \
+             gemv<={} head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}), \
+             <={} routes; \
              router tiled>={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={}; weights first={}",
             on(self.fuse_hc),
@@ -146,6 +151,7 @@ impl fmt::Display for LoweringOptions {
             self.head_gemv_max_rows,
             self.expert_gemv_max_routes,
             self.skinny_max_rows,
+            self.bf16_skinny_max_rows,
             self.expert_skinny_max_routes,
             self.router_tiled_min_rows,
             self.topk_inverse_min_rows,
@@ -201,7 +207,12 @@ impl LoweringOptions {
         let base = self.linear(rows);
         let takes =
             w.is_some_and(|w| w.shape.len() == 2 && ops::linear::skinny_takes(w.dtype, w.shape[1]));
-        if base == LinearKernel::TensorCore && rows <= self.skinny_max_rows && takes {
+        let limit = if w.is_some_and(|w| w.dtype == DType::BF16) {
+            self.bf16_skinny_max_rows
+        } else {
+            self.skinny_max_rows
+        };
+        if base == LinearKernel::TensorCore && rows <= limit && takes {
             LinearKernel::Skinny
         } else {
             base
@@ -356,13 +367,17 @@ fn choose_kernel(
         return Some(Arc::new(Linear::with(o.linear_for(r0, meta(g, node, 1)))));
     }
     if op_as::<LinearPair>(node).is_some() {
-        return Some(Arc::new(LinearPair {
-            kernel: o.linear(r0),
-        }));
+        // The pair is skinny when both weights are (q_a and kv_a share their type).
+        let (w1, w2) = (meta(g, node, 1), meta(g, node, 2));
+        let kernel = match (o.linear_for(r0, w1), o.linear_for(r0, w2)) {
+            (a, b) if a == b => a,
+            _ => o.linear(r0),
+        };
+        return Some(Arc::new(LinearPair { kernel }));
     }
     if let Some(op) = op_as::<NormLinear>(node) {
         return Some(Arc::new(NormLinear {
-            kernel: o.linear(r0),
+            kernel: o.linear_for(r0, meta(g, node, 2)),
             ..op.clone()
         }));
     }

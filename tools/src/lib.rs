@@ -38,6 +38,10 @@ pub struct LoweringArgs {
     /// 0 turns it off; default 128).
     #[arg(long, value_name = "N")]
     pub skinny_max_rows: Option<usize>,
+    /// Most rows a BF16 product takes on the skinny BF16 kernel (more: cuBLAS; 0 turns it
+    /// off; default 128).
+    #[arg(long, value_name = "N")]
+    pub bf16_skinny_max_rows: Option<usize>,
     /// Most routes the routed experts take on the skinny kernel (more: the grouped
     /// tensor-core kernel; 0 turns it off; default 512).
     #[arg(long, value_name = "N")]
@@ -75,6 +79,7 @@ impl LoweringArgs {
                 .expert_gemv_max_routes
                 .unwrap_or(d.expert_gemv_max_routes),
             skinny_max_rows: self.skinny_max_rows.unwrap_or(d.skinny_max_rows),
+            bf16_skinny_max_rows: self.bf16_skinny_max_rows.unwrap_or(d.bf16_skinny_max_rows),
             expert_skinny_max_routes: self
                 .expert_skinny_max_routes
                 .unwrap_or(d.expert_skinny_max_routes),

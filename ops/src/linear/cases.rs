@@ -1,7 +1,8 @@
 //! The linear family's parity cases (see [`crate::parity::ParityCase`]): `linear` on the GEMV
 //! (weights first or not) and the tensor cores over every weight type, `linear_pair` and
-//! `norm_linear` on their fused and unfused paths, at decode (1 to 4 rows) and prefill (100 rows)
-//! sizes of the real Xing4.0 shapes (the lm head cut to 4096 rows).
+//! `norm_linear` on their fused and unfused paths, at decode (1 to 4 rows), batched decode (2 to
+//! 129 rows, the skinny kernels) and prefill (100 rows) sizes of the real Xing4.0 shapes (the lm
+//! head cut to 4096 rows).
 //!
 //! Bounds: the GEMV sums in f32 in another order: the tests' `f32_tol`, rel 1e-5 and abs
 //! `16·√K·u·Σ|w·x|`, where `Σ|w·x| ≈ 0.75·√K·rms(y)` at these distributions, so abs/rms is
@@ -26,9 +27,11 @@ fn f32_sum_bound(k: usize) -> f64 {
 /// bf16): the tests' f16 relative part, 4e-3.
 const NMSE_F16: f64 = 2.0 * 4e-3 * 4e-3;
 
-fn bound(kernel: LinearKernel, k: usize) -> f64 {
+fn bound(kernel: LinearKernel, dtype: DType, k: usize) -> f64 {
     match kernel {
         LinearKernel::TensorCore => NMSE_BF16,
+        // The skinny BF16 product narrows x to bf16, as the tensor-core path does.
+        LinearKernel::Skinny if dtype == DType::BF16 => NMSE_BF16,
         LinearKernel::Skinny => NMSE_F16,
         _ => f32_sum_bound(k),
     }
@@ -57,7 +60,7 @@ fn linear(
         format!("linear/{name} {} {dtype} n={n} {k}->{o}", label(kernel)),
         Linear::with(kernel),
         0x11 + (n * 7 + k + o) as u64,
-        bound(kernel, k),
+        bound(kernel, dtype, k),
         move |r| {
             let w = weight(r, dtype, &[o, k]);
             vec![uniform(r, &[n, k], -2.0, 2.0), w]
@@ -124,10 +127,26 @@ pub fn cases() -> Vec<ParityCase> {
     ] {
         v.push(linear(name, LinearKernel::Skinny, DType::IQ4_NL, n, k, o));
     }
-    // linear_pair: one BF16 token takes the one-launch kernel; the rest two linears.
+    // Batched decode over BF16 (the attention's projections): the skinny BF16 kernel at 2 to
+    // 129 rows (one to three token tiles), K split many ways (q_a's 3,584 inputs over 24 row
+    // tiles) or not at all (256 inputs at 64 rows), rows and K that are not whole tiles.
+    for (name, k, o, n) in [
+        ("attn q_a", 3584, 768, 2),
+        ("attn q_a", 3584, 768, 7),
+        ("attn o", 4096, 3584, 32),
+        ("attn o", 4096, 3584, 129),
+        ("one split", 256, 4096, 64),
+        ("odd rows", 96, 1000, 9),
+        ("odd rows", 1184, 40, 17),
+    ] {
+        v.push(linear(name, LinearKernel::Skinny, DType::BF16, n, k, o));
+    }
+    // linear_pair: one BF16 token and a skinny BF16 batch take one launch; the rest two linears.
     for (kernel, dtype, n) in [
         (GEMV, DType::BF16, 1),
         (GEMV, DType::Q8_0, 3),
+        (LinearKernel::Skinny, DType::BF16, 8),
+        (LinearKernel::Skinny, DType::BF16, 65),
         (LinearKernel::TensorCore, DType::BF16, 100),
     ] {
         for (k, o1, o2) in [(3584, 768, 576), (768, 96, 192)] {
@@ -135,7 +154,7 @@ pub fn cases() -> Vec<ParityCase> {
                 format!("linear_pair/q_a+kv_a {} {dtype} n={n} k={k}", label(kernel)),
                 LinearPair { kernel },
                 0x9a12 + n as u64,
-                bound(kernel, k),
+                bound(kernel, dtype, k),
                 move |r| {
                     let x = uniform(r, &[n, k], -2.0, 2.0);
                     let w1 = weight(r, dtype, &[o1, k]);
@@ -150,6 +169,7 @@ pub fn cases() -> Vec<ParityCase> {
     for (kernel, dtype, n) in [
         (GEMV, DType::BF16, 1),
         (GEMV, DType::Q8_0, 3),
+        (LinearKernel::Skinny, DType::BF16, 16),
         (LinearKernel::TensorCore, DType::BF16, 100),
     ] {
         let (k, o) = (768, 6144);
@@ -158,7 +178,7 @@ pub fn cases() -> Vec<ParityCase> {
             format!("norm_linear/q_b {} {dtype} n={n}", label(kernel)),
             NormLinear { eps, kernel },
             0x4e0e + n as u64,
-            bound(kernel, k),
+            bound(kernel, dtype, k),
             move |r| {
                 let x = uniform(r, &[n, k], -2.0, 2.0);
                 let g = r.vec(k, 0.5, 1.5);

@@ -1,6 +1,8 @@
 //! CUDA launches of the linear ops.
 
-use super::plan::{CUBLAS_WORKSPACE, LinearPath, TqFit, linear_path, prefill_scratch};
+use super::plan::{
+    Bf16SkinnyPlan, CUBLAS_WORKSPACE, LinearPath, TqFit, linear_path, prefill_scratch,
+};
 use super::{Linear, LinearPair, NormLinear};
 use crate::check::as_i32;
 use crate::dequant::wt_code;
@@ -107,6 +109,12 @@ impl Linear {
                         n,
                         scratch,
                     )
+                }
+            }
+            LinearPath::Bf16Skinny(plan) => {
+                // SAFETY: W holds o BF16 rows of k values, x n×k f32, y n×o f32 (check_device).
+                unsafe {
+                    launch_bf16_skinny(ctx, op, plan, x.ptr, n, k, (w.ptr, y.ptr, o), None, scratch)
                 }
             }
             LinearPath::Iq4Rows(nr, plan) => {
@@ -238,6 +246,33 @@ impl LinearPair {
         let op = self.name();
         let (x, w1, w2) = (&inputs[0], &inputs[1], &inputs[2]);
         let kernel = self.kernel.chosen(op, x.meta.shape[0])?;
+        let metas = [x.meta, w1.meta, w2.meta];
+        if let Some((plan, n, _)) = Self::skinny_plan(kernel, &metas)
+            && x.ptr.is_multiple_of(16)
+            && w1.ptr.is_multiple_of(16)
+            && w2.ptr.is_multiple_of(16)
+        {
+            if n == 0 {
+                return Ok(());
+            }
+            let (y1, y2) = (&outputs[0], &outputs[1]);
+            let (k, o1, o2) = (x.meta.shape[1], w1.meta.shape[0], w2.meta.shape[0]);
+            // SAFETY: check_device checked x (n×in f32), both BF16 weights (out rows of in
+            // values) and both outputs (n×out f32).
+            return unsafe {
+                launch_bf16_skinny(
+                    ctx,
+                    op,
+                    plan,
+                    x.ptr,
+                    n,
+                    k,
+                    (w1.ptr, y1.ptr, o1),
+                    Some((w2.ptr, y2.ptr, o2)),
+                    scratch,
+                )
+            };
+        }
         let sms = ctx.device.sm_count() as usize;
         let Some((ju, r, s)) = Self::fused_plan(kernel, x, w1, w2, sms) else {
             let one = Linear::with(kernel);
@@ -339,5 +374,96 @@ impl NormLinear {
             bytes: need - normed_bytes,
         };
         Linear::with(kernel).cuda(ctx, &[normed, *w], outputs, rest)
+    }
+}
+
+/// `linear_skinny_bf16_<nt>` over one BF16 weight, or two (`second`: its row tiles follow the
+/// first's), then, when K is split, `linear_skinny_reduce` over the partial sums in `scratch`.
+/// Each of `first` and `second` is (weight, output, rows).
+///
+/// # Safety
+/// `x` holds n×k f32 (rows 16-byte aligned), each weight `rows` BF16 rows of k values at a
+/// 16-byte-aligned address, each output n×rows f32; `scratch` is this op's.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_bf16_skinny(
+    ctx: &GpuCtx,
+    op: &'static str,
+    plan: Bf16SkinnyPlan,
+    x: u64,
+    n: usize,
+    k: usize,
+    first: (u64, u64, usize),
+    second: Option<(u64, u64, usize)>,
+    scratch: Scratch,
+) -> Result<(), OpError> {
+    let (w1, y1, o1) = first;
+    let (w2, y2, o2) = second.unwrap_or((0, 0, 0));
+    let (tiles, outs) = (o1.div_ceil(32) + o2.div_ceil(32), o1 + o2);
+    let part = if plan.splits > 1 {
+        scratch.require(op, plan.scratch_bytes(n, outs))?;
+        scratch.ptr.next_multiple_of(256)
+    } else {
+        0
+    };
+    let blocks = as_i32(op, "skinny blocks", (tiles * plan.splits).div_ceil(4))?;
+    let token_tiles = as_i32(op, "token tiles", plan.token_tiles)?;
+    if token_tiles > 65535 {
+        return Err(OpError::shape(
+            op,
+            format!("n = {n}: more than 65535 token tiles"),
+        ));
+    }
+    let (ni, ki) = (as_i32(op, "n", n)?, as_i32(op, "in", k)?);
+    let (o1i, o2i) = (as_i32(op, "out", o1)?, as_i32(op, "out", o2)?);
+    let splits = as_i32(op, "splits", plan.splits)?;
+    let kern = ctx.kernel(
+        "linear.cu",
+        LINEAR_CU,
+        &format!("linear_skinny_bf16_{}", plan.nt),
+    )?;
+    // SAFETY: the arguments follow linear_skinny_bf16's C signature; the caller vouches for
+    // x, the weights and the outputs, and the partial sums (splits·n·outs f32) fit the scratch
+    // checked above.
+    unsafe {
+        ctx.device
+            .launch(&kern)
+            .grid((blocks as u32, token_tiles as u32))
+            .block(128)
+            .arg(w1)
+            .arg(x)
+            .arg(y1)
+            .arg(ni)
+            .arg(ki)
+            .arg(o1i)
+            .arg(w2)
+            .arg(y2)
+            .arg(o2i)
+            .arg(part)
+            .arg(splits)
+            .arg(as_i32(op, "chunks a split", plan.per)?)
+            .enqueue()
+            .map_err(dev_err)?;
+    }
+    if plan.splits <= 1 {
+        return Ok(());
+    }
+    let reduce = ctx.kernel("linear.cu", LINEAR_CU, "linear_skinny_reduce")?;
+    let grid = as_i32(op, "reduce blocks", (n * outs).div_ceil(256))?;
+    // SAFETY: linear_skinny_reduce reads the splits·n·outs partial sums written just above and
+    // writes n×o1 f32 to y1 and n×o2 to y2.
+    unsafe {
+        ctx.device
+            .launch(&reduce)
+            .grid(grid as u32)
+            .block(256)
+            .arg(part)
+            .arg(y1)
+            .arg(y2)
+            .arg(ni)
+            .arg(o1i)
+            .arg(o2i)
+            .arg(splits)
+            .enqueue()
+            .map_err(dev_err)
     }
 }

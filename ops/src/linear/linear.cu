@@ -811,6 +811,172 @@ TQ_BOTH(iq4_nl, WT_IQ4_NL)
 TQ(f32, WT_F32, x1, 1)
 
 // ---------------------------------------------------------------------------------------------
+// Skinny BF16 products (a batched decode step's 2..=128 rows): y = x·Wᵀ with the weight read
+// once for up to 8·NT tokens, on mma.m16n8k16 with the tensor-core path's numerics (x and W as
+// bf16, f32 sums). cuBLAS tiles these shapes for prefill: q_a with kv_a (1,344 rows) at 8 rows
+// is a handful of tiles on a 132-multiprocessor chip.
+//
+// A warp owns 32 weight rows (two m16 tiles, the A operand) and a run of `per` 32-value K
+// chunks. Lane (g, t) loads 16 bytes of rows g, g+8, g+16, g+24 at chunk values 8t..8t+7
+// straight from global memory (a warp's load covers whole 32-byte sectors), and the same 8
+// values of x's token 8nt+g as two float4, narrowed to bf16 in registers. The MMA's k slots are
+// a permutation of the chunk's values (slot 2t holds values 8t, 8t+1 and slot 2t+8 values
+// 8t+2, 8t+3; the second MMA the other four), the same for both operands, so the two products
+// add up the chunk's dot products. Weight loads run SKB_PF chunks ahead in a register ring.
+//
+// A matrix of few 32-row tiles (q_a with kv_a: 42) cannot fill the chip with one warp a tile,
+// so K is split `splits` ways (linear/plan.rs `Bf16SkinnyPlan`); each warp then writes its
+// partial sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so
+// a step repeats bit for bit. With splits == 1 the warp writes y itself.
+// grid (ceil(tiles·splits / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS; with O2 > 0 the
+// tiles of W2 (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W and
+// W2 16-byte aligned, x rows 16-byte aligned.
+#define SKB_WARPS 4
+#define SKB_PF 3
+
+// x[8t..8t+7] of one token as four bf16 pairs (zeros for a token past n).
+__device__ __forceinline__ void skb_x(const float* xr, bool ok, unsigned (&b)[4]) {
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 p = ok ? ldx4(xr) : z, q = ok ? ldx4(xr + 4) : z;
+    b[0] = tq_pack(p.x, p.y);
+    b[1] = tq_pack(p.z, p.w);
+    b[2] = tq_pack(q.x, q.y);
+    b[3] = tq_pack(q.z, q.w);
+}
+
+template <int NT>
+__device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict__ W,
+                                                 const float* x, float* y, int n, int K, int O,
+                                                 const unsigned char* __restrict__ W2, float* y2,
+                                                 int O2, float* part, int splits, int per) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int tiles1 = (O + 31) >> 5, tiles = tiles1 + ((O2 + 31) >> 5);
+    const int wi = blockIdx.x * SKB_WARPS + warp;
+    const int split = wi / tiles, tile = wi - split * tiles;
+    if (split >= splits) return;
+    const bool second = tile >= tiles1;
+    const unsigned char* Wm = second ? W2 : W;
+    const int Om = second ? O2 : O;
+    const int r0 = (second ? tile - tiles1 : tile) * 32;
+    const int c0 = split * per, c1 = min(K >> 5, c0 + per);
+    const int tb = blockIdx.y * 8 * NT;
+    const long long rb = 2ll * K;
+
+    // Row j of this lane: r0 + g + 8j (m tile j >> 1, its rows g or g + 8).
+    const unsigned char* wrow[4];
+    bool wok[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int r = r0 + g + 8 * j;
+        wok[j] = r < Om;
+        wrow[j] = Wm + (wok[j] ? r : 0) * rb + 16 * t;
+    }
+    const uint4 z4 = make_uint4(0u, 0u, 0u, 0u);
+    uint4 ring[SKB_PF][4];
+#pragma unroll
+    for (int s = 0; s < SKB_PF; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            ring[s][j] = (c0 + s < c1 && wok[j])
+                             ? __ldg(reinterpret_cast<const uint4*>(wrow[j] + 64ll * (c0 + s)))
+                             : z4;
+    PDL_WAIT();
+
+    const float* xrow[NT];
+    bool xok[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int tok = tb + 8 * nt + g;
+        xok[nt] = tok < n;
+        xrow[nt] = x + (long long)(xok[nt] ? tok : 0) * K + 8 * t;
+    }
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+    for (int cb = c0; cb < c1; cb += SKB_PF) {
+#pragma unroll
+        for (int s = 0; s < SKB_PF; ++s) {
+            const int c = cb + s;
+            if (c < c1) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    if (tb + 8 * nt < n) {  // warp-uniform
+                        unsigned b[4];
+                        skb_x(xrow[nt] + 32ll * c, xok[nt], b);
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt) {
+                            const uint4 lo = ring[s][2 * mt], hi = ring[s][2 * mt + 1];
+                            const unsigned a1[4] = {lo.x, hi.x, lo.y, hi.y};
+                            const unsigned a2[4] = {lo.z, hi.z, lo.w, hi.w};
+                            tq_mma(acc[mt][nt], a1, b[0], b[1]);
+                            tq_mma(acc[mt][nt], a2, b[2], b[3]);
+                        }
+                    }
+                }
+                if (c + SKB_PF < c1) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        ring[s][j] = wok[j] ? __ldg(reinterpret_cast<const uint4*>(
+                                                  wrow[j] + 64ll * (c + SKB_PF)))
+                                            : z4;
+                }
+            }
+        }
+    }
+
+    // Accumulator (mt, nt): c0, c1 = row 16mt + g, tokens 8nt + 2t and +1; c2, c3 = row + 8.
+    const int ot = O + O2, col0 = second ? O : 0;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + 16 * mt + g + 8 * (i >> 1), tok = tb + 8 * nt + 2 * t + (i & 1);
+                if (r >= Om || tok >= n) continue;
+                if (splits == 1)
+                    (second ? y2 : y)[(long long)tok * Om + r] = acc[mt][nt][i];
+                else
+                    part[((long long)split * n + tok) * ot + col0 + r] = acc[mt][nt][i];
+            }
+}
+
+#define LINEAR_SKINNY_BF16(NT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * SKB_WARPS) linear_skinny_bf16_##NT(         \
+        const unsigned char* __restrict__ W, const float* x, float* y, int n, int K, int O,       \
+        const unsigned char* __restrict__ W2, float* y2, int O2, float* part, int splits,         \
+        int per) {                                                                                \
+        PDL_WEIGHTS_FIRST();                                                                      \
+        skinny_bf16_body<NT>(W, x, y, n, K, O, W2, y2, O2, part, splits, per);                    \
+    }
+LINEAR_SKINNY_BF16(1)
+LINEAR_SKINNY_BF16(2)
+LINEAR_SKINNY_BF16(4)
+LINEAR_SKINNY_BF16(8)
+#undef LINEAR_SKINNY_BF16
+
+// y (and y2 past column O) = Σ_split part[split], in split order. One thread an output.
+extern "C" __global__ void __launch_bounds__(256)
+    linear_skinny_reduce(const float* part, float* y, float* y2, int n, int O, int O2, int splits) {
+    PDL_ENTER();
+    const int ot = O + O2;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, all = (long long)n * ot;
+    if (i >= all) return;
+    float v = part[i];
+    for (int s = 1; s < splits; ++s) v += part[s * all + i];
+    const int tok = (int)(i / ot), col = (int)(i - (long long)tok * ot);
+    if (col < O)
+        y[(long long)tok * O + col] = v;
+    else
+        y2[(long long)tok * O2 + col - O] = v;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Fallback: grid (ceil(O/4), ceil(n/8)), block 128; a warp per row, 8 tokens per grid row.
 extern "C" __global__ void __launch_bounds__(128)
     linear_generic(const unsigned char* W, const float* x, float* y, int n, int K, int O, long long RB, int wt) {

@@ -17,7 +17,7 @@ use crate::{Op, OpError};
 
 pub(crate) use cuda::LINEAR_CU;
 pub(crate) use plan::RowsPlan;
-use plan::{LinearPath, bf16_dec_plan, linear_path, prefill_scratch};
+use plan::{Bf16SkinnyPlan, LinearPath, bf16_dec_plan, linear_path, prefill_scratch};
 
 /// The most rows the weight-streaming GEMV kernels take (`gemv_*_<nt>`, nt ≤ 8).
 pub const GEMV_ROWS_LIMIT: usize = 8;
@@ -36,9 +36,10 @@ pub enum LinearKernel {
     /// x narrowed to bf16, then cuBLAS (BF16 weights) or mma.sync tiles decoding the weight
     /// (other types): f32 accumulation, BF16 tolerance.
     TensorCore,
-    /// IQ4_NL weights with whole 256-value k-tiles, a few rows (a decode step's batch): the
-    /// skinny product (`moe::prefill`'s `expert_skinny_iq4`, the matrix as one expert), which
-    /// reads the weight once for 8 or 16 rows on the tensor cores (f16 operands, f32 sums).
+    /// A few rows (a decode step's batch) over a weight read once for all of them: IQ4_NL with
+    /// whole 256-value k-tiles takes the skinny product (`moe::prefill`'s `expert_skinny_iq4`,
+    /// the matrix as one expert; f16 operands, f32 sums), BF16 with K a multiple of 32 the
+    /// skinny BF16 product (`linear_skinny_bf16`; bf16 x, f32 sums, as the tensor cores).
     /// Other weights take the tensor-core path.
     Skinny,
 }
@@ -84,7 +85,11 @@ impl LinearKernel {
 /// Whether [`LinearKernel::Skinny`] runs a weight of this type and input width on the skinny
 /// product (otherwise on the tensor-core path).
 pub fn skinny_takes(dtype: DType, k: usize) -> bool {
-    dtype == DType::IQ4_NL && crate::moe::prefill::skinny_supports(k)
+    match dtype {
+        DType::IQ4_NL => crate::moe::prefill::skinny_supports(k),
+        DType::BF16 => plan::bf16_skinny_takes(k),
+        _ => false,
+    }
 }
 
 /// Inputs: `x` F32 `[n, in]`, `W` `[out, in]` of F32/F16/BF16/Q8_0/Q6_K/IQ4_NL
@@ -166,7 +171,12 @@ impl Op for Linear {
         match (inputs.first(), inputs.get(1)) {
             (Some(x), Some(w)) => match *x.shape.as_slice() {
                 [n, k] if self.kernel == LinearKernel::Skinny && skinny_takes(w.dtype, k) => {
-                    crate::moe::prefill::skinny_scratch_bytes(n, k)
+                    let o = w.shape.first().copied().unwrap_or(0);
+                    if w.dtype == DType::BF16 {
+                        Bf16SkinnyPlan::choose(n, k, o, o.div_ceil(32)).scratch_bytes(n, o)
+                    } else {
+                        crate::moe::prefill::skinny_scratch_bytes(n, k)
+                    }
                 }
                 [n, k]
                     if matches!(self.kernel, LinearKernel::TensorCore | LinearKernel::Skinny)
@@ -182,8 +192,9 @@ impl Op for Linear {
 }
 
 /// Two [`Linear`] products of the same `x` (the attention's q_a and kv_a): `y1 = x·W1ᵀ`,
-/// `y2 = x·W2ᵀ`. One decode token over BF16 weights takes one launch (the blocks split between
-/// the two weights); anything else runs the two products as [`Linear`] would. Same bits.
+/// `y2 = x·W2ᵀ`. Over BF16 weights one decode token (the blocks split between the two weights)
+/// and a skinny batch (the second weight's row tiles after the first's) take one launch;
+/// anything else runs the two products as [`Linear`] would. Same bits.
 ///
 /// Inputs: x F32 `[n, in]`, W1 `[out1, in]`, W2 `[out2, in]`. Outputs: F32 `[n, out1]`,
 /// `[n, out2]`.
@@ -213,6 +224,26 @@ impl LinearPair {
             return None;
         }
         bf16_dec_plan(k, o1 + o2, sms)
+    }
+
+    /// The skinny BF16 plan of both products in one launch, with its rows and output
+    /// columns, when the kernel is skinny and both weights are BF16 it takes.
+    fn skinny_plan(
+        kernel: LinearKernel,
+        inputs: &[&TensorMeta],
+    ) -> Option<(Bf16SkinnyPlan, usize, usize)> {
+        let [x, w1, w2] = inputs else { return None };
+        let (&[n, k], &[o1, _], &[o2, _]) =
+            (x.shape.as_slice(), w1.shape.as_slice(), w2.shape.as_slice())
+        else {
+            return None;
+        };
+        let bf16 = |w: &TensorMeta| w.dtype == DType::BF16 && skinny_takes(w.dtype, k);
+        if kernel != LinearKernel::Skinny || !bf16(w1) || !bf16(w2) {
+            return None;
+        }
+        let tiles = o1.div_ceil(32) + o2.div_ceil(32);
+        Some((Bf16SkinnyPlan::choose(n, k, o1 + o2, tiles), n, o1 + o2))
     }
 }
 
@@ -244,6 +275,9 @@ impl Op for LinearPair {
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         if inputs.len() != 3 {
             return 0;
+        }
+        if let Some((plan, n, outs)) = Self::skinny_plan(self.kernel, inputs) {
+            return plan.scratch_bytes(n, outs);
         }
         let one = Linear::with(self.kernel);
         one.cuda_scratch_bytes(&inputs[..2])

@@ -91,6 +91,58 @@ pub(super) fn bf16_dec_plan(k: usize, o: usize, sms: usize) -> Option<(usize, us
     Some((u.div_ceil(32 * s).next_power_of_two().max(4), 1, s))
 }
 
+/// How `linear_skinny_bf16_<nt>` (linear/linear.cu) covers a BF16 product of `n` rows over
+/// `tiles` 32-row weight tiles (both matrices of a pair) of `k` inputs: `nt` n8 tiles a warp
+/// (8·nt tokens a grid row), K split `splits` ways of `per` 32-value chunks each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Bf16SkinnyPlan {
+    pub nt: usize,
+    pub token_tiles: usize,
+    pub splits: usize,
+    pub per: usize,
+}
+
+/// Warps a skinny BF16 product aims for: about 16 a multiprocessor on a 132-multiprocessor
+/// card, so enough weight loads are in flight to stream at the memory's rate.
+const BF16_SKINNY_WARPS: usize = 2048;
+
+impl Bf16SkinnyPlan {
+    /// The plan for `n` rows, `k` inputs (a multiple of 32) and `outs` output columns in all
+    /// over `tiles` tiles. K is split until about [`BF16_SKINNY_WARPS`] warps run, each with
+    /// at least two chunks, and no further than keeps the partial sums' traffic (written and
+    /// read once, mostly in L2) under the weight's bytes.
+    pub(crate) fn choose(n: usize, k: usize, outs: usize, tiles: usize) -> Bf16SkinnyPlan {
+        let nt = n.div_ceil(8).next_power_of_two().clamp(1, 8);
+        let token_tiles = n.div_ceil(8 * nt).max(1);
+        let nch = (k / 32).max(1);
+        let weight_bytes = 2 * k * outs;
+        let by_warps = BF16_SKINNY_WARPS.div_ceil((tiles * token_tiles).max(1));
+        let by_traffic = weight_bytes / (2 * 4 * n.max(1) * outs.max(1));
+        let want = by_warps.min(by_traffic).min(nch / 2).max(1);
+        let per = nch.div_ceil(want);
+        Bf16SkinnyPlan {
+            nt,
+            token_tiles,
+            splits: nch.div_ceil(per),
+            per,
+        }
+    }
+
+    /// Scratch for the partial sums (none when K is not split), plus 256 bytes of alignment.
+    pub(crate) fn scratch_bytes(&self, n: usize, outs: usize) -> usize {
+        if self.splits <= 1 {
+            0
+        } else {
+            256 + self.splits * n * outs * 4
+        }
+    }
+}
+
+/// Whether the skinny BF16 product takes a weight of `k` inputs.
+pub(crate) fn bf16_skinny_takes(k: usize) -> bool {
+    k > 0 && k.is_multiple_of(32)
+}
+
 /// cuBLAS's workspace for the BF16 prefill GEMM, inside the op's scratch (NVIDIA's
 /// recommendation for Hopper). Handing it over keeps a captured graph free of allocations.
 pub(super) const CUBLAS_WORKSPACE: usize = 32 << 20;
@@ -152,6 +204,8 @@ pub(super) enum LinearPath {
     Tiles(TqFit),
     /// IQ4_NL with whole 256-value k-tiles: the skinny product, the matrix as one expert.
     Skinny,
+    /// BF16, K a multiple of 32: `linear_skinny_bf16_<nt>` as planned.
+    Bf16Skinny(Bf16SkinnyPlan),
     Generic,
 }
 
@@ -179,6 +233,9 @@ pub(super) fn linear_path(
         return LinearPath::Generic;
     }
     if kernel == LinearKernel::Skinny && super::skinny_takes(dtype, k) {
+        if dtype == DType::BF16 {
+            return LinearPath::Bf16Skinny(Bf16SkinnyPlan::choose(n, k, o, o.div_ceil(32)));
+        }
         return LinearPath::Skinny;
     }
     let gemv = matches!(kernel, LinearKernel::Gemv { .. }) && n <= GEMV_ROWS_LIMIT;

@@ -237,3 +237,46 @@ fn a_weight_buffer_shorter_than_its_shape_is_an_error_not_a_panic() {
     let w = Owned::from_bytes(TensorMeta::new([2, 32], DType::IQ4_NL), &[0u8; 18]);
     assert!(run(&Linear::default(), &[&x, &w]).is_err());
 }
+
+#[test]
+fn skinny_bf16_plans_give_every_chunk_to_one_split_and_every_row_to_one_token_tile() {
+    for n in [2usize, 7, 8, 9, 16, 32, 64, 65, 128, 129, 512] {
+        for (k, outs, tiles) in [
+            (3584usize, 1344usize, 42usize),
+            (4096, 3584, 112),
+            (768, 6144, 192),
+            (32, 40, 2),
+            (1184, 40, 2),
+        ] {
+            let p = Bf16SkinnyPlan::choose(n, k, outs, tiles);
+            let nch = k / 32;
+            assert!(
+                [1, 2, 4, 8].contains(&p.nt),
+                "nt {} is not instantiated",
+                p.nt
+            );
+            assert!(p.token_tiles * 8 * p.nt >= n && (p.token_tiles - 1) * 8 * p.nt < n);
+            assert!(p.splits >= 1 && p.per >= 1);
+            assert!(
+                p.splits * p.per >= nch && (p.splits - 1) * p.per < nch,
+                "{p:?} k={k}"
+            );
+            // The partial sums, when there are any, cost no more traffic than the weight.
+            if p.splits > 1 {
+                assert!(
+                    p.splits * n * outs * 4 * 2 <= 2 * k * outs,
+                    "{p:?} n={n} k={k}"
+                );
+                assert!(p.scratch_bytes(n, outs) >= 256 + p.splits * n * outs * 4);
+            } else {
+                assert_eq!(p.scratch_bytes(n, outs), 0);
+            }
+        }
+    }
+    // q_a with kv_a at 8 rows is 42 row tiles: K is split so the chip has warps to run.
+    let qa = Bf16SkinnyPlan::choose(8, 3584, 1344, 42);
+    assert!(qa.splits * 42 >= 1024, "{qa:?}");
+    // Many row tiles already fill the chip: no split, no scratch.
+    let wide = Bf16SkinnyPlan::choose(64, 256, 4096, 128);
+    assert_eq!((wide.splits, wide.nt, wide.token_tiles), (1, 8, 1));
+}
