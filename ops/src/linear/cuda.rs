@@ -405,7 +405,7 @@ unsafe fn launch_bf16_skinny(
     } else {
         0
     };
-    let blocks = as_i32(op, "skinny blocks", (tiles * plan.splits).div_ceil(4))?;
+    let blocks = as_i32(op, "skinny blocks", plan.splits * tiles.div_ceil(4))?;
     let token_tiles = as_i32(op, "token tiles", plan.token_tiles)?;
     if token_tiles > 65535 {
         return Err(OpError::shape(

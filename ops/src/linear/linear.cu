@@ -818,78 +818,68 @@ TQ(f32, WT_F32, x1, 1)
 //
 // A warp owns 32 weight rows (two m16 tiles, the A operand) and a run of `per` 32-value K
 // chunks. Lane (g, t) loads 16 bytes of rows g, g+8, g+16, g+24 at chunk values 8t..8t+7
-// straight from global memory (a warp's load covers whole 32-byte sectors), and the same 8
-// values of x's token 8nt+g as two float4, narrowed to bf16 in registers. The MMA's k slots are
-// a permutation of the chunk's values (slot 2t holds values 8t, 8t+1 and slot 2t+8 values
-// 8t+2, 8t+3; the second MMA the other four), the same for both operands, so the two products
-// add up the chunk's dot products. Weight loads run SKB_PF chunks ahead in a register ring.
+// straight from global memory (a warp's load covers whole 32-byte sectors) into a register ring
+// SKB_PF chunks deep. The block's warps take consecutive row tiles of one K split, so they
+// share x: each round the block narrows SKB_PF chunks of its 8·NT tokens to bf16 in shared
+// memory (64 bytes a token a chunk), and lane (g, t) reads values 8t..8t+7 of token 8nt+g as
+// one 16-byte load (a warp's 32 loads are 512 contiguous bytes). The MMA's k slots are a
+// permutation of the chunk's values (slot 2t holds values 8t, 8t+1 and slot 2t+8 values 8t+2,
+// 8t+3; the second MMA the other four), the same for both operands, so the two products add
+// up the chunk's dot products. (Each warp reading and narrowing x itself from L2 cost 72 µs for
+// the attention output at 64 rows, against cuBLAS's 18: x was read once per row tile.)
 //
-// A matrix of few 32-row tiles (q_a with kv_a: 42) cannot fill the chip with one warp a tile,
-// so K is split `splits` ways (linear/plan.rs `Bf16SkinnyPlan`); each warp then writes its
-// partial sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so
-// a step repeats bit for bit. With splits == 1 the warp writes y itself.
-// grid (ceil(tiles·splits / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS; with O2 > 0 the
-// tiles of W2 (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W and
-// W2 16-byte aligned, x rows 16-byte aligned.
+// A matrix of few row tiles (q_a with kv_a: 42) cannot fill the chip with one warp a tile, so K
+// is split `splits` ways (linear/plan.rs `Bf16SkinnyPlan`); each warp then writes its partial
+// sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so a step
+// repeats bit for bit. With splits == 1 the warp writes y itself.
+// grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, shared memory
+// SKB_PF·8NT·64 bytes; with O2 > 0 the tiles of W2 (into y2) follow those of W (one launch for
+// q_a and kv_a). K % 32 == 0, W and W2 16-byte aligned, x rows 16-byte aligned.
 #define SKB_WARPS 4
 #define SKB_PF 3
-
-// x[8t..8t+7] of one token as four bf16 pairs (zeros for a token past n).
-__device__ __forceinline__ void skb_x(const float* xr, bool ok, unsigned (&b)[4]) {
-    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float4 p = ok ? ldx4(xr) : z, q = ok ? ldx4(xr + 4) : z;
-    b[0] = tq_pack(p.x, p.y);
-    b[1] = tq_pack(p.z, p.w);
-    b[2] = tq_pack(q.x, q.y);
-    b[3] = tq_pack(q.z, q.w);
-}
 
 template <int NT>
 __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict__ W,
                                                  const float* x, float* y, int n, int K, int O,
                                                  const unsigned char* __restrict__ W2, float* y2,
                                                  int O2, float* part, int splits, int per) {
+    constexpr int TOK = 8 * NT;
+    __shared__ __align__(16) uint4 xs[SKB_PF][TOK][4];  // [chunk][token][8 values as bf16]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles1 = (O + 31) >> 5, tiles = tiles1 + ((O2 + 31) >> 5);
-    const int wi = blockIdx.x * SKB_WARPS + warp;
-    const int split = wi / tiles, tile = wi - split * tiles;
-    if (split >= splits) return;
-    const bool second = tile >= tiles1;
+    const int groups = (tiles + SKB_WARPS - 1) / SKB_WARPS;
+    const int split = blockIdx.x / groups;
+    const int tile = (blockIdx.x - split * groups) * SKB_WARPS + warp;
+    if (split >= splits) return;  // block-uniform
+    // A warp past the last tile still narrows x and meets the barriers; it multiplies nothing.
+    const bool live = tile < tiles;
+    const bool second = live && tile >= tiles1;
     const unsigned char* Wm = second ? W2 : W;
     const int Om = second ? O2 : O;
     const int r0 = (second ? tile - tiles1 : tile) * 32;
     const int c0 = split * per, c1 = min(K >> 5, c0 + per);
-    const int tb = blockIdx.y * 8 * NT;
+    const int tb = blockIdx.y * TOK;
     const long long rb = 2ll * K;
 
-    // Row j of this lane: r0 + g + 8j (m tile j >> 1, its rows g or g + 8).
-    const unsigned char* wrow[4];
-    bool wok[4];
+    // Row j of this lane: r0 + g + 8j (m tile j >> 1, its rows g or g + 8), 8 rows apart in
+    // memory; rows past the matrix read as zeros (bit j of `wok` clear).
+    const unsigned char* wrow = Wm + (live ? r0 + g : 0) * rb + 16 * t;
+    const long long wstep = 8 * rb;
+    unsigned wok = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int r = r0 + g + 8 * j;
-        wok[j] = r < Om;
-        wrow[j] = Wm + (wok[j] ? r : 0) * rb + 16 * t;
-    }
+    for (int j = 0; j < 4; ++j) wok |= (live && r0 + g + 8 * j < Om) ? 1u << j : 0u;
     const uint4 z4 = make_uint4(0u, 0u, 0u, 0u);
+    auto ldw = [&](int j, int c) {
+        return (wok >> j & 1u) ? __ldg(reinterpret_cast<const uint4*>(wrow + j * wstep + 64ll * c))
+                               : z4;
+    };
     uint4 ring[SKB_PF][4];
 #pragma unroll
     for (int s = 0; s < SKB_PF; ++s)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-            ring[s][j] = (c0 + s < c1 && wok[j])
-                             ? __ldg(reinterpret_cast<const uint4*>(wrow[j] + 64ll * (c0 + s)))
-                             : z4;
+        for (int j = 0; j < 4; ++j) ring[s][j] = c0 + s < c1 ? ldw(j, c0 + s) : z4;
     PDL_WAIT();
 
-    const float* xrow[NT];
-    bool xok[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int tok = tb + 8 * nt + g;
-        xok[nt] = tok < n;
-        xrow[nt] = x + (long long)(xok[nt] ? tok : 0) * K + 8 * t;
-    }
     float acc[2][NT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -899,35 +889,48 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
     for (int cb = c0; cb < c1; cb += SKB_PF) {
+        __syncthreads();  // the last round's readers are done with xs
+        // Item i: chunk i / (4·TOK), token (i / 4) % TOK, values 8·(i % 4) .. +7.
+        for (int i = threadIdx.x; i < SKB_PF * TOK * 4; i += 32 * SKB_WARPS) {
+            const int s = i / (4 * TOK), tok = (i >> 2) % TOK, q = i & 3;
+            uint4 v = z4;
+            if (cb + s < c1 && tb + tok < n) {
+                const float* xp = x + (long long)(tb + tok) * K + 32ll * (cb + s) + 8 * q;
+                const float4 a = ldx4(xp), b = ldx4(xp + 4);
+                v = make_uint4(tq_pack(a.x, a.y), tq_pack(a.z, a.w), tq_pack(b.x, b.y),
+                               tq_pack(b.z, b.w));
+            }
+            xs[s][tok][q] = v;
+        }
+        __syncthreads();
 #pragma unroll
         for (int s = 0; s < SKB_PF; ++s) {
             const int c = cb + s;
             if (c < c1) {
+                if (live) {
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    if (tb + 8 * nt < n) {  // warp-uniform
-                        unsigned b[4];
-                        skb_x(xrow[nt] + 32ll * c, xok[nt], b);
+                    for (int nt = 0; nt < NT; ++nt) {
+                        if (tb + 8 * nt < n) {  // warp-uniform
+                            const uint4 b = xs[s][8 * nt + g][t];
 #pragma unroll
-                        for (int mt = 0; mt < 2; ++mt) {
-                            const uint4 lo = ring[s][2 * mt], hi = ring[s][2 * mt + 1];
-                            const unsigned a1[4] = {lo.x, hi.x, lo.y, hi.y};
-                            const unsigned a2[4] = {lo.z, hi.z, lo.w, hi.w};
-                            tq_mma(acc[mt][nt], a1, b[0], b[1]);
-                            tq_mma(acc[mt][nt], a2, b[2], b[3]);
+                            for (int mt = 0; mt < 2; ++mt) {
+                                const uint4 lo = ring[s][2 * mt], hi = ring[s][2 * mt + 1];
+                                const unsigned a1[4] = {lo.x, hi.x, lo.y, hi.y};
+                                const unsigned a2[4] = {lo.z, hi.z, lo.w, hi.w};
+                                tq_mma(acc[mt][nt], a1, b.x, b.y);
+                                tq_mma(acc[mt][nt], a2, b.z, b.w);
+                            }
                         }
                     }
                 }
                 if (c + SKB_PF < c1) {
 #pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        ring[s][j] = wok[j] ? __ldg(reinterpret_cast<const uint4*>(
-                                                  wrow[j] + 64ll * (c + SKB_PF)))
-                                            : z4;
+                    for (int j = 0; j < 4; ++j) ring[s][j] = ldw(j, c + SKB_PF);
                 }
             }
         }
     }
+    if (!live) return;
 
     // Accumulator (mt, nt): c0, c1 = row 16mt + g, tokens 8nt + 2t and +1; c2, c3 = row + 8.
     const int ot = O + O2, col0 = second ? O : 0;
