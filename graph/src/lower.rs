@@ -78,6 +78,10 @@ pub struct LoweringOptions {
     /// Rows up to which products (and their fusions) take the weight-streaming GEMV; more
     /// take the tensor cores. At most [`GEMV_ROWS_LIMIT`].
     pub gemv_max_rows: usize,
+    /// Rows up to which products over weight types no skinny kernel takes (Q6_K, Q8_0, F16,
+    /// F32: the release's lm head is Q6_K) take the GEMV rather than the tensor-core tiles.
+    /// At most [`GEMV_ROWS_LIMIT`].
+    pub other_gemv_max_rows: usize,
     /// Tokens up to which MLA's per-head products are a GEMV. At most [`HEAD_GEMV_ROWS_LIMIT`].
     pub head_gemv_max_rows: usize,
     /// Routes up to which the routed experts take the GEMV; more take the grouped GEMM.
@@ -87,7 +91,10 @@ pub struct LoweringOptions {
     /// once for 8 or 16 rows); more take the tensor-core tiles.
     pub skinny_max_rows: usize,
     /// Rows up to which BF16 products past the GEMV take the skinny BF16 kernel (the weight
-    /// read once for all rows, K split over the chip); more take cuBLAS.
+    /// read once for all rows, K split over the chip); more take cuBLAS. On the H200 at the
+    /// release's shapes (bench/RESULTS.md 2026-12-02 (o)) the skinny kernel wins at 8 rows
+    /// (q_a+kv_a, attn.out and q_b: 41 µs a layer against cuBLAS's 52) and loses from 32 on
+    /// (56 against 54 at 32, 91 against 55 at 64).
     pub bf16_skinny_max_rows: usize,
     /// Routes up to which the routed experts past the GEMV take the skinny grouped kernel
     /// (a decode step's few routes an expert); more take the grouped GEMM.
@@ -116,10 +123,11 @@ impl Default for LoweringOptions {
             fuse_kv_cache_write: true,
             fold_shared_add: true,
             gemv_max_rows: 1,
+            other_gemv_max_rows: 1,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
             expert_gemv_max_routes: 8,
             skinny_max_rows: 128,
-            bf16_skinny_max_rows: 128,
+            bf16_skinny_max_rows: 16,
             expert_skinny_max_routes: 512,
             router_tiled_min_rows: 64,
             topk_inverse_min_rows: 132,
@@ -137,7 +145,7 @@ impl fmt::Display for LoweringOptions {
         write!(
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={}; \
-             gemv<={} head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}), \
+             gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}), \
              <={} routes; \
              router tiled>={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={}; weights first={}",
@@ -148,6 +156,7 @@ impl fmt::Display for LoweringOptions {
             on(self.fuse_kv_cache_write),
             on(self.fold_shared_add),
             self.gemv_max_rows,
+            self.other_gemv_max_rows,
             self.head_gemv_max_rows,
             self.expert_gemv_max_routes,
             self.skinny_max_rows,
@@ -168,6 +177,11 @@ impl LoweringOptions {
     pub fn validate(&self) -> Result<(), String> {
         let limits = [
             ("gemv_max_rows", self.gemv_max_rows, GEMV_ROWS_LIMIT),
+            (
+                "other_gemv_max_rows",
+                self.other_gemv_max_rows,
+                GEMV_ROWS_LIMIT,
+            ),
             (
                 "head_gemv_max_rows",
                 self.head_gemv_max_rows,
@@ -214,6 +228,13 @@ impl LoweringOptions {
         };
         if base == LinearKernel::TensorCore && rows <= limit && takes {
             LinearKernel::Skinny
+        } else if base == LinearKernel::TensorCore
+            && rows <= self.other_gemv_max_rows.min(GEMV_ROWS_LIMIT)
+            && w.is_some_and(|w| !matches!(w.dtype, DType::BF16 | DType::IQ4_NL))
+        {
+            LinearKernel::Gemv {
+                weights_first: self.pdl_weights_first,
+            }
         } else {
             base
         }

@@ -38,8 +38,12 @@ pub struct LoweringArgs {
     /// 0 turns it off; default 128).
     #[arg(long, value_name = "N")]
     pub skinny_max_rows: Option<usize>,
+    /// Most rows a product over a weight type no skinny kernel takes (Q6_K, Q8_0, F16, F32:
+    /// the lm head) runs on the GEMV (more: the tensor-core tiles; at most 8; default 1).
+    #[arg(long, value_name = "N")]
+    pub other_gemv_max_rows: Option<usize>,
     /// Most rows a BF16 product takes on the skinny BF16 kernel (more: cuBLAS; 0 turns it
-    /// off; default 128).
+    /// off; default 16).
     #[arg(long, value_name = "N")]
     pub bf16_skinny_max_rows: Option<usize>,
     /// Most routes the routed experts take on the skinny kernel (more: the grouped
@@ -80,6 +84,7 @@ impl LoweringArgs {
                 .unwrap_or(d.expert_gemv_max_routes),
             skinny_max_rows: self.skinny_max_rows.unwrap_or(d.skinny_max_rows),
             bf16_skinny_max_rows: self.bf16_skinny_max_rows.unwrap_or(d.bf16_skinny_max_rows),
+            other_gemv_max_rows: self.other_gemv_max_rows.unwrap_or(d.other_gemv_max_rows),
             expert_skinny_max_routes: self
                 .expert_skinny_max_routes
                 .unwrap_or(d.expert_skinny_max_routes),
@@ -87,7 +92,7 @@ impl LoweringArgs {
         };
         opts.validate().map_err(|e| {
             anyhow::anyhow!(
-                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --head-gemv-max-rows / --expert-gemv-max-routes: {e}"
+                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --head-gemv-max-rows / --expert-gemv-max-routes: {e}"
             )
         })?;
         Ok(opts)
