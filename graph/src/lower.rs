@@ -92,9 +92,9 @@ pub struct LoweringOptions {
     pub skinny_max_rows: usize,
     /// Rows up to which BF16 products past the GEMV take the skinny BF16 kernel (the weight
     /// read once for all rows, K split over the chip); more take cuBLAS. On the H200 at the
-    /// release's shapes (bench/RESULTS.md 2026-12-02 (o)) the skinny kernel wins at 8 rows
-    /// (q_a+kv_a, attn.out and q_b: 41 µs a layer against cuBLAS's 52) and loses from 32 on
-    /// (56 against 54 at 32, 91 against 55 at 64).
+    /// release's shapes (bench/RESULTS.md 2026-12-02 (o)) the skinny kernel wins at 8 and 16
+    /// rows (q_a+kv_a, attn.out and q_b: 41 and 48 µs a layer against cuBLAS's 52 and 53) and
+    /// loses from 32 on (56 against 54 at 32, 91 against 55 at 64).
     pub bf16_skinny_max_rows: usize,
     /// Routes up to which the routed experts past the GEMV take the skinny grouped kernel
     /// (a decode step's few routes an expert); more take the grouped GEMM.
