@@ -116,30 +116,26 @@ pub fn cases() -> Vec<ParityCase> {
     ] {
         v.push(linear(name, LinearKernel::TensorCore, dtype, 100, k, o));
     }
-    // Batched decode: the skinny kernel over IQ4_NL, one row to past a whole 16-row tile.
-    for (name, k, o, n) in [
-        ("shared down", 1024, 3584, 1),
-        ("shared down", 1024, 3584, 2),
-        ("shared down", 1024, 3584, 7),
-        ("shared up", 3584, 1024, 32),
-        ("shared down", 1024, 3584, 129),
-        ("odd rows", 512, 1000, 9),
+    // Batched decode on the skinny kernels. IQ4_NL: one row to past a whole 16-row tile. BF16
+    // (the attention's projections): 2 to 129 rows (one to three token tiles), K split many ways
+    // (q_a's 3,584 inputs over 24 row tiles) or not at all (256 inputs at 64 rows), rows and K
+    // that are not whole tiles.
+    for (name, dtype, k, o, n) in [
+        ("shared down", DType::IQ4_NL, 1024, 3584, 1),
+        ("shared down", DType::IQ4_NL, 1024, 3584, 2),
+        ("shared down", DType::IQ4_NL, 1024, 3584, 7),
+        ("shared up", DType::IQ4_NL, 3584, 1024, 32),
+        ("shared down", DType::IQ4_NL, 1024, 3584, 129),
+        ("odd rows", DType::IQ4_NL, 512, 1000, 9),
+        ("attn q_a", DType::BF16, 3584, 768, 2),
+        ("attn q_a", DType::BF16, 3584, 768, 7),
+        ("attn o", DType::BF16, 4096, 3584, 32),
+        ("attn o", DType::BF16, 4096, 3584, 129),
+        ("one split", DType::BF16, 256, 4096, 64),
+        ("odd rows", DType::BF16, 96, 1000, 9),
+        ("odd rows", DType::BF16, 1184, 40, 17),
     ] {
-        v.push(linear(name, LinearKernel::Skinny, DType::IQ4_NL, n, k, o));
-    }
-    // Batched decode over BF16 (the attention's projections): the skinny BF16 kernel at 2 to
-    // 129 rows (one to three token tiles), K split many ways (q_a's 3,584 inputs over 24 row
-    // tiles) or not at all (256 inputs at 64 rows), rows and K that are not whole tiles.
-    for (name, k, o, n) in [
-        ("attn q_a", 3584, 768, 2),
-        ("attn q_a", 3584, 768, 7),
-        ("attn o", 4096, 3584, 32),
-        ("attn o", 4096, 3584, 129),
-        ("one split", 256, 4096, 64),
-        ("odd rows", 96, 1000, 9),
-        ("odd rows", 1184, 40, 17),
-    ] {
-        v.push(linear(name, LinearKernel::Skinny, DType::BF16, n, k, o));
+        v.push(linear(name, LinearKernel::Skinny, dtype, n, k, o));
     }
     // linear_pair: one BF16 token and a skinny BF16 batch take one launch; the rest two linears.
     for (kernel, dtype, n) in [
