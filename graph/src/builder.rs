@@ -69,6 +69,28 @@ impl Graph {
         &self.values[id.0]
     }
 
+    /// Bytes a node's kernels must move at the least: each weight it reads (a stacked expert
+    /// tensor whole, so an upper bound until a step touches every expert) and each step input
+    /// and intermediate it reads or writes, every value once. State (the KV cache) is left out,
+    /// read or written in place: how much of it a step touches depends on the positions.
+    pub fn node_bytes(&self, node: &Node) -> u64 {
+        let mut seen: Vec<ValueId> = Vec::new();
+        let mut total = 0u64;
+        for &id in node.inputs.iter().chain(&node.outputs) {
+            if seen.contains(&id) {
+                continue;
+            }
+            seen.push(id);
+            let v = self.value(id);
+            let state = |v: &ValueInfo| v.kind == ValueKind::State;
+            if state(v) || v.alias_of.is_some_and(|a| state(self.value(a))) {
+                continue;
+            }
+            total += v.meta.bytes().unwrap_or(0) as u64;
+        }
+        total
+    }
+
     pub fn find(&self, name: &str) -> Option<ValueId> {
         self.values.iter().position(|v| v.name == name).map(ValueId)
     }

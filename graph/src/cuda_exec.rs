@@ -201,6 +201,8 @@ pub struct NodeTime {
     pub node: String,
     pub op: String,
     pub ms: f64,
+    /// What the node must move at the least ([`crate::Graph::node_bytes`]).
+    pub bytes: u64,
 }
 
 /// Host time spent enqueueing one step, and the stream time between events
@@ -699,6 +701,7 @@ impl CudaExecutor {
                     node: node.name.clone(),
                     op: node.op.name().to_string(),
                     ms: f64::from(ms),
+                    bytes: plan.graph.node_bytes(node),
                 }
             })
             .collect())

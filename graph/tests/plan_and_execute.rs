@@ -177,3 +177,16 @@ fn a_missing_weight_and_a_bad_shape_are_named() {
         .to_string();
     assert!(e.contains("blk.7.h") && e.contains("F32[3]"), "{e}");
 }
+
+#[test]
+fn a_nodes_bytes_count_its_weights_and_activations_once_and_leave_the_cache_out() {
+    let weights = HashMap::from([("bias".to_string(), TensorMeta::f32([4]))]);
+    let plan = toy_plan(&weights, 3);
+    let g = &plan.graph;
+    let node = |name: &str| g.nodes.iter().find(|n| n.name == name).unwrap();
+    let rows = 3 * 4 * 4;
+    // h = x·2 + bias: x and h (3×4 f32) and the 4-value bias.
+    assert_eq!(g.node_bytes(node("blk.1.h")), (2 * rows + 16) as u64);
+    // The cache write reads h and the positions; the cache it writes in place is not counted.
+    assert_eq!(g.node_bytes(node("cache_write")), (rows + 3 * 4) as u64);
+}

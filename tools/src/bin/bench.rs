@@ -100,18 +100,25 @@ fn without_layer(name: &str) -> String {
     name.split('+').map(part).collect::<Vec<_>>().join("+")
 }
 
-/// Prints a profiled step grouped by node name without its layer: launches, µs, share.
+/// The H200's device-to-device copy rate (bench/RESULTS.md 2026-12-02 (b)): what a node that
+/// only streams its bytes could reach.
+const COPY_CEILING_GBS: f64 = 4270.0;
+
+/// Prints a profiled step grouped by node name without its layer: launches, µs, share, and the
+/// bytes the nodes must move with the rate that makes and its share of the copy ceiling.
 fn print_profile(label: &str, nodes: &[engine::NodeTime]) {
     let total: f64 = nodes.iter().map(|n| n.ms).sum::<f64>() * 1e3;
-    let mut groups: Vec<(String, String, usize, f64)> = Vec::new();
+    // (name, op, launches, µs, bytes)
+    let mut groups: Vec<(String, String, usize, f64, u64)> = Vec::new();
     for n in nodes {
         let key = without_layer(&n.node);
         match groups.iter_mut().find(|g| g.0 == key) {
             Some(g) => {
                 g.2 += 1;
                 g.3 += n.ms * 1e3;
+                g.4 += n.bytes;
             }
-            None => groups.push((key.to_string(), n.op.clone(), 1, n.ms * 1e3)),
+            None => groups.push((key.to_string(), n.op.clone(), 1, n.ms * 1e3, n.bytes)),
         }
     }
     groups.sort_by(|a, b| b.3.total_cmp(&a.3));
@@ -120,13 +127,20 @@ fn print_profile(label: &str, nodes: &[engine::NodeTime]) {
         "profile {label}: {} nodes, {total:.0} µs of device time back to back",
         nodes.len()
     );
-    println!("| node | op | count | µs/step | µs each | share |");
-    println!("| --- | --- | ---: | ---: | ---: | ---: |");
-    for (name, op, count, us) in &groups {
+    println!(
+        "(MB: weights, stacked experts whole, and activations in and out; the KV cache not \
+         counted; ceiling {COPY_CEILING_GBS:.0} GB/s)"
+    );
+    println!("| node | op | count | µs/step | µs each | share | MB/step | GB/s | of ceiling |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (name, op, count, us, bytes) in &groups {
+        let gbs = *bytes as f64 / us.max(1e-9) / 1e3;
         println!(
-            "| {name} | {op} | {count} | {us:.1} | {:.2} | {:.1}% |",
+            "| {name} | {op} | {count} | {us:.1} | {:.2} | {:.1}% | {:.2} | {gbs:.0} | {:.0}% |",
             us / *count as f64,
-            100.0 * us / total.max(1e-9)
+            100.0 * us / total.max(1e-9),
+            *bytes as f64 / 1e6,
+            100.0 * gbs / COPY_CEILING_GBS
         );
     }
 }
