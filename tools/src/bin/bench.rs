@@ -79,6 +79,15 @@ struct Args {
     /// Replaces the single-sequence tests.
     #[arg(short = 'b', long = "batch", value_delimiter = ',')]
     batch: Vec<usize>,
+    /// With `-b`: once the B sequences decode, one prompt of N synthetic tokens joins them, and
+    /// the running sequences' inter-token latency (a step's wall time) is reported before and
+    /// while it is admitted (mixed steps: decode rows plus a prefill chunk).
+    #[arg(long, value_name = "N", requires = "batch")]
+    join: Option<usize>,
+    /// With `--join`: tokens one step may carry, decode rows plus the prefill chunk (serve's
+    /// `--max-num-batched-tokens`).
+    #[arg(long, value_name = "T", default_value_t = 4096)]
+    max_num_batched_tokens: usize,
     /// Structured outputs' host cost instead of the model tests: the JSON schema in FILE is
     /// compiled against the checkpoint's vocabulary and the token mask of every step of `-r`
     /// answers is timed (each token drawn at random among the allowed ones); prints the median
@@ -577,6 +586,119 @@ fn batch_run(
     ))
 }
 
+/// Inter-token latencies of B running sequences before and while a long prompt joins.
+struct JoinRun {
+    /// Step wall times (ms) of the steady steps before the prompt was added.
+    before_ms: Vec<f64>,
+    /// Step wall times (ms) from the prompt's arrival to its first token.
+    during_ms: Vec<f64>,
+    /// The joining prompt's time to its first token (ms).
+    ttft_ms: f64,
+}
+
+/// Steady steps timed before the prompt joins.
+const JOIN_BEFORE_STEPS: usize = 16;
+
+/// Decode tokens each running sequence needs so it is still decoding when the prompt of
+/// `join` tokens has its first token: the steps before, the prompt's chunks with room to spare.
+fn join_gen_len(n: usize, b: usize, join: usize, budget: usize) -> usize {
+    let chunks = join.div_ceil(budget.saturating_sub(b).max(1));
+    n.max(JOIN_BEFORE_STEPS + 2 * chunks + 8)
+}
+
+/// `b` sequences of `p` synthetic tokens decode; after [`JOIN_BEFORE_STEPS`] steady steps a
+/// prompt of `join` tokens arrives (scheduler budget `budget` tokens a step); runs to the end.
+#[allow(clippy::too_many_arguments)]
+fn join_run(
+    engine: Engine,
+    b: usize,
+    p: usize,
+    n: usize,
+    join: usize,
+    budget: usize,
+    vocab: usize,
+) -> Result<(Engine, JoinRun)> {
+    let mut s = Scheduler::new(
+        engine,
+        SchedulerConfig {
+            max_num_seqs: b + 1,
+            max_num_batched_tokens: budget,
+            prefix_caching: false,
+        },
+        None,
+    );
+    let request = |prompt: Vec<u32>, max_tokens: usize| GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: vec![],
+        stop_strings: vec![],
+        want_logits: false,
+    };
+    for k in 0..b {
+        s.add(request(synthetic_ids(p, vocab, 7000 + k as u64), n));
+    }
+    let mut started = std::collections::HashSet::new();
+    let (mut before_ms, mut during_ms) = (Vec::new(), Vec::new());
+    let mut joined: Option<(u64, Instant)> = None;
+    let mut ttft_ms = None;
+    while s.has_work() {
+        if joined.is_none() && before_ms.len() == JOIN_BEFORE_STEPS {
+            let id = s.add(request(synthetic_ids(join, vocab, 7999), 2));
+            joined = Some((id, Instant::now()));
+        }
+        let t = Instant::now();
+        let events = s.step();
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut join_token = false;
+        for ev in events {
+            match ev {
+                SeqEvent::Token { seq, .. } => {
+                    if joined.is_some_and(|(id, _)| id == seq) {
+                        join_token = true;
+                    } else {
+                        started.insert(seq);
+                    }
+                }
+                SeqEvent::Finished { .. } => {}
+                SeqEvent::Failed { error, .. } => bail!("a sequence failed: {error}"),
+            }
+        }
+        match joined {
+            None if started.len() == b => before_ms.push(ms),
+            Some((_, at)) if ttft_ms.is_none() => {
+                during_ms.push(ms);
+                if join_token {
+                    ttft_ms = Some(at.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            _ => {}
+        }
+    }
+    let Some(ttft_ms) = ttft_ms else {
+        bail!("the joining prompt of {join} tokens never had its first token");
+    };
+    Ok((
+        s.into_engine(),
+        JoinRun {
+            before_ms,
+            during_ms,
+            ttft_ms,
+        },
+    ))
+}
+
+/// The q-quantile (0..=1) of `xs` by nearest rank.
+fn quantile(xs: &[f64], q: f64) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
 fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Result<()> {
     if a.batch.contains(&0) {
         bail!("-b counts must be at least 1");
@@ -585,13 +707,22 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
     let p = a.prompt.iter().copied().max().unwrap_or(512);
     let n = a.gen_len.iter().copied().max().unwrap_or(128).max(2);
     let max_b = a.batch.iter().copied().max().unwrap_or(1);
+    if a.max_num_batched_tokens == 0 {
+        bail!("--max-num-batched-tokens must be at least 1");
+    }
+    if a.join == Some(0) {
+        bail!("--join must be at least 1 token");
+    }
+    let join_n = a
+        .join
+        .map(|j| join_gen_len(n, max_b, j, a.max_num_batched_tokens));
     let config = EngineConfig {
-        max_model_len: p + n + 1,
+        max_model_len: (p + join_n.unwrap_or(n) + 1).max(a.join.map_or(0, |j| j + 3)),
         prefill_chunk: a.prefill_chunk,
         device,
         cuda_graphs: true,
         lowering: a.lowering.options()?,
-        max_num_seqs: max_b,
+        max_num_seqs: max_b + usize::from(a.join.is_some()),
         ..EngineConfig::default()
     };
     let t_load = Instant::now();
@@ -608,6 +739,9 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
         pool.blocks,
         pool.rows()
     );
+    if let Some(join) = a.join {
+        return join_table(a, engine, join, p, n, vocab);
+    }
     let mut rows = Vec::new();
     for &b in &a.batch {
         // One warm-up: kernels compile, plans are built and the batch buckets captured.
@@ -658,6 +792,54 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
     println!(
         "(decode: tokens of the steps where all B sequences decode, from the last first token to the first finish; mean ± sd over {} reps; prefill: B·prompt over the time until every sequence had its first token, decode steps of early sequences included)",
         a.reps
+    );
+    Ok(())
+}
+
+/// `--join`: for each B, the running sequences' inter-token latency before and while a prompt
+/// of `join` tokens is admitted.
+fn join_table(
+    a: &Args,
+    mut engine: Engine,
+    join: usize,
+    p: usize,
+    n: usize,
+    vocab: usize,
+) -> Result<()> {
+    let budget = a.max_num_batched_tokens;
+    let mut rows = Vec::new();
+    for &b in &a.batch {
+        let decode_len = join_gen_len(n, b, join, budget);
+        // One warm-up run: kernels compile, the decode and mixed-step plans are built.
+        let (e, _) = join_run(engine, b, p, decode_len, join, budget, vocab)?;
+        let (e, run) = join_run(e, b, p, decode_len, join, budget, vocab)?;
+        engine = e;
+        let (d, bf) = (&run.during_ms, &run.before_ms);
+        eprintln!(
+            "  B={b}: a {join}-token prompt joined in {} steps, {:.1} ms to its first token",
+            d.len(),
+            run.ttft_ms
+        );
+        rows.push(format!(
+            "| {b} | {join} | {budget} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2} | {:.1} |",
+            quantile(bf, 0.5),
+            quantile(bf, 0.99),
+            d.len(),
+            quantile(d, 0.5),
+            quantile(d, 0.99),
+            d.iter().copied().fold(0.0, f64::max),
+            run.ttft_ms
+        ));
+    }
+    println!(
+        "| B | joining prompt | tokens a step | ITL p50 ms before | ITL p99 before | steps to admit | ITL p50 ms while admitted | ITL p99 while admitted | ITL max | join TTFT ms |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for r in &rows {
+        println!("{r}");
+    }
+    println!(
+        "(ITL: the wall time of a step that gave each running sequence a token; before: {JOIN_BEFORE_STEPS} steps of the B sequences alone; while admitted: from the prompt's arrival to its first token)"
     );
     Ok(())
 }
