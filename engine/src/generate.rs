@@ -25,6 +25,20 @@ pub struct GenerateRequest {
     pub want_logits: bool,
 }
 
+impl GenerateRequest {
+    /// Greedy tokens up to `max_tokens`, no stops, no logits rows: what benches and tests ask.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+        GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: vec![],
+            stop_strings: vec![],
+            want_logits: false,
+        }
+    }
+}
+
 /// One generated token, handed to the streaming callback.
 #[derive(Clone, Debug)]
 pub struct TokenEvent<'a> {

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use engine::scheduler::{Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqUsage};
-use engine::{Device, Engine, EngineConfig, FinishReason, GenerateRequest, Model, SamplingParams};
+use engine::{Device, Engine, EngineConfig, FinishReason, GenerateRequest, Model};
 use models::synth::Preset;
 
 pub fn tiny() -> Arc<Model> {
@@ -58,14 +58,7 @@ pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
 }
 
 pub fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: vec![],
-        stop_strings: vec![],
-        want_logits: false,
-    }
+    GenerateRequest::greedy(prompt, max_tokens)
 }
 
 /// Each sequence's tokens, finish and usage from a run's events.

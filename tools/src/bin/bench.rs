@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use engine::scheduler::{Scheduler, SchedulerConfig, SeqEvent};
-use engine::{CacheSnapshot, Device, Engine, EngineConfig, GenerateRequest, SamplingParams};
+use engine::{CacheSnapshot, Device, Engine, EngineConfig, GenerateRequest};
 
 #[derive(Parser, Debug)]
 #[command(about = "Prefill/decode rates of a checkpoint, llama-bench style")]
@@ -521,14 +521,10 @@ fn batch_run(
         None,
     );
     for k in 0..b {
-        s.add(GenerateRequest {
-            prompt: synthetic_ids(p, vocab, seed * 1000 + k as u64),
-            max_tokens: n,
-            sampling: SamplingParams::greedy(),
-            stop_tokens: vec![],
-            stop_strings: vec![],
-            want_logits: false,
-        });
+        s.add(GenerateRequest::greedy(
+            synthetic_ids(p, vocab, seed * 1000 + k as u64),
+            n,
+        ));
     }
     let t0 = Instant::now();
     let mut started = std::collections::HashSet::new();
@@ -627,16 +623,11 @@ fn join_run(
         },
         None,
     );
-    let request = |prompt: Vec<u32>, max_tokens: usize| GenerateRequest {
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_tokens: vec![],
-        stop_strings: vec![],
-        want_logits: false,
-    };
     for k in 0..b {
-        s.add(request(synthetic_ids(p, vocab, 7000 + k as u64), n));
+        s.add(GenerateRequest::greedy(
+            synthetic_ids(p, vocab, 7000 + k as u64),
+            n,
+        ));
     }
     let mut started = std::collections::HashSet::new();
     let (mut before_ms, mut during_ms) = (Vec::new(), Vec::new());
@@ -644,7 +635,7 @@ fn join_run(
     let mut ttft_ms = None;
     while s.has_work() {
         if joined.is_none() && before_ms.len() == JOIN_BEFORE_STEPS {
-            let id = s.add(request(synthetic_ids(join, vocab, 7999), 2));
+            let id = s.add(GenerateRequest::greedy(synthetic_ids(join, vocab, 7999), 2));
             joined = Some((id, Instant::now()));
         }
         let t = Instant::now();
