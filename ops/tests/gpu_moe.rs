@@ -1074,6 +1074,64 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
     }
 }
 
+/// The skinny expert products of a batched decode step at the real shapes, each launched
+/// once (no graph, no repeats) for 8, 32 and 128 tokens: what a profiler attaches to
+/// (`ncu -k regex:expert_skinny`); checks only that every launch succeeds.
+#[test]
+#[ignore = "one launch a shape for a profiler: run on the GPU host with --include-ignored"]
+fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
+    let Some(gpu) = test_gpu() else { return };
+    let w = real_weights();
+    let (gate, up, down) = (dev(&gpu, &w.gate), dev(&gpu, &w.up), dev(&gpu, &w.down));
+    fn v(d: &Dev) -> DeviceTensor<'_> {
+        view(&d.meta, &d.buf)
+    }
+    for n in [8usize, 32, 128] {
+        let mut r = Rng::new(90 + n as u64);
+        let rt = n * TOPK;
+        let (_, plan) = plan_for(&mut r, n, NE, TOPK);
+        let (offsets, route_token) = (dev(&gpu, &plan[0]), dev(&gpu, &plan[1]));
+        let z = dev(
+            &gpu,
+            &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)),
+        );
+        let act = out(&gpu, TensorMeta::f32([rt, NFF]));
+        let ro = out(&gpu, TensorMeta::f32([rt, EMBD]));
+        let sw = ExpertSwiGlu {
+            n_expert: NE,
+            n_ff: NFF,
+            kernel: ExpertKernel::Skinny,
+        };
+        let ins = [
+            &z.meta,
+            &gate.meta,
+            &up.meta,
+            &offsets.meta,
+            &route_token.meta,
+        ];
+        let (_s_buf, scratch) = scratch_for(&gpu, sw.cuda_scratch_bytes(&ins));
+        sw.cuda(
+            &gpu,
+            &[v(&z), v(&gate), v(&up), v(&offsets), v(&route_token)],
+            &[v(&act)],
+            scratch,
+        )
+        .expect("expert_swiglu");
+        let dn = ExpertDown {
+            n_expert: NE,
+            n_embd: EMBD,
+            kernel: ExpertKernel::Skinny,
+        };
+        let (_s_buf, scratch) = scratch_for(
+            &gpu,
+            dn.cuda_scratch_bytes(&[&act.meta, &down.meta, &offsets.meta]),
+        );
+        dn.cuda(&gpu, &[v(&act), v(&down), v(&offsets)], &[v(&ro)], scratch)
+            .expect("expert_down");
+        gpu.device.synchronize().expect("synchronize");
+    }
+}
+
 /// A zeroed device scratch of `bytes` (at least 16) and its view; keep the buffer alive.
 fn scratch_for(gpu: &GpuCtx, bytes: usize) -> (DeviceBuffer<u8>, Scratch) {
     let bytes = bytes.max(16);
