@@ -109,6 +109,10 @@ pub struct LoweringOptions {
     pub hc_rows_chunks_per_warp: usize,
     /// Tokens from which attention takes the f16 flash kernel (where its shape allows).
     pub attention_flash_min_rows: usize,
+    /// The split-K attention (decode steps, short chunks) multiplies f16 operands with f32
+    /// sums, as the flash kernel does, rather than f32-class split operands (3 tensor
+    /// instructions a product, which bound long-context decode on the H200).
+    pub attention_f16_split: bool,
     /// The one-token BF16 GEMVs issue their weight loads before waiting for their predecessor.
     pub pdl_weights_first: bool,
 }
@@ -134,6 +138,7 @@ impl Default for LoweringOptions {
             hc_rows_min_rows: 64,
             hc_rows_chunks_per_warp: 1,
             attention_flash_min_rows: 256,
+            attention_f16_split: true,
             pdl_weights_first: true,
         }
     }
@@ -148,7 +153,7 @@ impl fmt::Display for LoweringOptions {
              gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}), \
              <={} routes; \
              router tiled>={} topk inverse>={} \
-             hc rows>={} (cpw {}) flash>={}; weights first={}",
+             hc rows>={} (cpw {}) flash>={} split-k products={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
             on(self.pair_linears),
@@ -167,6 +172,11 @@ impl fmt::Display for LoweringOptions {
             self.hc_rows_min_rows,
             self.hc_rows_chunks_per_warp,
             self.attention_flash_min_rows,
+            if self.attention_f16_split {
+                "f16"
+            } else {
+                "f32"
+            },
             on(self.pdl_weights_first)
         )
     }
@@ -432,6 +442,8 @@ fn choose_kernel(
         return Some(Arc::new(MlaAttention {
             kernel: if flash {
                 AttentionPath::Flash
+            } else if o.attention_f16_split {
+                AttentionPath::SplitKF16
             } else {
                 AttentionPath::SplitK
             },

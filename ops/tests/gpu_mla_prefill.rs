@@ -17,7 +17,9 @@
 
 use cuda::DeviceBuffer;
 use ops::gpu::{DeviceTensor, GpuCtx, Scratch};
-use ops::mla::{AttentionKernel, AttentionPath, DevicePages, MlaAttention, Pages, attention_tile};
+use ops::mla::{
+    AttentionKernel, AttentionPath, DevicePages, MlaAttention, Pages, SplitProducts, attention_tile,
+};
 use ops::mla_prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
 use ops::parity::{HostValue, Rng, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::tensor::{HostTensor, HostTensorMut};
@@ -58,7 +60,7 @@ fn split_kernel(
     let rows = table_reach(att, inputs[3].meta);
     let kernel = AttentionKernel {
         tile: attention_tile(n, rows, att.n_head),
-        bf16_corrections: true,
+        products: SplitProducts::Bf16Corrections,
     };
     att.cuda_with(gpu, inputs, outputs, scratch, kernel)
 }

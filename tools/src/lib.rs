@@ -50,6 +50,11 @@ pub struct LoweringArgs {
     /// tensor-core kernel; 0 turns it off; default 512).
     #[arg(long, value_name = "N")]
     pub expert_skinny_max_routes: Option<usize>,
+    /// Decode attention (the split-K kernel) with f32-class products (operands split over
+    /// three tensor instructions) instead of f16 operands with f32 sums (also
+    /// `XING4_ATTENTION_F32=1`).
+    #[arg(long)]
+    pub attention_f32: bool,
 }
 
 impl LoweringArgs {
@@ -77,6 +82,8 @@ impl LoweringArgs {
             fuse_hc: !(self.no_hc_fusion || off("XING4_HC_FUSION")),
             hc_rows_chunks_per_warp: hc_rows,
             pdl_weights_first: !(self.no_weights_first || off("XING4_PDL_WEIGHTS_FIRST")),
+            attention_f16_split: !(self.attention_f32
+                || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             gemv_max_rows: self.gemv_max_rows.unwrap_or(d.gemv_max_rows),
             head_gemv_max_rows: self.head_gemv_max_rows.unwrap_or(d.head_gemv_max_rows),
             expert_gemv_max_routes: self
@@ -230,6 +237,19 @@ mod tests {
         assert!(!o.pdl_weights_first);
         let none = LoweringArgs::default().options_with(|_| None).unwrap();
         assert_eq!(none, LoweringOptions::default());
+        assert!(none.attention_f16_split);
+        let f32_env = |k: &str| (k == "XING4_ATTENTION_F32").then(|| "1".to_string());
+        assert!(
+            !LoweringArgs::default()
+                .options_with(f32_env)
+                .unwrap()
+                .attention_f16_split
+        );
+        let f32_flag = LoweringArgs {
+            attention_f32: true,
+            ..LoweringArgs::default()
+        };
+        assert!(!f32_flag.options_with(|_| None).unwrap().attention_f16_split);
         let bad = |k: &str| (k == "XING4_HC_ROWS").then(|| "many".to_string());
         let err = LoweringArgs::default().options_with(bad).unwrap_err();
         assert!(err.to_string().contains("XING4_HC_ROWS=\"many\""), "{err}");

@@ -88,6 +88,23 @@ fn attention_bound(rel: f64, abs: f64, rows: usize) -> f64 {
     nmse_bound(rel, abs / (U_RMS / n_eff.sqrt()))
 }
 
+/// The NMSE bound of an attention path over `rows` rows: f32-class for the split products,
+/// f16-class for the kernels with f16 operands.
+fn attention_path_bound(kernel: AttentionPath, rows: usize) -> f64 {
+    match kernel {
+        AttentionPath::Flash | AttentionPath::SplitKF16 => attention_bound(4e-3, 1.5e-3, rows),
+        _ => attention_bound(1e-5, 3e-5, rows),
+    }
+}
+
+fn attention_path_name(kernel: AttentionPath) -> &'static str {
+    match kernel {
+        AttentionPath::Flash => "flash",
+        AttentionPath::SplitKF16 => "split-k f16",
+        _ => "split-k",
+    }
+}
+
 /// Q, a cache of U(−1, 1) whose rows past every position are NaN (a read past a position
 /// shows), the positions.
 /// Positions of a cache block in these cases (the engine's).
@@ -284,15 +301,8 @@ pub fn cases() -> Vec<ParityCase> {
     let split = |name: &str, ctx: usize, pos: Vec<i32>, kernel: AttentionPath| {
         let n = pos.len();
         let rows = pos.iter().copied().max().unwrap_or(0) as usize + 1;
-        let bound = match kernel {
-            AttentionPath::Flash => attention_bound(4e-3, 1.5e-3, rows),
-            _ => attention_bound(1e-5, 3e-5, rows),
-        };
-        let path = if kernel == AttentionPath::Flash {
-            "flash"
-        } else {
-            "split-k"
-        };
+        let bound = attention_path_bound(kernel, rows);
+        let path = attention_path_name(kernel);
         // Q, the rows up to the last position, the output.
         let bytes = n * NH * W * 4 + rows * W * 4 + n * NH * LORA * 4;
         ParityCase::new(
@@ -313,7 +323,7 @@ pub fn cases() -> Vec<ParityCase> {
     // Several sequences in one step over shuffled blocks: a decode batch (one row each, one
     // of them a padding row at position 0 of a sequence of its own) and a mixed step (decode
     // rows, then a chunk of a third sequence).
-    let paged = |name: &str, rows: Vec<(i32, i32)>, width: usize| {
+    let paged = |name: &str, rows: Vec<(i32, i32)>, width: usize, kernel: AttentionPath| {
         let n = rows.len();
         let reach = rows.iter().map(|&(_, p)| p).max().unwrap_or(0) as usize + 1;
         let bytes: usize = n * NH * W * 4
@@ -324,28 +334,38 @@ pub fn cases() -> Vec<ParityCase> {
                 / n.max(1)
             + n * NH * LORA * 4;
         ParityCase::new(
-            format!("mla_attention/split-k paged {name} n={n}"),
+            format!(
+                "mla_attention/{} paged {name} n={n}",
+                attention_path_name(kernel)
+            ),
             MlaAttention {
                 n_head: NH,
                 kv_lora: LORA,
                 kq_scale: KQ_SCALE,
                 block_size: BLOCK,
-                kernel: AttentionPath::SplitK,
+                kernel,
             },
             0x9a6e + n as u64,
-            attention_bound(1e-5, 3e-5, reach),
+            attention_path_bound(kernel, reach),
             move |r| paged_attention_inputs(r, &rows, width),
         )
         .moving(bytes)
     };
-    v.push(paged(
-        "decode batch",
-        vec![(0, 700), (1, 63), (2, 64), (3, 2999), (4, 0)],
-        64,
-    ));
-    let mut mixed = vec![(0, 130), (1, 1100)];
-    mixed.extend((200..232).map(|p| (2, p)));
-    v.push(paged("mixed step", mixed, 32));
+    for kernel in [AttentionPath::SplitK, AttentionPath::SplitKF16] {
+        v.push(paged(
+            "decode batch",
+            vec![(0, 700), (1, 63), (2, 64), (3, 2999), (4, 0)],
+            64,
+            kernel,
+        ));
+        let mut mixed = vec![(0, 130), (1, 1100)];
+        mixed.extend((200..232).map(|p| (2, p)));
+        v.push(paged("mixed step", mixed, 32, kernel));
+        // 24 sequences over tables of 512 positions: 5 chunks a token, merged by the
+        // few-chunk combine.
+        let batch: Vec<(i32, i32)> = (0..24).map(|s| (s, 40 + 19 * s)).collect();
+        v.push(paged("decode batch of 24", batch, 8, kernel));
+    }
     let chunk: Vec<i32> = (960..1024).collect();
     v.push(split("decode", 8192, vec![3000], AttentionPath::SplitK));
     v.push(split(
@@ -361,6 +381,19 @@ pub fn cases() -> Vec<ParityCase> {
         AttentionPath::SplitK,
     ));
     v.push(split("chunk", 1024, chunk.clone(), AttentionPath::SplitK));
+    v.push(split("decode", 8192, vec![3000], AttentionPath::SplitKF16));
+    v.push(split(
+        "decode at row 0",
+        8192,
+        vec![0],
+        AttentionPath::SplitKF16,
+    ));
+    v.push(split(
+        "few tokens",
+        4096,
+        vec![4000, 17, 2048, 4095],
+        AttentionPath::SplitKF16,
+    ));
     v.push(split("chunk", 1024, chunk, AttentionPath::Flash));
     v.push(split(
         "chunk at the start",

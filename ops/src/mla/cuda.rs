@@ -528,7 +528,7 @@ impl MlaAttention {
             .map_or(0, |c| c.meta.shape.get(1).copied().unwrap_or(0));
         let flash = match self.kernel {
             AttentionPath::Unlowered => return Err(unlowered(self.name())),
-            AttentionPath::SplitK => false,
+            AttentionPath::SplitK | AttentionPath::SplitKF16 => false,
             AttentionPath::Flash if !self.flash_supports(w) => {
                 return Err(OpError::shape(
                     self.name(),
@@ -567,7 +567,11 @@ impl MlaAttention {
         }
         let kernel = AttentionKernel {
             tile: attention_tile(n, rows, self.n_head),
-            bf16_corrections: ATT_BF16_CORRECTIONS,
+            products: if self.kernel == AttentionPath::SplitKF16 {
+                SplitProducts::F16
+            } else {
+                SplitProducts::Bf16Corrections
+            },
         };
         self.cuda_with(ctx, inputs, outputs, scratch, kernel)
     }
@@ -633,18 +637,13 @@ impl MlaAttention {
         }
         self.split_k_supports(w)?;
         let tile = kernel.tile;
-        let name = match (tile, kernel.bf16_corrections) {
-            (16, false) => "mla_attn_split_t16",
-            (32, false) => "mla_attn_split_t32",
-            (16, true) => "mla_attn_split_t16_bf",
-            (32, true) => "mla_attn_split_t32_bf",
-            _ => {
-                return Err(OpError::shape(
-                    op,
-                    format!("the CUDA kernel has tiles of 16 or 32 rows, not {tile}"),
-                ));
-            }
-        };
+        if tile != 16 && tile != 32 {
+            return Err(OpError::shape(
+                op,
+                format!("the CUDA kernel has tiles of 16 or 32 rows, not {tile}"),
+            ));
+        }
+        let name = format!("mla_attn_split_t{tile}{}", kernel.products.suffix());
         for (what, t) in [("Q", q), ("cache", cache), ("o_lat", out)] {
             aligned16(op, what, t)?;
         }
@@ -671,7 +670,7 @@ impl MlaAttention {
         }
         let part_o = scratch.ptr;
         let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
-        let split = ctx.kernel("mla.cu", MLA_CU, name)?;
+        let split = ctx.kernel("mla.cu", MLA_CU, &name)?;
         let i = |what, v| dim_i32(op, what, v);
         // SAFETY: argument list matches mla_attn_split_t*; rows read are clamped to the
         // cache, partials written only when chunks > 1, into the scratch checked above.
@@ -703,14 +702,29 @@ impl MlaAttention {
         if chunks == 1 {
             return Ok(());
         }
-        let combine = ctx.kernel("mla.cu", MLA_CU, "mla_attn_combine")?;
-        // SAFETY: argument list matches mla_attn_combine; it reads the partials the split
-        // kernel wrote for the chunks the position makes valid (same tile, same division).
+        let few = chunks <= ATT_FEW_CHUNKS;
+        let combine = ctx.kernel(
+            "mla.cu",
+            MLA_CU,
+            if few {
+                "mla_attn_combine_few"
+            } else {
+                "mla_attn_combine"
+            },
+        )?;
+        let (grid, block) = if few {
+            ((nh as u32, n as u32, 1), 128)
+        } else {
+            ((blocks_for(lora, 128), nh as u32, n as u32), 256)
+        };
+        // SAFETY: argument list matches mla_attn_combine and mla_attn_combine_few; each reads
+        // the partials the split kernel wrote for the chunks the position makes valid (same
+        // tile, same division) and writes the token's heads.
         unsafe {
             ctx.device
                 .launch(&combine)
-                .grid((blocks_for(lora, 128), nh as u32, n as u32))
-                .block(256)
+                .grid(grid)
+                .block(block)
                 .arg(part_o)
                 .arg(part_ml)
                 .arg(pos.ptr)

@@ -5,12 +5,20 @@
 // the bucket; chunks past the position exit. Tiles of T rows stream through NBUF shared-memory
 // buffers (cp.async, zero-filled past the chunk's rows and past W).
 //
-// Both products run on the tensor cores with split operands: x = big + small, big = tf32(x),
-// and a·b ≈ a_big·b_big + (a_big·b_small + a_small·b_big), f32 accumulators. The corrections
-// are two more TF32 mma (3xTF32, ~2^-21 of each product) or, in the `_bf` kernels, one bf16
-// m16n8k16 mma over (x, small) pairs (~2^-20): f32-class either way. mma.sync TF32 runs at
-// ~1/4 of an SM's wgmma rate on the H200 (measured: ~0.25 m16n8k8 a clock an SM), so the
-// instruction count is what the kernel's time follows.
+// MODE 0 and 1: both products run on the tensor cores with split operands: x = big + small,
+// big = tf32(x), and a·b ≈ a_big·b_big + (a_big·b_small + a_small·b_big), f32 accumulators.
+// The corrections are two more TF32 mma (MODE 0, 3xTF32, ~2^-21 of each product) or one bf16
+// m16n8k16 mma over (x, small) pairs (MODE 1, the `_bf` kernels, ~2^-20): f32-class either
+// way. mma.sync TF32 runs at ~1/4 of an SM's wgmma rate on the H200 (measured: ~0.25 m16n8k8
+// a clock an SM), so the instruction count is what those kernels' time follows.
+//
+// MODE 2 (the `_h` kernels): f16 operands, one m16n8k16 mma for two of the k8 steps above,
+// f32 accumulators: the numerics of the prefill flash kernel (mla_prefill.cu), a quarter of
+// MODE 1's tensor instructions and no operand splitting. Q is narrowed once, times kq_scale
+// (the scores come out scaled, and Q's f16 range is kept by the small scale); keys, the
+// softmax weights and the values are rounded to f16 as they are read. A k16 pair of k-steps
+// (k, k+1) puts step k's k-pair in fragment register group 0 and step k+1's in group 1, on the
+// A and the B side alike, so the sums run over the same elements as the k8 steps'.
 //
 // Scores, S^T[row][head] = K·Q^T: warp w owns the query dims [72w, 72w+72) (9 k-steps of 8),
 // all T rows and 32 heads; its slice of Q lives in registers for the whole block. The k index
@@ -113,7 +121,26 @@ __device__ __forceinline__ long long att_pool_row(const int* __restrict__ tbl, i
     return ((long long)tbl[r >> bshift] << bshift) | (r & ((1 << bshift) - 1));
 }
 
-template <int T, int NBUF, bool BF16>
+__device__ __forceinline__ unsigned att_pack_f16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void mma_f16_k16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                            unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_f16_k8(float (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+template <int T, int NBUF, int MODE>
 __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                                            const float* __restrict__ cache,
                                            const int* __restrict__ positions,
@@ -192,8 +219,12 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
 #pragma unroll
     for (int s = 0; s < PRE; ++s) issue(s);
 
-    // This lane's B fragments of Q: head 8nt+g, dims 72·warp + 8k + 2tq + {0, 1}.
+    // This lane's B fragments of Q: head 8nt+g, dims 72·warp + 8k + 2tq + {0, 1} (MODE 2:
+    // one f16 pair of Q·kq_scale, qr unused).
+    constexpr bool BF16 = MODE == 1;
+    constexpr bool HALF = MODE == 2;
     float qr[4][9][2];
+    unsigned qh2[4][9];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
         const int h = hg * 32 + 8 * nt + g;
@@ -204,8 +235,12 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
             const int d = warp * 72 + 8 * k + 2 * tq;
             float2 v = make_float2(0.0f, 0.0f);
             if (hv && d < w) v = *reinterpret_cast<const float2*>(qh + d);
-            qr[nt][k][0] = v.x;
-            qr[nt][k][1] = v.y;
+            if (HALF) {
+                qh2[nt][k] = att_pack_f16(v.x * kq_scale, v.y * kq_scale);
+            } else {
+                qr[nt][k][0] = v.x;
+                qr[nt][k][1] = v.y;
+            }
         }
     }
 
@@ -250,6 +285,35 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                 for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                     for (int c = 0; c < 4; ++c) sacc[mt][nt][c] = 0.0f;
+            if (HALF) {
+                // Steps (2j, 2j+1) as one k16 mma, step 8 as a k8 one.
+#pragma unroll
+                for (int j = 0; j < 5; ++j) {
+                    unsigned a[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                        for (int s2 = 0; s2 < 2; ++s2) {
+                            if (j == 4 && s2 == 1) continue;
+                            const int d = warp * 72 + 8 * (2 * j + s2) + 2 * tq;
+                            const float2 lo = *reinterpret_cast<const float2*>(kt + (16 * mt + g) * ATT_WS + d);
+                            const float2 hi =
+                                *reinterpret_cast<const float2*>(kt + (16 * mt + g + 8) * ATT_WS + d);
+                            a[mt][2 * s2] = att_pack_f16(lo.x, lo.y);
+                            a[mt][2 * s2 + 1] = att_pack_f16(hi.x, hi.y);
+                        }
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            if (j < 4)
+                                mma_f16_k16(sacc[mt][nt], a[mt], qh2[nt][2 * j], qh2[nt][2 * j + 1]);
+                            else
+                                mma_f16_k8(sacc[mt][nt], a[mt][0], a[mt][1], qh2[nt][8]);
+                        }
+                }
+            } else
 #pragma unroll
             for (int k = 0; k < 9; ++k) {
                 const int d = warp * 72 + 8 * k + 2 * tq;
@@ -333,7 +397,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const int row = 16 * mt + g + 8 * r;
-                        sc[mt][r] = row < jn ? kq_scale * s[mt][i + 2 * r] : NEG_INF;
+                        sc[mt][r] = row < jn ? (HALF ? s[mt][i + 2 * r] : kq_scale * s[mt][i + 2 * r]) : NEG_INF;
                         tmax = fmaxf(tmax, sc[mt][r]);
                     }
 #pragma unroll
@@ -352,12 +416,17 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                         const int row = 16 * mt + g + 8 * r;
                         const float p = row < jn ? expf(sc[mt][r] - m_new) : 0.0f;
                         psum += p;
-                        unsigned pb, ps;
-                        split_op<BF16, false, false>(p, pb, ps);
                         const int idx = (row >> 3) * 2 * 32 * 4 + hbase + (row & 3) * 4 +
                                         2 * ((row >> 2) & 1);
-                        reinterpret_cast<float*>(pbig)[idx] = __uint_as_float(pb);
-                        reinterpret_cast<float*>(psmall)[idx] = __uint_as_float(ps);
+                        if (HALF) {
+                            // The f32 weight, in the TF32 fragment order; narrowed when read.
+                            reinterpret_cast<float*>(pbig)[idx] = p;
+                        } else {
+                            unsigned pb, ps;
+                            split_op<BF16, false, false>(p, pb, ps);
+                            reinterpret_cast<float*>(pbig)[idx] = __uint_as_float(pb);
+                            reinterpret_cast<float*>(psmall)[idx] = __uint_as_float(ps);
+                        }
                     }
                 l_run[i] = l_run[i] * corr + psum;
                 m_run[i] = m_new;
@@ -380,6 +449,40 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                     for (int j = 0; j < 4; ++j)
 #pragma unroll
                         for (int c = 0; c < 4; ++c) o[mt][G][j][c] *= cr[mt][c >> 1];
+            if (HALF) {
+                // Steps (2j, 2j+1) as one k16 mma: step 2j's TF32 fragment registers (k tq,
+                // k tq+4) become group 0's f16 pair, step 2j+1's group 1's.
+#pragma unroll
+                for (int j = 0; j < KS / 2; ++j) {
+                    unsigned a[2][4];
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        const float4 p0 = pbig[(2 * j * 2 + mt) * 32 + lane];
+                        const float4 p1 = pbig[((2 * j + 1) * 2 + mt) * 32 + lane];
+                        a[mt][0] = att_pack_f16(p0.x, p0.z);
+                        a[mt][1] = att_pack_f16(p0.y, p0.w);
+                        a[mt][2] = att_pack_f16(p1.x, p1.z);
+                        a[mt][3] = att_pack_f16(p1.y, p1.w);
+                    }
+#pragma unroll
+                    for (int G = 0; G < 2; ++G) {
+                        const float* vp = kt + (16 * j + tq) * ATT_WS + 64 * warp + 32 * G + 4 * g;
+                        const float4 v0 = *reinterpret_cast<const float4*>(vp);
+                        const float4 v1 = *reinterpret_cast<const float4*>(vp + 4 * ATT_WS);
+                        const float4 v2 = *reinterpret_cast<const float4*>(vp + 8 * ATT_WS);
+                        const float4 v3 = *reinterpret_cast<const float4*>(vp + 12 * ATT_WS);
+                        const unsigned b0[4] = {att_pack_f16(v0.x, v1.x), att_pack_f16(v0.y, v1.y),
+                                                att_pack_f16(v0.z, v1.z), att_pack_f16(v0.w, v1.w)};
+                        const unsigned b1[4] = {att_pack_f16(v2.x, v3.x), att_pack_f16(v2.y, v3.y),
+                                                att_pack_f16(v2.z, v3.z), att_pack_f16(v2.w, v3.w)};
+#pragma unroll
+                        for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+                            for (int mt = 0; mt < 2; ++mt)
+                                mma_f16_k16(o[mt][G][jj], a[mt], b0[jj], b1[jj]);
+                    }
+                }
+            } else
 #pragma unroll
             for (int k = 0; k < KS; ++k) {
                 unsigned ab[2][4], as[2][4];
@@ -485,8 +588,8 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
 
 // Tiles of 32 rows in two buffers (the fewest barriers and softmax passes a row: long
 // contexts) or 16 rows in four (the first rows arrive sooner: chunks of one or two tiles);
-// corrections in two TF32 or one BF16 mma (`_bf`).
-#define ATT_SPLIT_KERNEL(NAME, T, NBUF, BF16)                                                  \
+// corrections in two TF32 or one BF16 mma (`_bf`), or f16 operands and no corrections (`_h`).
+#define ATT_SPLIT_KERNEL(NAME, T, NBUF, MODE)                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1)                                       \
         NAME(const float* __restrict__ q, const float* __restrict__ cache,                     \
              const int* __restrict__ positions, const int* __restrict__ block_table,           \
@@ -494,14 +597,16 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
              float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, \
              int n_head, int w, int lora, int ctx, int n_chunks, float kq_scale) {             \
         PDL_ENTER();                                                                           \
-        attn_split<T, NBUF, BF16>(q, cache, positions, block_table, row_seq, table_width,      \
+        attn_split<T, NBUF, MODE>(q, cache, positions, block_table, row_seq, table_width,      \
                                   bshift, out, part_o, part_ml, n_head, w, lora, ctx,          \
                                   n_chunks, kq_scale);                                         \
     }
-ATT_SPLIT_KERNEL(mla_attn_split_t32, 32, 2, false)
-ATT_SPLIT_KERNEL(mla_attn_split_t16, 16, 4, false)
-ATT_SPLIT_KERNEL(mla_attn_split_t32_bf, 32, 2, true)
-ATT_SPLIT_KERNEL(mla_attn_split_t16_bf, 16, 4, true)
+ATT_SPLIT_KERNEL(mla_attn_split_t32, 32, 2, 0)
+ATT_SPLIT_KERNEL(mla_attn_split_t16, 16, 4, 0)
+ATT_SPLIT_KERNEL(mla_attn_split_t32_bf, 32, 2, 1)
+ATT_SPLIT_KERNEL(mla_attn_split_t16_bf, 16, 4, 1)
+ATT_SPLIT_KERNEL(mla_attn_split_t32_h, 32, 2, 2)
+ATT_SPLIT_KERNEL(mla_attn_split_t16_h, 16, 4, 2)
 
 // Merges the chunk partials of one (token, head, 128 columns): every sum in a fixed order
 // (chunk c to warp c % 8, lanes then warps), so the result is the same on every run. `tile`
@@ -592,5 +697,62 @@ mla_attn_combine(const float* __restrict__ part_o, const float* __restrict__ par
         const float inv = nvalid == 0 ? 0.0f : 1.0f / stat[1];
         *reinterpret_cast<float4*>(out + ((long long)t * n_head + h) * lora + col) =
             make_float4(s.x * inv, s.y * inv, s.z * inv, s.w * inv);
+    }
+}
+
+// Merges the partials of a split into few chunks (at most ATT_FEW_CHUNKS, a batched decode
+// step's): one 128-thread block a (token, head), four columns a thread, the chunks added in
+// chunk order, no shared memory. mla_attn_combine, built for up to 136 chunks (one token over
+// a long context), spends a batched step on its fixed costs: 256 threads and four barriers per
+// 128 columns (H200: 34.5 of the attention's 64.8 µs for 32 tokens of 4 chunks).
+#define ATT_FEW_CHUNKS 8
+extern "C" __global__ void __launch_bounds__(128)
+mla_attn_combine_few(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                     const int* __restrict__ positions, float* __restrict__ out, int n_head,
+                     int lora, int ctx, int n_chunks, int tile) {
+    PDL_ENTER();
+    const int h = blockIdx.x, t = blockIdx.y;
+    const int pos = positions[t];
+    const int nrows = pos < 0 ? 0 : min(pos, ctx - 1) + 1;
+    const int per = att_rows_per_chunk(nrows, n_chunks, tile);
+    const int nvalid = nrows == 0 ? 0 : min((nrows + per - 1) / per, ATT_FEW_CHUNKS);
+    const long long base = (long long)t * n_chunks * n_head + h;
+    float m[ATT_FEW_CHUNKS], l[ATT_FEW_CHUNKS];
+    float mx = NEG_INF;
+#pragma unroll
+    for (int c = 0; c < ATT_FEW_CHUNKS; ++c) {
+        m[c] = NEG_INF;
+        l[c] = 0.0f;
+        if (c < nvalid) {
+            const long long slot = base + (long long)c * n_head;
+            m[c] = part_ml[2 * slot];
+            l[c] = part_ml[2 * slot + 1];
+            mx = fmaxf(mx, m[c]);
+        }
+    }
+    float e[ATT_FEW_CHUNKS], sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < ATT_FEW_CHUNKS; ++c) {
+        e[c] = c < nvalid ? expf(m[c] - mx) : 0.0f;
+        sum = fmaf(l[c], e[c], sum);
+    }
+    const float inv = nvalid == 0 ? 0.0f : 1.0f / sum;
+    for (int col = 4 * threadIdx.x; col < lora; col += 4 * blockDim.x) {
+        float4 v[ATT_FEW_CHUNKS];
+#pragma unroll
+        for (int c = 0; c < ATT_FEW_CHUNKS; ++c)
+            v[c] = c < nvalid ? *reinterpret_cast<const float4*>(
+                                    part_o + (base + (long long)c * n_head) * lora + col)
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < ATT_FEW_CHUNKS; ++c) {
+            acc.x = fmaf(v[c].x, e[c], acc.x);
+            acc.y = fmaf(v[c].y, e[c], acc.y);
+            acc.z = fmaf(v[c].z, e[c], acc.z);
+            acc.w = fmaf(v[c].w, e[c], acc.w);
+        }
+        *reinterpret_cast<float4*>(out + ((long long)t * n_head + h) * lora + col) =
+            make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     }
 }

@@ -359,6 +359,9 @@ pub enum AttentionPath {
     /// Split-K flash attention with f32-class corrections: each token's rows in chunks over the
     /// chip, then a combine (decode and short chunks).
     SplitK,
+    /// The same split with f16 operands and f32 sums (the flash kernel's numerics): a quarter
+    /// of the tensor instructions, for decode steps over long contexts and many sequences.
+    SplitKF16,
     /// The f16 tensor-core flash kernel of [`crate::mla_prefill`] (long prefill chunks; needs
     /// a rope width of 64 and `kv_lora` a multiple of 64 up to 512, see
     /// [`MlaAttention::flash_supports`]).
@@ -370,6 +373,7 @@ impl AttentionPath {
         match self {
             AttentionPath::Unlowered => "",
             AttentionPath::SplitK => " [split-k]",
+            AttentionPath::SplitKF16 => " [split-k f16]",
             AttentionPath::Flash => " [flash f16]",
         }
     }
@@ -489,6 +493,8 @@ const ATT_TARGET_BLOCKS: usize = 132;
 
 /// Chunks `mla_attn_combine` merges at most (`ATT_MAX_CHUNKS` there: 17 a warp).
 const ATT_MAX_CHUNKS: usize = 136;
+/// Chunks up to which `mla_attn_combine_few` merges instead (`ATT_FEW_CHUNKS` there).
+const ATT_FEW_CHUNKS: usize = 8;
 
 /// Chunks each token's rows are split into. Fixed by the plan's shapes (tokens, cache rows,
 /// heads), never by the position, so one captured graph serves a whole bucket: the kernel
@@ -513,19 +519,40 @@ pub fn attention_chunks(n: usize, rows: usize, n_head: usize) -> usize {
 /// the H200 a 16-row chunk of one token took ~16 µs and a 32-row tile of a long one ~6 µs.
 const ATT_CHUNK_OVERHEAD_ROWS: usize = 48;
 
-/// Which `mla_attn_split` variant runs: its tile rows (16 or 32) and whether the two
-/// correction products of the operand split are one BF16 mma (`true`) or two TF32 ones.
+/// Which `mla_attn_split` variant runs: its tile rows (16 or 32) and how it multiplies.
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionKernel {
     pub tile: usize,
-    pub bf16_corrections: bool,
+    pub products: SplitProducts,
 }
 
-/// The corrections in one BF16 mma: two tensor instructions per k-step instead of three,
-/// at ~2^-20 instead of ~2^-21 relative error per product (H200: 38.0 vs 42.2 µs at 16448
-/// rows; worst |Δ| against the CPU 1.5e-6 vs 7e-7 on values in [-1, 1]).
-const ATT_BF16_CORRECTIONS: bool = true;
+/// How the split kernel forms its two products (scores and values).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitProducts {
+    /// Operands split in a TF32 part and a remainder, the corrections in two more TF32 mma
+    /// (3xTF32, ~2^-21 of each product).
+    Tf32x3,
+    /// The same split, the corrections in one BF16 mma: two tensor instructions per k-step
+    /// instead of three, ~2^-20 per product (H200: 38.0 vs 42.2 µs at 16448 rows; worst |Δ|
+    /// against the CPU 1.5e-6 vs 7e-7 on values in [-1, 1]).
+    Bf16Corrections,
+    /// f16 operands (Q times the score scale), one f16 mma per two k-steps, f32 sums: the
+    /// prefill flash kernel's numerics, a quarter of the tensor instructions.
+    F16,
+}
+
+impl SplitProducts {
+    /// The kernel-name suffix.
+    fn suffix(self) -> &'static str {
+        match self {
+            SplitProducts::Tf32x3 => "",
+            SplitProducts::Bf16Corrections => "_bf",
+            SplitProducts::F16 => "_h",
+        }
+    }
+}
 
 /// Key rows a tile of the split kernel stages: 32 once every position of the bucket (the
 /// upper half of `rows`) fills whole 32-row chunks (fewer barriers and softmax passes a row),
@@ -674,5 +701,26 @@ mod head_kernel_choice {
             !tuned_head_takes(&w(DType::BF16, 1032)),
             "past the GEMV's lanes"
         );
+    }
+}
+
+#[cfg(test)]
+mod attention_split_choice {
+    use super::*;
+
+    #[test]
+    fn batched_decode_steps_take_the_few_chunk_merge_and_long_contexts_the_wide_one() {
+        // 24 and 32 sequences near 512 positions (the parity case and bench's batches):
+        // a handful of chunks each, merged by mla_attn_combine_few.
+        for (n, rows) in [(24, 512), (32, 1024), (64, 1024), (128, 1024)] {
+            let c = attention_chunks(n, rows, 32);
+            assert!(
+                (2..=ATT_FEW_CHUNKS).contains(&c) || c == 1,
+                "{n} tokens: {c}"
+            );
+        }
+        // One sequence over a long context: a chunk a multiprocessor, the wide merge.
+        assert!(attention_chunks(1, 65536, 32) > ATT_FEW_CHUNKS);
+        assert!(attention_chunks(1, 65536, 32) <= ATT_MAX_CHUNKS);
     }
 }
