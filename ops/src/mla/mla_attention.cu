@@ -121,9 +121,12 @@ __device__ __forceinline__ long long att_pool_row(const int* __restrict__ tbl, i
     return ((long long)tbl[r >> bshift] << bshift) | (r & ((1 << bshift) - 1));
 }
 
+// (lo, hi) as an f16 pair, lo in the low half, rounded to nearest and saturated to ±65504 (as
+// the flash kernel narrows: a weight of 0 times a clamped value stays 0, where inf would give
+// NaN).
 __device__ __forceinline__ unsigned att_pack_f16(float lo, float hi) {
     unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 __device__ __forceinline__ void mma_f16_k16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
