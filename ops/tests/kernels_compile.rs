@@ -1,6 +1,7 @@
 //! Every CUDA source compiles for the H200's architecture with NVRTC alone: no card or driver is
 //! needed, so a kernel that does not build fails here rather than on the device. Where NVRTC is
-//! not installed the test says so and passes.
+//! not installed the test says so and passes. With `XING4_CUBIN_DIR` set, each source's CUBIN
+//! is written there (for `cuobjdump --dump-sass`).
 
 use cuda::{CudaError, compile_offline};
 
@@ -34,6 +35,12 @@ fn every_kernel_source_compiles_for_sm_90a_without_spilling() {
             Err(e) => panic!("{name} does not compile for {ARCH}: {e}"),
         };
         assert!(build.cubin.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
+        // For reading the machine code (cuobjdump --dump-sass) without a card.
+        if let Some(dir) = std::env::var_os("XING4_CUBIN_DIR") {
+            let path = std::path::Path::new(&dir).join(format!("{name}.cubin"));
+            std::fs::write(&path, &build.cubin)
+                .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+        }
         let mut entry = String::new();
         for line in resource_lines(&build.log) {
             println!("{name}: {}", line.trim());
