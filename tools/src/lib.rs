@@ -50,6 +50,15 @@ pub struct LoweringArgs {
     /// tensor-core kernel; 0 turns it off; default 512).
     #[arg(long, value_name = "N")]
     pub expert_skinny_max_routes: Option<usize>,
+    /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass (default 64).
+    #[arg(long, value_name = "N")]
+    pub hc_rows_min_rows: Option<usize>,
+    /// Tokens from which the router's logits are a tiled GEMM (default 64).
+    #[arg(long, value_name = "N")]
+    pub router_tiled_min_rows: Option<usize>,
+    /// Tokens from which the top-k sum builds an inverse route table first (default 132).
+    #[arg(long, value_name = "N")]
+    pub topk_inverse_min_rows: Option<usize>,
     /// Decode attention (the split-K kernel) with f32-class products (operands split over
     /// three tensor instructions) instead of f16 operands with f32 sums (also
     /// `XING4_ATTENTION_F32=1`).
@@ -82,6 +91,13 @@ impl LoweringArgs {
             fuse_hc: !(self.no_hc_fusion || off("XING4_HC_FUSION")),
             hc_rows_chunks_per_warp: hc_rows,
             pdl_weights_first: !(self.no_weights_first || off("XING4_PDL_WEIGHTS_FIRST")),
+            hc_rows_min_rows: self.hc_rows_min_rows.unwrap_or(d.hc_rows_min_rows),
+            router_tiled_min_rows: self
+                .router_tiled_min_rows
+                .unwrap_or(d.router_tiled_min_rows),
+            topk_inverse_min_rows: self
+                .topk_inverse_min_rows
+                .unwrap_or(d.topk_inverse_min_rows),
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             gemv_max_rows: self.gemv_max_rows.unwrap_or(d.gemv_max_rows),
