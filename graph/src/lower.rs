@@ -434,18 +434,28 @@ fn choose_kernel(
         let width = meta(g, node, 1)
             .and_then(|m| m.shape.get(1).copied())
             .unwrap_or(0);
-        // The flash kernel stages one sequence's positions for the whole chunk.
-        let one_sequence = meta(g, node, 3).and_then(|m| m.shape.first().copied()) == Some(1);
-        let flash = rows(g, node, 2) >= o.attention_flash_min_rows
-            && one_sequence
-            && op.flash_supports(width);
+        // The flash kernel stages one sequence's positions for the whole chunk. A step's rows
+        // lead with one sequence's chunk (plan::Bucket): a prefill chunk is all of them, a
+        // mixed step's is followed by one decode row for each other sequence of the table.
+        let seqs = meta(g, node, 3)
+            .and_then(|m| m.shape.first().copied())
+            .unwrap_or(1);
+        let n = rows(g, node, 2);
+        let lead = (n + 1).saturating_sub(seqs.max(1));
+        let flash = lead >= o.attention_flash_min_rows && op.flash_supports(width);
+        let split = if o.attention_f16_split {
+            AttentionPath::SplitKF16
+        } else {
+            AttentionPath::SplitK
+        };
         return Some(Arc::new(MlaAttention {
-            kernel: if flash {
-                AttentionPath::Flash
-            } else if o.attention_f16_split {
-                AttentionPath::SplitKF16
-            } else {
-                AttentionPath::SplitK
+            kernel: match (flash, seqs) {
+                (true, 1) => AttentionPath::Flash,
+                (true, _) => AttentionPath::FlashThenSplit {
+                    lead,
+                    f16: o.attention_f16_split,
+                },
+                (false, _) => split,
             },
             ..op.clone()
         }));

@@ -28,12 +28,27 @@ fn engine(device: Device, graphs: bool) -> Engine {
 }
 
 fn engine_with_chunk(device: Device, graphs: bool, prefill_chunk: usize) -> Engine {
+    engine_with(
+        device,
+        graphs,
+        prefill_chunk,
+        graph::LoweringOptions::default(),
+    )
+}
+
+fn engine_with(
+    device: Device,
+    graphs: bool,
+    prefill_chunk: usize,
+    lowering: graph::LoweringOptions,
+) -> Engine {
     let config = EngineConfig {
         max_model_len: 256,
         // Several chunks, the last one partial.
         prefill_chunk,
         device,
         cuda_graphs: graphs,
+        lowering,
         ..EngineConfig::default()
     };
     Engine::new(small(), config).unwrap_or_else(|e| panic!("{device}: {e}"))
@@ -76,8 +91,9 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// the GPU must pick the CPU's token wherever the CPU's top-2 gap exceeds twice the
 /// largest GPU−CPU logit difference of that row (no error that small can flip it),
 /// and a free-running GPU generation may leave the CPU's only at such a near-tie.
-/// With prefill chunks of at most `gemv_max_rows` (the lowering's default) every GPU kernel computes in f32
-/// (no bf16 tensor-core tiles), so the 64 greedy ids must equal the CPU's outright.
+/// With prefill chunks of at most `gemv_max_rows` (the lowering's default) and the attention's
+/// f32-class products (`attention_f16_split` off) every GPU kernel computes in f32 (no bf16 or
+/// f16 tensor-core operands), so the 64 greedy ids must equal the CPU's outright.
 #[test]
 fn small_xing4_gpu_greedy_ids_equal_the_cpu_ids_when_every_kernel_computes_in_f32() {
     if !gpu_present() {
@@ -85,8 +101,12 @@ fn small_xing4_gpu_greedy_ids_equal_the_cpu_ids_when_every_kernel_computes_in_f3
     }
     let n = 64;
     let chunk = graph::LoweringOptions::default().gemv_max_rows;
+    let f32_lowering = graph::LoweringOptions {
+        attention_f16_split: false,
+        ..graph::LoweringOptions::default()
+    };
     let (cpu_ids, cpu_rows) = greedy(&mut engine_with_chunk(Device::Cpu, true, chunk), n);
-    let mut gpu = engine_with_chunk(Device::Cuda(0), true, chunk);
+    let mut gpu = engine_with(Device::Cuda(0), true, chunk, f32_lowering);
     let req = GenerateRequest {
         prompt: prompt(),
         max_tokens: n,

@@ -309,3 +309,54 @@ fn a_latent_too_wide_for_the_gpu_attention_is_refused_when_the_plan_is_made() {
         assert!(e.contains(part), "{part:?} missing from: {e}");
     }
 }
+
+/// A latent the flash kernel takes (kv_lora 64 with a 64-wide rope key): a prefill chunk of
+/// 512 runs on it whole; a mixed step's 300-token chunk runs on it and its decode rows on the
+/// split kernel (one sequence's rows at a time each); a chunk below the flash threshold beside
+/// decode rows, and a decode batch, stay on the split kernel.
+#[test]
+fn a_mixed_step_s_long_chunk_takes_the_flash_kernel_and_its_decode_rows_the_split_one() {
+    let mut dims = models::synth::Dims::preset(Preset::Tiny);
+    dims.kv_lora = 64;
+    dims.qk_rope = 64;
+    let m = made(dims, "flash_latent");
+    let attention = |bucket: Bucket| -> Vec<String> {
+        plan(&m, bucket, HOPPER)
+            .to_string()
+            .lines()
+            .filter(|l| l.contains(": mla_attention "))
+            .map(|l| l.to_string())
+            .collect()
+    };
+    let all = |bucket: Bucket, label: &str| {
+        let lines = attention(bucket);
+        assert!(!lines.is_empty(), "{bucket:?}");
+        for l in &lines {
+            assert!(l.ends_with(label), "{bucket:?}: {l}");
+        }
+    };
+    all(
+        Bucket::Prefill {
+            chunk: 512,
+            kv: 512,
+        },
+        "[flash f16]",
+    );
+    all(
+        Bucket::Mixed {
+            chunk: 300,
+            batch: 4,
+            kv: 512,
+        },
+        "[flash f16 rows 0..300, then split-k f16]",
+    );
+    all(
+        Bucket::Mixed {
+            chunk: 40,
+            batch: 4,
+            kv: 512,
+        },
+        "[split-k f16]",
+    );
+    all(Bucket::Decode { batch: 64, kv: 512 }, "[split-k f16]");
+}

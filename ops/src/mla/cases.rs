@@ -92,7 +92,9 @@ fn attention_bound(rel: f64, abs: f64, rows: usize) -> f64 {
 /// f16-class for the kernels with f16 operands.
 fn attention_path_bound(kernel: AttentionPath, rows: usize) -> f64 {
     match kernel {
-        AttentionPath::Flash | AttentionPath::SplitKF16 => attention_bound(4e-3, 1.5e-3, rows),
+        AttentionPath::Flash | AttentionPath::SplitKF16 | AttentionPath::FlashThenSplit { .. } => {
+            attention_bound(4e-3, 1.5e-3, rows)
+        }
         _ => attention_bound(1e-5, 3e-5, rows),
     }
 }
@@ -101,6 +103,8 @@ fn attention_path_name(kernel: AttentionPath) -> &'static str {
     match kernel {
         AttentionPath::Flash => "flash",
         AttentionPath::SplitKF16 => "split-k f16",
+        AttentionPath::FlashThenSplit { f16: true, .. } => "flash then split-k f16",
+        AttentionPath::FlashThenSplit { f16: false, .. } => "flash then split-k",
         _ => "split-k",
     }
 }
@@ -361,6 +365,17 @@ pub fn cases() -> Vec<ParityCase> {
         let mut mixed = vec![(0, 130), (1, 1100)];
         mixed.extend((200..232).map(|p| (2, p)));
         v.push(paged("mixed step", mixed, 32, kernel));
+        // A mixed step as the engine lays it out: a 300-token chunk of the table's first
+        // sequence, then one decode row of each of four others (one at position 0).
+        let mut mixed: Vec<(i32, i32)> = (700..1000).map(|p| (0, p)).collect();
+        mixed.extend([(1, 63), (2, 2999), (3, 64), (4, 0)]);
+        let f16 = kernel == AttentionPath::SplitKF16;
+        v.push(paged(
+            "chunk then decode rows",
+            mixed,
+            64,
+            AttentionPath::FlashThenSplit { lead: 300, f16 },
+        ));
         // 24 sequences over tables of 512 positions: 5 chunks a token, merged by the
         // few-chunk combine.
         let batch: Vec<(i32, i32)> = (0..24).map(|s| (s, 40 + 19 * s)).collect();

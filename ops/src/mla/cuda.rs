@@ -526,9 +526,13 @@ impl MlaAttention {
         let w = inputs
             .get(1)
             .map_or(0, |c| c.meta.shape.get(1).copied().unwrap_or(0));
+        if let AttentionPath::FlashThenSplit { lead, f16 } = self.kernel {
+            return self.flash_then_split(ctx, inputs, outputs, scratch, lead.min(n), f16);
+        }
         let flash = match self.kernel {
             AttentionPath::Unlowered => return Err(unlowered(self.name())),
             AttentionPath::SplitK | AttentionPath::SplitKF16 => false,
+            AttentionPath::FlashThenSplit { .. } => unreachable!("handled above"),
             AttentionPath::Flash if !self.flash_supports(w) => {
                 return Err(OpError::shape(
                     self.name(),
@@ -578,6 +582,93 @@ impl MlaAttention {
 }
 
 impl MlaAttention {
+    /// [`AttentionPath::FlashThenSplit`]: the flash kernel over rows `0..lead` (one
+    /// sequence's consecutive tokens, the table's first), then the split kernel over the other
+    /// rows, each launch given views of its rows. They run in order on one stream, so they
+    /// share the scratch.
+    fn flash_then_split(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+        lead: usize,
+        f16: bool,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (q, cache, pos, out) = (&inputs[0], &inputs[1], &inputs[2], &outputs[0]);
+        let n = pos.meta.shape[0];
+        let w = cache.meta.shape[1];
+        let rows = inputs[3].meta.shape[1] * self.block_size;
+        let (nh, lora) = (self.n_head, self.kv_lora);
+        if lead > 0 {
+            if !self.flash_supports(w) {
+                return Err(OpError::shape(
+                    op,
+                    format!(
+                        "the flash kernel needs rows of kv_lora + 64 with kv_lora a multiple of \
+                         64 up to 512, found rows of {w} with kv_lora {lora}"
+                    ),
+                ));
+            }
+            scratch.require(op, mla_prefill_scratch_bytes(rows, w))?;
+            // SAFETY: check_device checked q, the cache, positions and out for all n rows; the
+            // flash kernel reads and writes the first `lead` of them, and the table row of
+            // row_seq[0] (the chunk's sequence); the scratch holds the f16 copy of its rows.
+            unsafe {
+                launch_mla_prefill(
+                    ctx,
+                    q.ptr,
+                    cache.ptr,
+                    pos.ptr,
+                    self.pages(inputs),
+                    out.ptr,
+                    lead,
+                    nh,
+                    w,
+                    lora,
+                    rows,
+                    self.kq_scale,
+                    scratch,
+                )?;
+            }
+        }
+        let rest = n - lead;
+        if rest == 0 {
+            return Ok(());
+        }
+        // Views of rows lead..n of the per-row inputs and of the output.
+        let (qm, pm, sm, om) = (
+            TensorMeta::f32([rest, nh, w]),
+            TensorMeta::i32([rest]),
+            TensorMeta::i32([rest]),
+            TensorMeta::f32([rest, nh, lora]),
+        );
+        let view = |t: &DeviceTensor<'_>, meta, row_bytes: usize| DeviceTensor {
+            meta,
+            ptr: t.ptr + (lead * row_bytes) as u64,
+            bytes: t.bytes.saturating_sub(lead * row_bytes),
+        };
+        let tail_in = [
+            view(q, &qm, nh * w * 4),
+            DeviceTensor { ..inputs[1] },
+            view(pos, &pm, 4),
+            DeviceTensor { ..inputs[3] },
+            view(&inputs[4], &sm, 4),
+        ];
+        let tail_out = [view(out, &om, nh * lora * 4)];
+        let kernel = AttentionKernel {
+            tile: attention_tile(rest, rows, nh),
+            products: if f16 {
+                SplitProducts::F16
+            } else {
+                SplitProducts::Bf16Corrections
+            },
+        };
+        self.cuda_with(ctx, &tail_in, &tail_out, scratch, kernel)
+    }
+
     /// Inputs 3 and 4 (block table, row map) as the kernels take them; `check_device` has
     /// verified their shapes.
     fn pages(&self, inputs: &[DeviceTensor<'_>]) -> DevicePages {
