@@ -477,7 +477,13 @@ impl Op for MlaAttention {
                     table.shape.get(1).copied().unwrap_or(0) * self.block_size,
                 );
                 let w = cache.shape.get(1).copied().unwrap_or(0);
-                let split = attention_scratch(n, rows, self.n_head, self.kv_lora);
+                // A mixed step's split launch takes the rows after the chunk: fewer tokens
+                // than the step's, so more chunks each.
+                let split_rows = match self.kernel {
+                    AttentionPath::FlashThenSplit { lead, .. } => n.saturating_sub(lead),
+                    _ => n,
+                };
+                let split = attention_scratch(split_rows, rows, self.n_head, self.kv_lora);
                 let flash = matches!(
                     self.kernel,
                     AttentionPath::Flash | AttentionPath::FlashThenSplit { .. }
@@ -737,5 +743,37 @@ mod attention_split_choice {
         // One sequence over a long context: a chunk a multiprocessor, the wide merge.
         assert!(attention_chunks(1, 65536, 32) > ATT_FEW_CHUNKS);
         assert!(attention_chunks(1, 65536, 32) <= ATT_MAX_CHUNKS);
+    }
+}
+
+#[cfg(test)]
+mod mixed_step_scratch {
+    use super::*;
+
+    #[test]
+    fn a_mixed_step_s_scratch_holds_the_flash_copy_and_the_decode_rows_partials() {
+        // 512 chunk rows then one decode row over a 1,024-position table (H200 run (p) 3: the
+        // scratch was sized for 513 split rows, one chunk each, and the decode row needs 64).
+        let att = MlaAttention {
+            n_head: 32,
+            kv_lora: 512,
+            kq_scale: 0.1,
+            block_size: 64,
+            kernel: AttentionPath::FlashThenSplit {
+                lead: 512,
+                f16: true,
+            },
+        };
+        let (q, cache, pos, table, seq) = (
+            TensorMeta::f32([513, 32, 576]),
+            TensorMeta::f32([4096, 576]),
+            TensorMeta::i32([513]),
+            TensorMeta::i32([2, 16]),
+            TensorMeta::i32([513]),
+        );
+        let bytes = att.cuda_scratch_bytes(&[&q, &cache, &pos, &table, &seq]);
+        assert!(attention_scratch(1, 1024, 32, 512) > 0);
+        assert!(bytes >= attention_scratch(1, 1024, 32, 512), "{bytes}");
+        assert!(bytes >= mla_prefill_scratch_bytes(1024, 576), "{bytes}");
     }
 }
