@@ -534,14 +534,7 @@ impl MlaAttention {
             AttentionPath::SplitK | AttentionPath::SplitKF16 => false,
             AttentionPath::FlashThenSplit { .. } => unreachable!("handled above"),
             AttentionPath::Flash if !self.flash_supports(w) => {
-                return Err(OpError::shape(
-                    self.name(),
-                    format!(
-                        "the flash kernel needs rows of kv_lora + 64 with kv_lora a multiple \
-                         of 64 up to 512, found rows of {w} with kv_lora {}",
-                        self.kv_lora
-                    ),
-                ));
+                return Err(self.flash_refuses(w));
             }
             AttentionPath::Flash => true,
         };
@@ -604,13 +597,7 @@ impl MlaAttention {
         let (nh, lora) = (self.n_head, self.kv_lora);
         if lead > 0 {
             if !self.flash_supports(w) {
-                return Err(OpError::shape(
-                    op,
-                    format!(
-                        "the flash kernel needs rows of kv_lora + 64 with kv_lora a multiple of \
-                         64 up to 512, found rows of {w} with kv_lora {lora}"
-                    ),
-                ));
+                return Err(self.flash_refuses(w));
             }
             scratch.require(op, mla_prefill_scratch_bytes(rows, w))?;
             // SAFETY: check_device checked q, the cache, positions and out for all n rows; the
@@ -678,6 +665,18 @@ impl MlaAttention {
             table_width: inputs[3].meta.shape[1],
             block_size: self.block_size,
         }
+    }
+
+    /// Why the flash kernel does not take cache rows of width `w`.
+    fn flash_refuses(&self, w: usize) -> OpError {
+        OpError::shape(
+            self.name(),
+            format!(
+                "the flash kernel needs rows of kv_lora + 64 with kv_lora a multiple of 64 up \
+                 to 512, found rows of {w} with kv_lora {}",
+                self.kv_lora
+            ),
+        )
     }
 
     /// Whether the flash kernel takes cache rows of width `w`.
