@@ -93,3 +93,26 @@ fn a_join_of_no_tokens_or_without_batches_is_refused_by_name() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--batch"));
     let _ = std::fs::remove_dir_all(&model);
 }
+
+/// With a token or two generated a sequence finishes at once: no step has all B decoding, so
+/// the row says `-` and why, rather than printing a rate of zero.
+#[test]
+fn a_batch_with_no_step_where_all_decode_reports_no_rate() {
+    let model = tiny_checkpoint("no_window");
+    let out = bench(&model, &["-b", "2", "-p", "8", "-n", "1", "-r", "1"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("| 2 | 8 |"))
+        .unwrap_or_else(|| panic!("no row for B=2 in\n{stdout}"));
+    assert!(row.contains("| - | - | - |"), "{row}");
+    assert!(
+        stderr.contains("no step had all 2 sequences decoding"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&model);
+}

@@ -758,6 +758,17 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
         let (am, asd) = mean_sd(&agg);
         let (tm, _) = mean_sd(&tot);
         let (sm, _) = mean_sd(&step_ms);
+        if agg.is_empty() {
+            // No window to measure: printing zeros would read as a measurement.
+            eprintln!(
+                "  B={b}: no step had all {b} sequences decoding (the first finished before the \
+                 last had its first token): raise -n (--n-gen)"
+            );
+            rows.push(format!(
+                "| {b} | {p} | {n} | {pm:.1} | - | - | - | {tm:.1} |"
+            ));
+            continue;
+        }
         eprintln!("  B={b}: decode {am:.1} t/s aggregate, {sm:.2} ms a step");
         rows.push(format!(
             "| {b} | {p} | {n} | {pm:.1} | {am:.1} ± {asd:.1} | {:.1} | {sm:.2} | {tm:.1} |",
