@@ -974,6 +974,31 @@ fn time_us(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError
     ops::parity::time_calls_us(gpu, reps, call).expect("timing")
 }
 
+/// A batched decode step of `n` tokens at the real shapes, on the device: its route table
+/// (top 4 of 64 experts a token), the tokens' inputs, and how many experts it touches.
+struct DecodeStep {
+    offsets: Dev,
+    route_token: Dev,
+    z: Dev,
+    experts: f64,
+}
+
+fn decode_step(gpu: &GpuCtx, r: &mut Rng, n: usize) -> DecodeStep {
+    let (_, plan) = plan_for(r, n, NE, TOPK);
+    let off: Vec<i32> = plan[0]
+        .data
+        .bytes()
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    DecodeStep {
+        offsets: dev(gpu, &plan[0]),
+        route_token: dev(gpu, &plan[1]),
+        z: dev(gpu, &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0))),
+        experts: off.windows(2).filter(|p| p[1] > p[0]).count() as f64,
+    }
+}
+
 /// The routed experts of a batched decode step at the real shapes (64 experts, 3584 → 1024 →
 /// 3584, top 4): µs a call and GB/s over the bytes a step must read (each touched expert's
 /// slices once, the inputs and outputs), on the skinny kernel and the grouped GEMM.
@@ -990,19 +1015,12 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
     for n in [2usize, 8, 32, 64, 128] {
         let mut r = Rng::new(90 + n as u64);
         let rt = n * TOPK;
-        let (_, plan) = plan_for(&mut r, n, NE, TOPK);
-        let off: Vec<i32> = plan[0]
-            .data
-            .bytes()
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let experts = off.windows(2).filter(|p| p[1] > p[0]).count() as f64;
-        let (offsets, route_token) = (dev(&gpu, &plan[0]), dev(&gpu, &plan[1]));
-        let z = dev(
-            &gpu,
-            &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)),
-        );
+        let DecodeStep {
+            offsets,
+            route_token,
+            z,
+            experts,
+        } = decode_step(&gpu, &mut r, n);
         let act_in = dev(
             &gpu,
             &HostValue::f32([rt, NFF], &r.vec(rt * NFF, -1.0, 1.0)),
@@ -1089,12 +1107,12 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
     for n in [8usize, 32, 128] {
         let mut r = Rng::new(90 + n as u64);
         let rt = n * TOPK;
-        let (_, plan) = plan_for(&mut r, n, NE, TOPK);
-        let (offsets, route_token) = (dev(&gpu, &plan[0]), dev(&gpu, &plan[1]));
-        let z = dev(
-            &gpu,
-            &HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0)),
-        );
+        let DecodeStep {
+            offsets,
+            route_token,
+            z,
+            ..
+        } = decode_step(&gpu, &mut r, n);
         let act = out(&gpu, TensorMeta::f32([rt, NFF]));
         let ro = out(&gpu, TensorMeta::f32([rt, EMBD]));
         let sw = ExpertSwiGlu {
