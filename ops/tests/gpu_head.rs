@@ -1,6 +1,8 @@
-//! CUDA parity of `Argmax` and `SliceRows` (skips without a GPU, saying why).
+//! CUDA parity of `Argmax`, `SampleRows` and `SliceRows` (skips without a GPU, saying why).
 
-use ops::head::{Argmax, SliceRows, argmax_row};
+use ops::head::{
+    Argmax, RowSampling, SAMPLE_FIELDS, SampleRows, SliceRows, argmax_row, sample_row,
+};
 use ops::parity::{HostValue, Rng, Tolerance, check, run_gpu, test_gpu};
 use proptest::prelude::*;
 
@@ -86,4 +88,91 @@ fn slice_rows_copies_exactly_the_requested_rows() {
         check(&gpu, &SliceRows { start, len }, &[HostValue::f32([n, inner], &x)], EXACT)
             .map_err(TestCaseError::fail)?;
     });
+}
+
+fn gpu_sample(gpu: &ops::gpu::GpuCtx, x: &[f32], v: usize, params: &[RowSampling]) -> Vec<i32> {
+    let n = params.len();
+    let fields: Vec<f32> = params.iter().flat_map(|p| p.fields()).collect();
+    let out = run_gpu(
+        gpu,
+        &SampleRows,
+        &[
+            HostValue::f32([n, v], x),
+            HostValue::f32([n, SAMPLE_FIELDS], &fields),
+        ],
+    )
+    .expect("runs");
+    out[0]
+        .1
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// The reference's token for `p`, and whether `got` is what it gives for a draw within 1e-6
+/// of `p.u` (the two sides' weights differ by an exp ulp; a draw that close to a boundary may
+/// fall either side of it).
+fn agrees(row: &[f32], p: RowSampling, got: i32) -> Result<(), String> {
+    let pick = |u: f32| -> i32 {
+        if p.scale > 0.0 {
+            sample_row(row, &RowSampling { u, ..p }).map_or(-1, |t| t as i32)
+        } else {
+            argmax_row(row).map_or(-1, |t| t as i32)
+        }
+    };
+    let want = pick(p.u);
+    if got == want || [p.u - 1e-6, p.u + 1e-6].iter().any(|&u| pick(u) == got) {
+        Ok(())
+    } else {
+        Err(format!("{p:?}: the GPU chose {got}, the reference {want}"))
+    }
+}
+
+#[test]
+fn sampled_rows_match_the_cpu_reference_under_every_cut() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(32), |(
+        n in 1usize..70, v in 1usize..140_000, spread in 0.5f32..30.0, few in any::<bool>(),
+        seed in any::<u64>()
+    )| {
+        let mut r = Rng(seed | 1);
+        // Few distinct values make ties at every cut common.
+        let x: Vec<f32> = (0..n * v)
+            .map(|_| if few { r.below(40) as f32 * 0.25 } else { r.uniform(-spread, spread) })
+            .collect();
+        let params: Vec<RowSampling> = (0..n)
+            .map(|_| RowSampling {
+                scale: [0.0, 0.5, 1.0, 1.7][r.below(4)],
+                top_k: [0, 1, 2, 50, 1000][r.below(5)],
+                top_p: [1.0, 0.95, 0.5, 0.05][r.below(4)],
+                min_p: [0.0, 0.02, 0.3][r.below(3)],
+                u: r.uniform(0.0, 1.0),
+            })
+            .collect();
+        let got = gpu_sample(&gpu, &x, v, &params);
+        for (t, p) in params.iter().enumerate() {
+            agrees(&x[t * v..(t + 1) * v], *p, got[t])
+                .map_err(|e| TestCaseError::fail(format!("row {t} of {n}, V {v}: {e}")))?;
+        }
+    });
+}
+
+#[test]
+fn a_sampled_row_without_a_finite_logit_is_minus_one_and_the_draw_follows_u() {
+    let Some(gpu) = test_gpu() else { return };
+    let v = 131_072;
+    // Four equal weights far apart in the row: u picks them in id order.
+    let mut x = vec![f32::NEG_INFINITY; v];
+    for i in [7, 40_000, 90_001, 131_071] {
+        x[i] = 1.0;
+    }
+    let rows: Vec<f32> = [x.clone(), x.clone(), x.clone(), x, vec![f32::NAN; v]].concat();
+    let params: Vec<RowSampling> = [0.1, 0.3, 0.6, 0.9, 0.5]
+        .iter()
+        .map(|&u| RowSampling::at_temperature(1.0, u))
+        .collect();
+    assert_eq!(
+        gpu_sample(&gpu, &rows, v, &params),
+        vec![7, 40_000, 90_001, 131_071, -1]
+    );
 }

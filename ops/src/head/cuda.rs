@@ -1,6 +1,6 @@
 //! CUDA launches of the head ops.
 
-use super::{Argmax, SliceRows};
+use super::{Argmax, SampleRows, SliceRows};
 use crate::check::as_i32;
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
 use crate::op::check_device;
@@ -40,6 +40,41 @@ impl Argmax {
                 .grid(n)
                 .block(1024)
                 .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "V", v)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+impl SampleRows {
+    /// One block of 512 threads a row (greedy rows take the argmax kernel's body).
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (n, v) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        if n == 0 {
+            return Ok(());
+        }
+        let n =
+            u32::try_from(n).map_err(|_| OpError::shape(op, format!("{n} rows in one launch")))?;
+        let k = ctx.kernel("head.cu", HEAD_CU, "sample_rows")?;
+        // SAFETY: sample_rows(x, params, out, V); check_device checked x holds n×V f32,
+        // params n×SAMPLE_FIELDS f32 and out n i32.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(n)
+                .block(512)
+                .arg(inputs[0].ptr)
+                .arg(inputs[1].ptr)
                 .arg(outputs[0].ptr)
                 .arg(as_i32(op, "V", v)?)
                 .enqueue()

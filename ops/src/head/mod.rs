@@ -1,4 +1,4 @@
-//! The head's plumbing: greedy token choice and the row slice that keeps only
+//! The head's plumbing: greedy and sampled token choice and the row slice that keeps only
 //! the rows needing logits (spec §3.8). The ops and their shape rules are here, the CPU
 //! references in `cpu.rs`, the CUDA launches in `cuda.rs` (kernels in `head.cu`).
 
@@ -13,7 +13,7 @@ use crate::gpu::{DeviceTensor, GpuCtx, Scratch};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
-pub use cpu::argmax_row;
+pub use cpu::{RowSampling, SAMPLE_FIELDS, argmax_row, sample_row};
 pub(crate) use cuda::HEAD_CU;
 
 /// F32 `[n, V]` → I32 `[n]`: per row the index of the first maximum. A row
@@ -56,6 +56,63 @@ impl Op for Argmax {
 
     fn describe(&self) -> String {
         "argmax".to_string()
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+/// F32 `[n, V]` logits and F32 `[n, SAMPLE_FIELDS]` parameters (a [`RowSampling`] a row)
+/// → I32 `[n]`: per row the token [`sample_row`] chooses, the argmax where the temperature is
+/// not positive. A greedy row holding NaN, or a sampled row without one finite candidate, is
+/// `OpError::Data` on the CPU and -1 (never a token) on the GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleRows;
+
+impl Op for SampleRows {
+    fn name(&self) -> &'static str {
+        "sample_rows"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        arity(op, inputs, 2)?;
+        let out = Argmax.infer(&inputs[..1]).map_err(|e| match e {
+            OpError::Shape { msg, .. } => OpError::shape(op, msg),
+            e => e,
+        })?;
+        let (x, p) = (inputs[0], inputs[1]);
+        want_dtype(op, "params", p, DType::F32)?;
+        if p.shape != [x.shape[0], SAMPLE_FIELDS] {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "params must be [{}, {SAMPLE_FIELDS}] (1 / temperature, top_k, top_p, min_p, u \
+                     for each logits row), found {p}",
+                    x.shape[0]
+                ),
+            ));
+        }
+        Ok(out)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        "sample_rows".to_string()
     }
 
     fn cuda(
