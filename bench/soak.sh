@@ -101,7 +101,7 @@ rss_line=$(awk -v lim="$RSS_GROWTH_MAX" '
 echo "$rss_line"
 # The server's own counts, to set beside the client's (cancellations as the server saw them).
 curl -s "http://$addr/metrics" 2>/dev/null |
-    grep -E '^xing4_(request_success_total|request_errors_total|cancellations_total|time_to_first_token_seconds_(sum|count))' || true
+    grep -E '^xing4_(request_success_total|request_errors_total|cancellations_total|time_to_first_token_seconds_(sum|count)|engine_step|host_token_seconds|plan_build)' || true
 if [ "$rc" != 0 ]; then
     kill -0 "$pid" 2>/dev/null || echo "serve exited during the run" >&2
     echo "--- serve stderr (last 40 lines)" >&2

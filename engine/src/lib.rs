@@ -181,9 +181,18 @@ pub struct Engine {
     /// What this session's plans are lowered for.
     target: Target,
     plans: HashMap<PlanKey, Plan>,
+    /// Plans lowered so far and the host time it took (a step of a new shape pays it).
+    plan_builds: PlanBuilds,
     pool: KvPool,
     /// Positions `0..len` of the engine's own sequence hold its context.
     len: usize,
+}
+
+/// Plans an engine lowered, and the host time they took.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PlanBuilds {
+    pub count: u64,
+    pub seconds: f64,
 }
 
 impl Engine {
@@ -256,9 +265,15 @@ impl Engine {
             backend,
             target,
             plans,
+            plan_builds: PlanBuilds::default(),
             pool,
             len: 0,
         })
+    }
+
+    /// Plans lowered since the engine started (the sizing plans of [`Engine::new`] aside).
+    pub fn plan_builds(&self) -> PlanBuilds {
+        self.plan_builds
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -336,6 +351,7 @@ impl Engine {
 
     fn plan_for(&mut self, key: PlanKey) -> Result<&Plan, EngineError> {
         if !self.plans.contains_key(&key) {
+            let started = std::time::Instant::now();
             let plan = build_plan(
                 &self.model,
                 key.0,
@@ -344,6 +360,8 @@ impl Engine {
                 &self.config.lowering,
             )?;
             self.plans.insert(key, plan);
+            self.plan_builds.count += 1;
+            self.plan_builds.seconds += started.elapsed().as_secs_f64();
         }
         Ok(&self.plans[&key])
     }

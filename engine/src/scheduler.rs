@@ -105,6 +105,37 @@ pub struct SchedulerStats {
     pub cache_usage: f64,
     pub blocks_total: usize,
     pub blocks_available: usize,
+    /// Where the loop's time went.
+    pub time: StepTime,
+}
+
+/// Steps by kind and the wall time the engine took for them (the step and its outputs'
+/// read-back), the host's sampling time, and the engine's plan builds (inside the steps'
+/// time): what a server's step rate is made of.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTime {
+    pub decode: KindTime,
+    /// Steps with a prefill chunk and decode rows.
+    pub mixed: KindTime,
+    /// Steps with a prefill chunk alone.
+    pub prefill: KindTime,
+    /// Choosing tokens from logits rows and turning them into text on the host, after the
+    /// steps.
+    pub host_token_seconds: f64,
+    pub plan_builds: crate::PlanBuilds,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KindTime {
+    pub steps: u64,
+    pub seconds: f64,
+}
+
+impl KindTime {
+    fn add(&mut self, seconds: f64) {
+        self.steps += 1;
+        self.seconds += seconds;
+    }
 }
 
 struct Seq {
@@ -151,6 +182,7 @@ pub struct Scheduler {
     steps: u64,
     mixed_steps: u64,
     last_batch: usize,
+    time: StepTime,
 }
 
 impl Scheduler {
@@ -181,6 +213,7 @@ impl Scheduler {
             steps: 0,
             mixed_steps: 0,
             last_batch: 0,
+            time: StepTime::default(),
         }
     }
 
@@ -287,6 +320,10 @@ impl Scheduler {
             cache_usage: self.pool.usage(),
             blocks_total: self.pool.total(),
             blocks_available: self.pool.available(),
+            time: StepTime {
+                plan_builds: self.engine.plan_builds(),
+                ..self.time
+            },
         }
     }
 
@@ -513,6 +550,7 @@ impl Scheduler {
             })
             .collect();
         let engine = &mut self.engine;
+        let started = std::time::Instant::now();
         let (result, masks) = if constrained.is_empty() {
             (engine.step_sequences(&slices, argmax), Masks::new())
         } else {
@@ -539,6 +577,12 @@ impl Scheduler {
                 (result, masks)
             })
         };
+        let kind = match (order[0].1 > 1, order.len() > 1) {
+            (false, _) => &mut self.time.decode,
+            (true, true) => &mut self.time.mixed,
+            (true, false) => &mut self.time.prefill,
+        };
+        kind.add(started.elapsed().as_secs_f64());
         match result {
             Ok(out) => {
                 let vocab = self.vocab();
@@ -556,7 +600,9 @@ impl Scheduler {
                         picks.push((s.id, row_of(&out, j, vocab)));
                     }
                 }
+                let started = std::time::Instant::now();
                 self.sampled(picks, masks, events);
+                self.time.host_token_seconds += started.elapsed().as_secs_f64();
             }
             Err(e) => {
                 // The step as a whole failed: every sequence in it is failed, the rest go on.

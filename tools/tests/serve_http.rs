@@ -7,7 +7,7 @@ mod serve_support;
 use std::io::Write;
 use std::net::TcpStream;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use serve_support::{MODEL, Server, client, reassemble_chat, stream_data, tiny_checkpoint};
@@ -684,6 +684,28 @@ fn models_health_tokenize_and_detokenize_answer() {
         s.metric("xing4_prefix_store_budget_bytes"),
         (1u64 << 30) as f64
     );
+}
+
+#[test]
+fn the_step_counters_account_for_a_sampled_request() {
+    let s = Server::start(&[]);
+    let body = json!({"prompt": ids(20), "max_tokens": 4, "temperature": 0.9, "seed": 3, "ignore_eos": true});
+    let (status, _) = s.post_json("/v1/completions", &body);
+    assert_eq!(status, 200);
+    // The worker publishes its counters after the step whose events ended the response.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.metric("xing4_engine_steps_total{kind=\"decode\"}") < 3.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the decode steps were not counted"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(s.metric("xing4_engine_steps_total{kind=\"prefill\"}") >= 1.0);
+    assert!(s.metric("xing4_engine_step_seconds_total{kind=\"decode\"}") > 0.0);
+    assert!(s.metric("xing4_host_token_seconds_total") > 0.0);
+    assert!(s.metric("xing4_plan_builds_total") >= 1.0);
+    assert!(s.metric("xing4_plan_build_seconds_total") > 0.0);
 }
 
 #[test]

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use engine::prefix::PrefixStats;
+use engine::scheduler::StepTime;
 
 const PREFIX: &str = "xing4_";
 
@@ -86,6 +87,7 @@ pub struct Metrics {
     itl: Mutex<Histogram>,
     batch: Mutex<Histogram>,
     prefix: Mutex<PrefixStats>,
+    step_time: Mutex<StepTime>,
 }
 
 impl Metrics {
@@ -115,6 +117,7 @@ impl Metrics {
                 budget: prefix_budget,
                 ..PrefixStats::default()
             }),
+            step_time: Mutex::new(StepTime::default()),
         }
     }
 
@@ -139,6 +142,12 @@ impl Metrics {
     pub fn observe_batch(&self, n: usize) {
         if let Ok(mut h) = self.batch.lock() {
             h.observe(n as f64);
+        }
+    }
+
+    pub fn set_step_time(&self, t: StepTime) {
+        if let Ok(mut s) = self.step_time.lock() {
+            *s = t;
         }
     }
 
@@ -284,6 +293,59 @@ impl Metrics {
                 "Sequences decoded together in one step.",
             );
         }
+        let t = self.step_time.lock().map(|t| *t).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "# HELP {PREFIX}engine_steps_total Engine steps, by kind (decode rows alone, a prefill chunk beside decode rows, a chunk alone)."
+        );
+        let _ = writeln!(out, "# TYPE {PREFIX}engine_steps_total counter");
+        let _ = writeln!(
+            out,
+            "# HELP {PREFIX}engine_step_seconds_total Wall time of the engine's steps with their outputs' read-back, by kind."
+        );
+        let _ = writeln!(out, "# TYPE {PREFIX}engine_step_seconds_total counter");
+        for (kind, k) in [
+            ("decode", t.decode),
+            ("mixed", t.mixed),
+            ("prefill", t.prefill),
+        ] {
+            let _ = writeln!(
+                out,
+                "{PREFIX}engine_steps_total{{kind=\"{kind}\"}} {}",
+                k.steps
+            );
+            let _ = writeln!(
+                out,
+                "{PREFIX}engine_step_seconds_total{{kind=\"{kind}\"}} {}",
+                k.seconds
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {PREFIX}host_token_seconds_total Host time choosing tokens from logits rows and turning them into text, after the steps."
+        );
+        let _ = writeln!(out, "# TYPE {PREFIX}host_token_seconds_total counter");
+        let _ = writeln!(
+            out,
+            "{PREFIX}host_token_seconds_total {}",
+            t.host_token_seconds
+        );
+        counter(
+            &mut out,
+            "plan_builds_total",
+            "Step plans lowered for a step shape seen for the first time.",
+            t.plan_builds.count,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {PREFIX}plan_build_seconds_total Host time lowering those plans (inside the steps' time)."
+        );
+        let _ = writeln!(out, "# TYPE {PREFIX}plan_build_seconds_total counter");
+        let _ = writeln!(
+            out,
+            "{PREFIX}plan_build_seconds_total {}",
+            t.plan_builds.seconds
+        );
         let p = self.prefix.lock().map(|p| *p).unwrap_or_default();
         counter(
             &mut out,

@@ -424,6 +424,7 @@ impl Worker {
             m.running.store(st.running as u64, Relaxed);
             m.queued.store(st.waiting as u64, Relaxed);
             m.preemptions.store(st.preemptions, Relaxed);
+            m.set_step_time(st.time);
             m.cache_usage_ppm
                 .store((st.cache_usage * 1e6) as u64, Relaxed);
             let p = self.sched.pool().stats();
