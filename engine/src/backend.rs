@@ -12,13 +12,19 @@ use graph::{
     Bucket, CpuExecutor, CudaExecutor, GraphBuilder, HostState, KvPool, LogitRows, LoweringOptions,
     NodeTime, Plan, StepShape, StepTiming, Target, ValueKind,
 };
+use ops::TensorMeta;
 use ops::gpu::GpuCtx;
-use ops::head::Argmax;
+use ops::head::{SAMPLE_FIELDS, SampleRows};
 
 use crate::{CPU_POOL_BYTES, EngineConfig, EngineError, GPU_POOL_FRACTION, Model};
 
-/// Name of the extra output a greedy plan ends with: the last row's argmax, I32 `[rows]`.
+/// Name of the extra output a plan that chooses tokens ends with: each logits row's token,
+/// I32 `[rows]`.
 pub const NEXT_TOKEN: &str = "next_token";
+
+/// Name of the extra input such a plan reads: each logits row's [`ops::head::RowSampling`],
+/// F32 `[rows, SAMPLE_FIELDS]`.
+pub const SAMPLING: &str = "sampling";
 
 /// Device memory kept free beyond weights, cache and arena: cuBLAS workspace, kernel
 /// modules, instantiated graphs.
@@ -108,30 +114,39 @@ pub(crate) fn mib(b: usize) -> String {
     format!("{:.0} MiB", b as f64 / 1048576.0)
 }
 
-/// The plan for `shape`, lowered for `target` with `lowering`; with `argmax`, the
-/// declaration's `logits` feed an `Argmax` whose I32 result is the output [`NEXT_TOKEN`], so
-/// a greedy step reads back 4 bytes a row instead of a vocabulary of floats.
+/// The plan for `shape`, lowered for `target` with `lowering`; with `choose`, the
+/// declaration's `logits` and the input [`SAMPLING`] feed a `SampleRows` whose I32 result is
+/// the output [`NEXT_TOKEN`], so a step reads back 4 bytes a row instead of a vocabulary of
+/// floats (greedy rows take the argmax, sampled ones their draw).
 pub fn build_plan(
     model: &Model,
     shape: StepShape,
-    argmax: bool,
+    choose: bool,
     target: Target,
     lowering: &LoweringOptions,
 ) -> Result<Plan, EngineError> {
     let mut b = GraphBuilder::new(model);
     model.decl.declare(&mut b, &shape)?;
     let mut g = b.finish();
-    if argmax {
+    if choose {
         let logits = g
             .output("logits")
             .ok_or_else(|| graph::GraphError::MissingOutput("logits".into()))?;
-        let op = Argmax;
-        let metas = [&g.value(logits).meta];
+        let rows = g.value(logits).meta.shape.first().copied().unwrap_or(0);
+        let params = graph::ValueId(g.values.len());
+        g.values.push(graph::ValueInfo {
+            name: SAMPLING.into(),
+            meta: TensorMeta::f32([rows, SAMPLE_FIELDS]),
+            kind: ValueKind::Input,
+            alias_of: None,
+        });
+        let op = SampleRows;
+        let metas = [&g.value(logits).meta, &g.value(params).meta];
         let out = ops::Op::infer(&op, &metas)
             .map_err(|source| graph::GraphError::Op {
-                node: "argmax".into(),
-                describe: "argmax".into(),
-                inputs: vec![g.value(logits).meta.to_string()],
+                node: "sample_rows".into(),
+                describe: "sample_rows".into(),
+                inputs: metas.iter().map(|m| m.to_string()).collect(),
                 source,
             })?
             .pop()
@@ -144,9 +159,9 @@ pub fn build_plan(
             alias_of: None,
         });
         g.nodes.push(graph::Node {
-            name: "argmax".into(),
+            name: "sample_rows".into(),
             op: Arc::new(op),
-            inputs: vec![logits],
+            inputs: vec![logits, params],
             outputs: vec![id],
         });
         g.outputs.push((NEXT_TOKEN.into(), id));

@@ -137,21 +137,20 @@ impl Engine {
             prefilled_tokens: req.prompt.len() - reuse,
             ..Stats::default()
         };
-        // Greedy without a penalty needs no logits on the host: on a GPU the step ends
-        // in an argmax and 4 bytes come back.
-        let p = &req.sampling;
-        let on_device = self.on_gpu() && !req.want_logits && p.is_plain_greedy();
+        // Without a penalty or a bias no logits are needed on the host: on a GPU the step
+        // ends in the token choice and 4 bytes come back.
+        let on_device = self.on_gpu() && !req.want_logits && req.sampling.on_device();
+        let mut sampler = Sampler::new(req.sampling.clone());
         let mut logits = Vec::new();
         let mut next = None;
         let t0 = Instant::now();
         if on_device {
-            next = Some(self.forward_argmax(&req.prompt[reuse..])?);
+            next = Some(self.forward_choose(&req.prompt[reuse..], sampler.device_row())?);
         } else {
             logits = self.forward(&req.prompt[reuse..], LogitRows::Last)?;
         }
         stats.prefill_seconds = t0.elapsed().as_secs_f64();
 
-        let mut sampler = Sampler::new(req.sampling.clone());
         let mut history = req.prompt.clone();
         let mut tokens = Vec::new();
         let mut out = TextStream::new(tokenizer);
@@ -188,7 +187,7 @@ impl Engine {
             }
             let t = Instant::now();
             if on_device {
-                next = Some(self.forward_argmax(&[id])?);
+                next = Some(self.forward_choose(&[id], sampler.device_row())?);
             } else {
                 logits = self.forward(&[id], LogitRows::Last)?;
             }

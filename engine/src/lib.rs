@@ -12,11 +12,12 @@ pub mod prefix;
 pub mod sampling;
 pub mod scheduler;
 
-pub use backend::{DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, build_plan};
+pub use backend::{DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, SAMPLING, build_plan};
 pub use constraint::{TokenConstraint, TokenMask};
 pub use generate::{FinishReason, GenerateRequest, Generation, Stats, TokenEvent};
 pub use graph::{LoweringOptions, NodeTime, StepTiming, Target};
 pub use model::Model;
+pub use ops::head::RowSampling;
 pub use sampling::{Sampler, SamplingParams};
 
 use std::collections::HashMap;
@@ -24,6 +25,7 @@ use std::sync::Arc;
 
 use backend::{Backend, mib};
 use graph::{Bucket, KvPool, LogitRows, Plan, StepShape};
+use ops::head::SAMPLE_FIELDS;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -166,7 +168,7 @@ impl CacheSnapshot {
     }
 }
 
-/// A plan's identity: its shape, and whether it ends in a device argmax.
+/// A plan's identity: its shape, and whether it ends in the token choice (`SampleRows`).
 type PlanKey = (StepShape, bool);
 
 /// A loaded checkpoint on one backend: the cache pool, the plans built so far, and the
@@ -378,7 +380,7 @@ impl Engine {
         let n_chunks = self.check_tokens(tokens)?;
         let chunk = self.config.prefill_chunk.max(1);
         for (k, piece) in tokens.chunks(chunk).enumerate() {
-            let key = self.own_step(piece, rows, false)?;
+            let key = self.own_step(piece, rows, None)?;
             // With `Last`, only the final chunk's row is the answer: skip the others' read-back.
             if rows == LogitRows::All || k + 1 == n_chunks {
                 let plan = &self.plans[&key];
@@ -391,11 +393,19 @@ impl Engine {
     /// Appends `tokens` like [`Self::forward`] and returns the argmax of the last
     /// token's logits, computed where the step ran: on a GPU, 4 bytes come back.
     pub fn forward_argmax(&mut self, tokens: &[u32]) -> Result<u32, EngineError> {
+        self.forward_choose(tokens, RowSampling::GREEDY)
+    }
+
+    /// Appends `tokens` like [`Self::forward`] and returns the token `row` chooses from the
+    /// last token's logits, where the step ran.
+    pub fn forward_choose(&mut self, tokens: &[u32], row: RowSampling) -> Result<u32, EngineError> {
         let n_chunks = self.check_tokens(tokens)?;
         let chunk = self.config.prefill_chunk.max(1);
         let mut key = None;
+        let rows = [row];
         for (k, piece) in tokens.chunks(chunk).enumerate() {
-            key = Some(self.own_step(piece, LogitRows::Last, k + 1 == n_chunks)?);
+            let last = k + 1 == n_chunks;
+            key = Some(self.own_step(piece, LogitRows::Last, last.then_some(&rows[..]))?);
         }
         let key = key.ok_or(EngineError::EmptyPrompt)?;
         let ids = self.backend.output_i32(&self.plans[&key], NEXT_TOKEN)?;
@@ -445,7 +455,7 @@ impl Engine {
         &mut self,
         piece: &[u32],
         rows: LogitRows,
-        argmax: bool,
+        choose: Option<&[RowSampling]>,
     ) -> Result<PlanKey, EngineError> {
         let start = self.len;
         let blocks = self.own_blocks(start + piece.len());
@@ -454,36 +464,46 @@ impl Engine {
             start,
             tokens: piece,
         };
-        let key = self.run_step(&[seq], rows, argmax)?;
+        let key = self.run_step(&[seq], rows, choose)?;
         self.len = start + piece.len();
         Ok(key)
     }
 
     /// One step over `seqs`: a decode of several sequences (one token each, padded to the
     /// batch bucket), a chunk of one sequence, or a mixed step (a chunk of the first sequence
-    /// and one token of each other, as chunked prefill runs). Per sequence, the next token's argmax
-    /// (`argmax`, computed where the step ran) or its logits row (`vocab` floats each), in
+    /// and one token of each other, as chunked prefill runs). With `choose` (a [`RowSampling`]
+    /// a sequence, or fewer: the rest greedy), each sequence's next token is chosen where the
+    /// step ran; with `logits`, each sequence's logits row is read back too. Per sequence, in
     /// the order of `seqs`. Every sequence must hold the blocks its positions need.
     pub fn step_sequences(
         &mut self,
         seqs: &[SeqSlice<'_>],
-        argmax: bool,
+        choose: Option<&[RowSampling]>,
+        logits: bool,
     ) -> Result<StepOutput, EngineError> {
-        let key = self.run_step(seqs, LogitRows::Last, argmax)?;
+        let key = self.run_step(seqs, LogitRows::Last, choose)?;
         let plan = &self.plans[&key];
-        if argmax {
-            let ids = self.backend.output_i32(plan, NEXT_TOKEN)?;
-            let ids = ids
-                .iter()
-                .take(seqs.len())
-                .map(|&id| self.token_id(id))
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(StepOutput::Tokens(ids))
-        } else {
-            let mut logits = self.backend.output_f32(plan, "logits")?;
-            logits.truncate(seqs.len() * self.model.decl.n_vocab());
-            Ok(StepOutput::Logits(logits))
-        }
+        let tokens = match choose {
+            Some(_) => {
+                let mut ids = self.backend.output_i32(plan, NEXT_TOKEN)?;
+                ids.truncate(seqs.len());
+                Some(ids)
+            }
+            None => None,
+        };
+        let logits = match logits || choose.is_none() {
+            true => {
+                let mut l = self.backend.output_f32(plan, "logits")?;
+                l.truncate(seqs.len() * self.model.decl.n_vocab());
+                Some(l)
+            }
+            false => None,
+        };
+        Ok(StepOutput {
+            tokens,
+            logits,
+            vocab: self.model.decl.n_vocab(),
+        })
     }
 
     /// Checks `seqs`, builds the step's inputs (padding rows write nothing and read one
@@ -492,7 +512,7 @@ impl Engine {
         &mut self,
         seqs: &[SeqSlice<'_>],
         logits: LogitRows,
-        argmax: bool,
+        choose: Option<&[RowSampling]>,
     ) -> Result<PlanKey, EngineError> {
         let block = self.pool.block_size;
         let (first, rest) = seqs.split_first().ok_or(EngineError::EmptyPrompt)?;
@@ -574,7 +594,17 @@ impl Engine {
         for (i, seq) in row_seq[r..].iter_mut().enumerate() {
             *seq = (seqs.len() + i) as i32;
         }
-        let key = (shape, argmax);
+        let key = (shape, choose.is_some());
+        // Each logits row's parameters: a sequence's last row is its logits row with
+        // `LogitRows::Last`; padding rows and every row of `All` take the argmax.
+        let mut sampling = vec![0f32; shape.logit_rows() * SAMPLE_FIELDS];
+        for (k, f) in sampling.chunks_exact_mut(SAMPLE_FIELDS).enumerate() {
+            let p = match (logits, choose) {
+                (LogitRows::Last, Some(c)) => c.get(k).copied().unwrap_or(RowSampling::GREEDY),
+                _ => RowSampling::GREEDY,
+            };
+            f.copy_from_slice(&p.fields());
+        }
         self.plan_for(key)?;
         let plan = &self.plans[&key];
         let bytes = |v: &[i32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
@@ -585,6 +615,7 @@ impl Engine {
             bytes(&table),
             bytes(&row_seq),
         );
+        let sampling: Vec<u8> = sampling.iter().flat_map(|x| x.to_le_bytes()).collect();
         self.backend.run(
             &self.model,
             plan,
@@ -594,6 +625,7 @@ impl Engine {
                 ("kv_slots", &slots),
                 ("block_table", &table),
                 ("row_seq", &row_seq),
+                (SAMPLING, &sampling),
             ],
         )?;
         Ok(key)
@@ -602,9 +634,34 @@ impl Engine {
 
 /// What [`Engine::step_sequences`] returns per sequence.
 #[derive(Clone, Debug, PartialEq)]
-pub enum StepOutput {
-    /// The argmax of each sequence's logits.
-    Tokens(Vec<u32>),
-    /// Each sequence's logits row, `vocab` floats after one another.
-    Logits(Vec<f32>),
+pub struct StepOutput {
+    /// Each sequence's next token as the step chose it (-1 where its row had no choice:
+    /// NaN logits), when it chose them.
+    pub tokens: Option<Vec<i32>>,
+    /// Each sequence's logits row, `vocab` floats after one another, when read back.
+    pub logits: Option<Vec<f32>>,
+    pub vocab: usize,
+}
+
+impl StepOutput {
+    /// Sequence `j`'s token as the step chose it, checked against the vocabulary.
+    pub fn token(&self, j: usize) -> Option<Result<u32, EngineError>> {
+        let id = *self.tokens.as_ref()?.get(j)?;
+        Some(
+            u32::try_from(id)
+                .ok()
+                .filter(|&t| (t as usize) < self.vocab)
+                .ok_or(EngineError::TokenOutOfRange {
+                    id: id as u32,
+                    vocab: self.vocab,
+                }),
+        )
+    }
+
+    /// Sequence `j`'s logits row, when read back.
+    pub fn logits_row(&self, j: usize) -> Option<&[f32]> {
+        self.logits
+            .as_deref()?
+            .get(j * self.vocab..(j + 1) * self.vocab)
+    }
 }

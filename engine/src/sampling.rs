@@ -1,5 +1,9 @@
 //! Token sampling on the host: greedy, temperature, top-k, top-p, min-p and a
-//! repetition penalty, reproducible from a seed.
+//! repetition penalty, reproducible from a seed. The draw itself is `ops::head::sample_row`,
+//! the reference of the op a step runs to choose tokens where it ran: the host takes the rows
+//! that need their logits rewritten first (a penalty, a bias, a grammar's mask).
+
+use ops::head::{RowSampling, sample_row};
 
 /// How the next token is chosen from a logits row.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,9 +44,15 @@ impl SamplingParams {
         Self::default()
     }
 
-    /// The argmax of the raw logits: what a GPU step can choose on the card.
+    /// The argmax of the raw logits.
     pub fn is_plain_greedy(&self) -> bool {
-        self.temperature == 0.0 && self.repetition_penalty == 1.0 && self.logit_bias.is_empty()
+        self.temperature == 0.0 && self.on_device()
+    }
+
+    /// Whether a step can choose the token where it ran (`ops::head::SampleRows`): everything
+    /// but the history-dependent penalty and the bias, which rewrite the row first.
+    pub fn on_device(&self) -> bool {
+        self.repetition_penalty == 1.0 && self.logit_bias.is_empty()
     }
 
     /// A field outside its range, named as an API request would name it.
@@ -131,6 +141,22 @@ impl Sampler {
         &self.params
     }
 
+    /// The next token's row parameters for a step that chooses it where it runs, drawing its
+    /// uniform as [`Self::sample`] would (one draw a sampled token, none a greedy one), so a
+    /// seed gives the same tokens whichever side chooses.
+    pub fn device_row(&mut self) -> RowSampling {
+        let p = &self.params;
+        if p.temperature <= 0.0 {
+            return RowSampling::GREEDY;
+        }
+        RowSampling {
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p,
+            min_p: p.min_p,
+            ..RowSampling::at_temperature(p.temperature, self.rng.next_f64() as f32)
+        }
+    }
+
     /// Chooses a token from `logits`, penalising ids in `history`.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.params;
@@ -154,73 +180,12 @@ impl Sampler {
                 }
             }
         }
-        if p.temperature <= 0.0 {
+        let rp = self.device_row();
+        if rp.scale <= 0.0 {
             return argmax(&row) as u32;
         }
-        // Candidates by logit, descending, ties by id (a fixed order: the same seed gives the
-        // same tokens). Only the head that a cut keeps is ever sorted: a full sort of a
-        // 131,072-wide row per token was the host's cost of a batched step.
-        let mut cand: Vec<(u32, f32)> = row
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (i as u32, v / p.temperature))
-            .collect();
-        if cand.is_empty() {
-            return argmax(&row) as u32;
-        }
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.select_nth_unstable_by(p.top_k - 1, order);
-            cand.truncate(p.top_k);
-        }
-        let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-        let total: f64 = cand.iter().map(|c| ((c.1 - max) as f64).exp()).sum();
-        let prob = |c: &(u32, f32)| ((c.1 - max) as f64).exp() / total;
-        let cuts = p.min_p > 0.0 || p.top_p < 1.0;
-        // The kept candidates: with a cut, the shortest sorted head it keeps; without one,
-        // all of them in any fixed order (the distribution does not depend on the order).
-        let kept = if !cuts {
-            cand.len()
-        } else {
-            let floor = p.min_p as f64 / total;
-            let mut head = 64.min(cand.len());
-            loop {
-                if head < cand.len() {
-                    cand.select_nth_unstable_by(head - 1, order);
-                }
-                cand[..head].sort_by(order);
-                let mut acc = 0.0;
-                let mut cut = None;
-                for (i, c) in cand[..head].iter().enumerate() {
-                    let q = prob(c);
-                    if i > 0 && q < floor {
-                        cut = Some(i);
-                        break;
-                    }
-                    acc += q;
-                    if p.top_p < 1.0 && acc >= p.top_p as f64 {
-                        cut = Some(i + 1);
-                        break;
-                    }
-                }
-                match cut {
-                    Some(n) => break n,
-                    None if head == cand.len() => break head,
-                    None => head = (head * 8).min(cand.len()),
-                }
-            }
-        };
-        let probs: Vec<f64> = cand[..kept].iter().map(prob).collect();
-        let total: f64 = probs.iter().sum();
-        let mut u = self.rng.next_f64() * total;
-        for (i, q) in probs.iter().enumerate() {
-            if u < *q {
-                return cand[i].0;
-            }
-            u -= q;
-        }
-        cand[kept - 1].0
+        // No finite candidate (a mask or bias that left none): the argmax, as greedy would.
+        sample_row(&row, &rp).map_or_else(|| argmax(&row) as u32, |t| t as u32)
     }
 }
 

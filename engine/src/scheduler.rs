@@ -15,7 +15,9 @@
 //!    sequence (a mixed step, as vLLM's chunked prefill), or either alone.
 //!
 //! Sampling is per sequence (its own parameters and seeded generator), stop tokens and stop
-//! strings per sequence. Greedy steps end in the device argmax, so only token ids come back.
+//! strings per sequence. Steps whose sequences need no logits on the host (no penalty, bias,
+//! grammar or logits requested) end in the token choice where they ran (`SampleRows`: the
+//! argmax, or a draw from each sequence's seeded generator), so only token ids come back.
 //! A sequence may carry a [`TokenConstraint`]: its mask for the next token is computed on a
 //! host thread while the device runs the step, and applied to its logits row before sampling.
 
@@ -25,11 +27,12 @@ use std::sync::{Arc, Mutex};
 use loader::tokenizer::Tokenizer;
 use rayon::prelude::*;
 
+use crate::RowSampling;
 use crate::constraint::{TokenConstraint, TokenMask};
 use crate::output::TextStream;
 use crate::paged::BlockPool;
 use crate::sampling::{Sampler, argmax};
-use crate::{Engine, EngineError, FinishReason, GenerateRequest, SeqSlice, StepOutput};
+use crate::{Engine, EngineError, FinishReason, GenerateRequest, SeqSlice};
 
 /// Limits of a scheduler.
 #[derive(Clone, Copy, Debug)]
@@ -40,6 +43,9 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     /// Share full prompt blocks between sequences by the hash of their token prefix.
     pub prefix_caching: bool,
+    /// Choose every token on the host from a logits row copied back (A/B measurements of
+    /// the choice where the step ran).
+    pub sample_on_host: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -48,6 +54,7 @@ impl Default for SchedulerConfig {
             max_num_seqs: 64,
             max_num_batched_tokens: 4096,
             prefix_caching: true,
+            sample_on_host: false,
         }
     }
 }
@@ -163,9 +170,10 @@ impl Seq {
         self.tokens.len() - self.req.prompt.len()
     }
 
-    fn greedy_on_device(&self) -> bool {
+    /// Whether the step can choose this sequence's next token where it ran.
+    fn chosen_on_device(&self) -> bool {
         let p = &self.req.sampling;
-        !self.req.want_logits && p.is_plain_greedy() && self.constraint.is_none()
+        !self.req.want_logits && p.on_device() && self.constraint.is_none()
     }
 }
 
@@ -464,10 +472,6 @@ impl Scheduler {
         }
     }
 
-    fn vocab(&self) -> usize {
-        self.engine.model().decl.n_vocab()
-    }
-
     fn index_of(&self, id: SeqId) -> Option<usize> {
         self.running.iter().position(|s| s.id == id)
     }
@@ -520,9 +524,26 @@ impl Scheduler {
             return;
         }
         let chunk_ends = |s: &Seq, n: usize| s.computed + n == s.tokens.len();
-        let argmax = order.iter().all(|&(k, n)| {
+        // The rows whose logits the host rewrites before choosing (a penalty, a bias, a
+        // grammar) or that the request wants: the step reads the logits back for them too.
+        let on_host = order.iter().any(|&(k, n)| {
             let s = &self.running[k];
-            !chunk_ends(s, n) || s.greedy_on_device()
+            chunk_ends(s, n) && !s.chosen_on_device()
+        });
+        // Each row's parameters, its uniform drawn now (a chunk that does not end its
+        // prompt, and a row the host chooses, take the argmax and draw nothing here).
+        let choose: Option<Vec<RowSampling>> = (!self.config.sample_on_host).then(|| {
+            order
+                .iter()
+                .map(|&(k, n)| {
+                    let s = &mut self.running[k];
+                    if chunk_ends(s, n) && s.chosen_on_device() {
+                        s.sampler.device_row()
+                    } else {
+                        RowSampling::GREEDY
+                    }
+                })
+                .collect()
         });
         let slices: Vec<SeqSlice<'_>> = order
             .iter()
@@ -552,7 +573,10 @@ impl Scheduler {
         let engine = &mut self.engine;
         let started = std::time::Instant::now();
         let (result, masks) = if constrained.is_empty() {
-            (engine.step_sequences(&slices, argmax), Masks::new())
+            (
+                engine.step_sequences(&slices, choose.as_deref(), on_host),
+                Masks::new(),
+            )
         } else {
             std::thread::scope(|scope| {
                 let worker = scope.spawn(|| {
@@ -567,7 +591,7 @@ impl Scheduler {
                         })
                         .collect::<Masks>()
                 });
-                let result = engine.step_sequences(&slices, argmax);
+                let result = engine.step_sequences(&slices, choose.as_deref(), on_host);
                 let masks = worker.join().unwrap_or_else(|_| {
                     constrained
                         .iter()
@@ -585,7 +609,7 @@ impl Scheduler {
         kind.add(started.elapsed().as_secs_f64());
         match result {
             Ok(out) => {
-                let vocab = self.vocab();
+                let host_only = self.config.sample_on_host;
                 let mut picks = Vec::with_capacity(order.len());
                 for (j, &(k, n)) in order.iter().enumerate() {
                     let ends = chunk_ends(&self.running[k], n);
@@ -597,7 +621,13 @@ impl Scheduler {
                     }
                     // A chunk that does not end its sequence's tokens has no next token yet.
                     if ends {
-                        picks.push((s.id, row_of(&out, j, vocab)));
+                        let row = match out.token(j) {
+                            Some(t) if !host_only && s.chosen_on_device() => {
+                                Row::Token(t.map_err(|e| format!("the step's choice: {e}")))
+                            }
+                            _ => Row::Logits(out.logits_row(j)),
+                        };
+                        picks.push((s.id, row));
                     }
                 }
                 let started = std::time::Instant::now();
@@ -738,8 +768,9 @@ type Chosen = Result<(u32, Option<Vec<f32>>), String>;
 /// the model's, before the mask.
 fn choose(s: &mut Seq, row: Row<'_>, mask: Option<MaskResult>) -> Chosen {
     let t = match row {
-        Row::Token(t) => t,
-        Row::Logits(l) => {
+        Row::Token(ref t) => t.clone()?,
+        Row::Logits(None) => return Err("the step read back no logits row for it".to_string()),
+        Row::Logits(Some(l)) => {
             let masked;
             let row = match mask.transpose()?.flatten() {
                 Some(m) => {
@@ -763,22 +794,15 @@ fn choose(s: &mut Seq, row: Row<'_>, mask: Option<MaskResult>) -> Chosen {
             .commit(t)?;
     }
     let logits = match row {
-        Row::Logits(l) if s.req.want_logits => Some(l.to_vec()),
+        Row::Logits(Some(l)) if s.req.want_logits => Some(l.to_vec()),
         _ => None,
     };
     Ok((t, logits))
 }
 
-/// One sequence's part of a step's output, borrowed from it.
-#[derive(Clone, Copy)]
+/// One sequence's part of a step's output, borrowed from it: the token the step chose, or
+/// its logits row for the host to choose from.
 enum Row<'a> {
-    Token(u32),
-    Logits(&'a [f32]),
-}
-
-fn row_of(out: &StepOutput, j: usize, vocab: usize) -> Row<'_> {
-    match out {
-        StepOutput::Tokens(t) => Row::Token(t[j]),
-        StepOutput::Logits(l) => Row::Logits(&l[j * vocab..(j + 1) * vocab]),
-    }
+    Token(Result<u32, String>),
+    Logits(Option<&'a [f32]>),
 }

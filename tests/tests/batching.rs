@@ -210,3 +210,46 @@ fn a_constraint_that_allows_nothing_fails_its_sequence_alone() {
     assert_eq!(out.of(a), solo);
     assert_eq!(s.pool().available(), s.pool().total());
 }
+
+#[test]
+fn sampled_sequences_draw_the_same_tokens_chosen_in_the_step_or_on_the_host() {
+    // Every cut, each sequence its own seed; one with a repetition penalty always takes the
+    // host's path, beside the others.
+    let reqs: Vec<engine::GenerateRequest> = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(k, mut r)| {
+            r.sampling = engine::SamplingParams {
+                temperature: [0.7, 1.0, 1.3, 0.9, 1.1][k],
+                top_k: [0, 40, 0, 7, 0][k],
+                top_p: [1.0, 1.0, 0.9, 0.8, 1.0][k],
+                min_p: [0.0, 0.0, 0.0, 0.05, 0.1][k],
+                repetition_penalty: if k == 4 { 1.2 } else { 1.0 },
+                seed: 100 + k as u64,
+                ..engine::SamplingParams::default()
+            };
+            r
+        })
+        .collect();
+    let run = |on_host: bool| -> Vec<Vec<u32>> {
+        let mut s = scheduler_with(
+            Device::Cpu,
+            0,
+            engine::scheduler::SchedulerConfig {
+                max_num_seqs: 8,
+                max_num_batched_tokens: 64,
+                prefix_caching: false,
+                sample_on_host: on_host,
+            },
+        );
+        let ids: Vec<SeqId> = reqs.iter().map(|r| s.add(r.clone())).collect();
+        let mut out = Outcome::default();
+        out.take(s.run_to_completion());
+        ids.iter().map(|&id| out.of(id)).collect()
+    };
+    let in_step = run(false);
+    assert_eq!(in_step, run(true));
+    // Drawn, not greedy: at least one sequence parts from its greedy tokens.
+    let greedy: Vec<Vec<u32>> = prompts().iter().map(|r| alone(Device::Cpu, r)).collect();
+    assert_ne!(in_step, greedy);
+}

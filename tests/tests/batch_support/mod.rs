@@ -30,6 +30,19 @@ pub fn gpu_present() -> bool {
 /// An engine with blocks of 16 positions (so short prompts span several) and `kv_blocks`
 /// blocks (0: sized for `max_num_seqs` sequences).
 pub fn scheduler(device: Device, kv_blocks: usize, prefix_caching: bool) -> Scheduler {
+    scheduler_with(
+        device,
+        kv_blocks,
+        SchedulerConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 64,
+            prefix_caching,
+            ..SchedulerConfig::default()
+        },
+    )
+}
+
+pub fn scheduler_with(device: Device, kv_blocks: usize, sched: SchedulerConfig) -> Scheduler {
     let config = EngineConfig {
         max_model_len: 128,
         prefill_chunk: 24,
@@ -40,15 +53,7 @@ pub fn scheduler(device: Device, kv_blocks: usize, prefix_caching: bool) -> Sche
         ..EngineConfig::default()
     };
     let engine = Engine::new(model_for(device), config).unwrap_or_else(|e| panic!("{device}: {e}"));
-    Scheduler::new(
-        engine,
-        SchedulerConfig {
-            max_num_seqs: 8,
-            max_num_batched_tokens: 64,
-            prefix_caching,
-        },
-        None,
-    )
+    Scheduler::new(engine, sched, None)
 }
 
 pub fn prompt(len: usize, salt: u32) -> Vec<u32> {

@@ -517,6 +517,7 @@ fn batch_run(
             max_num_seqs: b,
             max_num_batched_tokens: usize::MAX / 2,
             prefix_caching: false,
+            sample_on_host: false,
         },
         None,
     );
@@ -620,6 +621,7 @@ fn join_run(
             max_num_seqs: b + 1,
             max_num_batched_tokens: budget,
             prefix_caching: false,
+            sample_on_host: false,
         },
         None,
     );

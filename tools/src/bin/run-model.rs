@@ -201,6 +201,7 @@ fn main() -> Result<()> {
             max_num_seqs: 1,
             max_num_batched_tokens: chunk.max(1),
             prefix_caching: false,
+            sample_on_host: false,
         },
         tokenizer,
     );

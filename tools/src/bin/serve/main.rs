@@ -72,6 +72,11 @@ struct Args {
     /// Tokens one step may carry (decode rows plus a prefill chunk).
     #[arg(long, default_value_t = 4096)]
     max_num_batched_tokens: usize,
+    /// Choose every token on the host from its logits row (by default a step chooses the
+    /// tokens of requests without a penalty, a bias, a grammar or logprobs where it ran, and
+    /// only token ids come back).
+    #[arg(long)]
+    sample_on_host: bool,
     /// Blocks of the KV cache pool (0: sized from the free memory at load).
     #[arg(long, default_value_t = 0)]
     kv_cache_blocks: usize,
@@ -287,6 +292,7 @@ async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig)
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         prefix_caching: args.prefix_cache_bytes > 0,
+        sample_on_host: args.sample_on_host,
     };
     std::thread::Builder::new()
         .name("load".into())
