@@ -208,7 +208,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
     // The reciprocal comes from the host: a division here is a call whose slow path spills.
     const float inv_t = p[0];
     if (!(inv_t > 0.f)) {
-        argmax_body<false>(x, out, V);
+        // The argmax kernel's body, with its vector loads where the rows allow them.
+        if ((V & 3) == 0 && (reinterpret_cast<unsigned long long>(x) & 15) == 0)
+            argmax_body<true>(x, out, V);
+        else
+            argmax_body<false>(x, out, V);
         return;
     }
     const float top_k_f = p[1], top_p = p[2], u = p[4];
