@@ -321,6 +321,32 @@ impl Backend {
         }
     }
 
+    /// Rows `rows` of the f32 output `name` of the last step, `width` floats a row.
+    pub(crate) fn output_f32_rows(
+        &self,
+        plan: &Plan,
+        name: &str,
+        rows: std::ops::Range<usize>,
+        width: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        let (start, len) = (rows.start * width, rows.len() * width);
+        match self {
+            Backend::Cpu { exec, .. } => {
+                let all = exec.output_f32(plan, name)?;
+                all.get(start..start + len)
+                    .map(<[f32]>::to_vec)
+                    .ok_or_else(|| {
+                        EngineError::from(graph::GraphError::InputSize {
+                            name: format!("rows {rows:?} of output `{name}`"),
+                            expected: all.len(),
+                            found: start + len,
+                        })
+                    })
+            }
+            Backend::Cuda { exec, .. } => Ok(exec.output_f32_range(plan, name, start, len)?),
+        }
+    }
+
     /// The i32 output `name` of the last step.
     pub(crate) fn output_i32(&self, plan: &Plan, name: &str) -> Result<Vec<i32>, EngineError> {
         match self {

@@ -473,13 +473,14 @@ impl Engine {
     /// batch bucket), a chunk of one sequence, or a mixed step (a chunk of the first sequence
     /// and one token of each other, as chunked prefill runs). With `choose` (a [`RowSampling`]
     /// a sequence, or fewer: the rest greedy), each sequence's next token is chosen where the
-    /// step ran; with `logits`, each sequence's logits row is read back too. Per sequence, in
-    /// the order of `seqs`. Every sequence must hold the blocks its positions need.
+    /// step ran; the logits rows of the sequences `logits` (all of them without `choose`) are
+    /// read back too. Per sequence, in the order of `seqs`. Every sequence must hold the
+    /// blocks its positions need.
     pub fn step_sequences(
         &mut self,
         seqs: &[SeqSlice<'_>],
         choose: Option<&[RowSampling]>,
-        logits: bool,
+        logits: std::ops::Range<usize>,
     ) -> Result<StepOutput, EngineError> {
         let key = self.run_step(seqs, LogitRows::Last, choose)?;
         let plan = &self.plans[&key];
@@ -491,18 +492,22 @@ impl Engine {
             }
             None => None,
         };
-        let logits = match logits || choose.is_none() {
-            true => {
-                let mut l = self.backend.output_f32(plan, "logits")?;
-                l.truncate(seqs.len() * self.model.decl.n_vocab());
-                Some(l)
-            }
-            false => None,
+        let vocab = self.model.decl.n_vocab();
+        let rows = match choose {
+            Some(_) => logits.start.min(seqs.len())..logits.end.min(seqs.len()),
+            None => 0..seqs.len(),
+        };
+        let logits = match rows.is_empty() {
+            true => Vec::new(),
+            false => self
+                .backend
+                .output_f32_rows(plan, "logits", rows.clone(), vocab)?,
         };
         Ok(StepOutput {
             tokens,
             logits,
-            vocab: self.model.decl.n_vocab(),
+            first_logits_row: rows.start,
+            vocab,
         })
     }
 
@@ -638,8 +643,10 @@ pub struct StepOutput {
     /// Each sequence's next token as the step chose it (-1 where its row had no choice:
     /// NaN logits), when it chose them.
     pub tokens: Option<Vec<i32>>,
-    /// Each sequence's logits row, `vocab` floats after one another, when read back.
-    pub logits: Option<Vec<f32>>,
+    /// The logits rows read back, `vocab` floats each, of the sequences from
+    /// `first_logits_row` on.
+    pub logits: Vec<f32>,
+    pub first_logits_row: usize,
     pub vocab: usize,
 }
 
@@ -660,8 +667,7 @@ impl StepOutput {
 
     /// Sequence `j`'s logits row, when read back.
     pub fn logits_row(&self, j: usize) -> Option<&[f32]> {
-        self.logits
-            .as_deref()?
-            .get(j * self.vocab..(j + 1) * self.vocab)
+        let k = j.checked_sub(self.first_logits_row)?;
+        self.logits.get(k * self.vocab..(k + 1) * self.vocab)
     }
 }

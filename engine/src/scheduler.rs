@@ -526,10 +526,17 @@ impl Scheduler {
         let chunk_ends = |s: &Seq, n: usize| s.computed + n == s.tokens.len();
         // The rows whose logits the host rewrites before choosing (a penalty, a bias, a
         // grammar) or that the request wants: the step reads the logits back for them too.
-        let on_host = order.iter().any(|&(k, n)| {
-            let s = &self.running[k];
-            chunk_ends(s, n) && !s.chosen_on_device()
-        });
+        let host_rows: Vec<usize> = (0..order.len())
+            .filter(|&j| {
+                let (k, n) = order[j];
+                let s = &self.running[k];
+                chunk_ends(s, n) && !s.chosen_on_device()
+            })
+            .collect();
+        let on_host = match (host_rows.first(), host_rows.last()) {
+            (Some(&a), Some(&b)) => a..b + 1,
+            _ => 0..0,
+        };
         // Each row's parameters, its uniform drawn now (a chunk that does not end its
         // prompt, and a row the host chooses, take the argmax and draw nothing here).
         let choose: Option<Vec<RowSampling>> = (!self.config.sample_on_host).then(|| {
@@ -574,7 +581,7 @@ impl Scheduler {
         let started = std::time::Instant::now();
         let (result, masks) = if constrained.is_empty() {
             (
-                engine.step_sequences(&slices, choose.as_deref(), on_host),
+                engine.step_sequences(&slices, choose.as_deref(), on_host.clone()),
                 Masks::new(),
             )
         } else {
@@ -591,7 +598,7 @@ impl Scheduler {
                         })
                         .collect::<Masks>()
                 });
-                let result = engine.step_sequences(&slices, choose.as_deref(), on_host);
+                let result = engine.step_sequences(&slices, choose.as_deref(), on_host.clone());
                 let masks = worker.join().unwrap_or_else(|_| {
                     constrained
                         .iter()

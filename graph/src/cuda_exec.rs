@@ -839,6 +839,33 @@ impl CudaExecutor {
             .map_err(dev(format!("reading output `{name}`")))
     }
 
+    /// Elements `start..start + len` of a named f32 output after a step (waits for it): the
+    /// rows of it the host needs, not the whole output.
+    pub fn output_f32_range(
+        &self,
+        plan: &Plan,
+        name: &str,
+        start: usize,
+        len: usize,
+    ) -> Result<Vec<f32>, CudaExecError> {
+        let (offset, n) = self.output_view(plan, name, ops::DType::F32)?;
+        if start.checked_add(len).is_none_or(|end| end > n) {
+            return Err(GraphError::InputSize {
+                name: format!("elements {start}..+{len} of output `{name}`"),
+                expected: n,
+                found: start.saturating_add(len),
+            }
+            .into());
+        }
+        let arena = self.arena.as_ref().ok_or(CudaExecError::NoArena)?;
+        let view = arena
+            .view::<f32>(offset + start * 4, len)
+            .map_err(dev(format!("output `{name}`")))?;
+        arena
+            .download(view)
+            .map_err(dev(format!("reading output `{name}`")))
+    }
+
     /// The i32 contents of a named output after a step (waits for it).
     pub fn output_i32(&self, plan: &Plan, name: &str) -> Result<Vec<i32>, CudaExecError> {
         let (offset, n) = self.output_view(plan, name, ops::DType::I32)?;
