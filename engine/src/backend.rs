@@ -14,7 +14,7 @@ use graph::{
 };
 use ops::TensorMeta;
 use ops::gpu::GpuCtx;
-use ops::head::{SAMPLE_FIELDS, SampleRows};
+use ops::head::{PenalizeRows, SAMPLE_FIELDS, SampleRows};
 
 use crate::{CPU_POOL_BYTES, EngineConfig, EngineError, GPU_POOL_FRACTION, Model};
 
@@ -25,6 +25,11 @@ pub const NEXT_TOKEN: &str = "next_token";
 /// Name of the extra input such a plan reads: each logits row's [`ops::head::RowSampling`],
 /// F32 `[rows, SAMPLE_FIELDS]`.
 pub const SAMPLING: &str = "sampling";
+
+/// Inputs of a plan whose choice applies a repetition penalty: each logits row's penalty, F32
+/// `[rows]`, and the ids it applies to, I32 `[rows, width]` (-1 padded).
+pub const PENALTY: &str = "penalty";
+pub const PENALTY_IDS: &str = "penalty_ids";
 
 /// Device memory kept free beyond weights, cache and arena: cuBLAS workspace, kernel
 /// modules, instantiated graphs.
@@ -117,56 +122,95 @@ pub(crate) fn mib(b: usize) -> String {
 /// The plan for `shape`, lowered for `target` with `lowering`; with `choose`, the
 /// declaration's `logits` and the input [`SAMPLING`] feed a `SampleRows` whose I32 result is
 /// the output [`NEXT_TOKEN`], so a step reads back 4 bytes a row instead of a vocabulary of
-/// floats (greedy rows take the argmax, sampled ones their draw).
+/// floats (greedy rows take the argmax, sampled ones their draw); a `choose` width above 0
+/// puts a `PenalizeRows` over the inputs [`PENALTY`] and [`PENALTY_IDS`] (that many ids a
+/// row) before it.
 pub fn build_plan(
     model: &Model,
     shape: StepShape,
-    choose: bool,
+    choose: Option<usize>,
     target: Target,
     lowering: &LoweringOptions,
 ) -> Result<Plan, EngineError> {
     let mut b = GraphBuilder::new(model);
     model.decl.declare(&mut b, &shape)?;
     let mut g = b.finish();
-    if choose {
-        let logits = g
+    if let Some(width) = choose {
+        let raw = g
             .output("logits")
             .ok_or_else(|| graph::GraphError::MissingOutput("logits".into()))?;
-        let rows = g.value(logits).meta.shape.first().copied().unwrap_or(0);
-        let params = graph::ValueId(g.values.len());
-        g.values.push(graph::ValueInfo {
-            name: SAMPLING.into(),
-            meta: TensorMeta::f32([rows, SAMPLE_FIELDS]),
-            kind: ValueKind::Input,
-            alias_of: None,
-        });
-        let op = SampleRows;
-        let metas = [&g.value(logits).meta, &g.value(params).meta];
-        let out = ops::Op::infer(&op, &metas)
-            .map_err(|source| graph::GraphError::Op {
-                node: "sample_rows".into(),
-                describe: "sample_rows".into(),
-                inputs: metas.iter().map(|m| m.to_string()).collect(),
-                source,
-            })?
-            .pop()
-            .ok_or_else(|| graph::GraphError::MissingOutput(NEXT_TOKEN.into()))?;
-        let id = graph::ValueId(g.values.len());
-        g.values.push(graph::ValueInfo {
-            name: NEXT_TOKEN.into(),
-            meta: out,
-            kind: ValueKind::Intermediate,
-            alias_of: None,
-        });
-        g.nodes.push(graph::Node {
-            name: "sample_rows".into(),
-            op: Arc::new(op),
-            inputs: vec![logits, params],
-            outputs: vec![id],
-        });
+        let rows = g.value(raw).meta.shape.first().copied().unwrap_or(0);
+        let logits = match width {
+            0 => raw,
+            w => {
+                let ids = push_input(&mut g, PENALTY_IDS, TensorMeta::i32([rows, w]));
+                let pen = push_input(&mut g, PENALTY, TensorMeta::f32([rows]));
+                push_node(
+                    &mut g,
+                    "penalize_rows",
+                    PenalizeRows,
+                    vec![raw, ids, pen],
+                    "penalized",
+                )?
+            }
+        };
+        let params = push_input(&mut g, SAMPLING, TensorMeta::f32([rows, SAMPLE_FIELDS]));
+        let id = push_node(
+            &mut g,
+            "sample_rows",
+            SampleRows,
+            vec![logits, params],
+            NEXT_TOKEN,
+        )?;
         g.outputs.push((NEXT_TOKEN.into(), id));
     }
     Ok(Plan::lowered(g, shape, target, lowering)?)
+}
+
+fn push_input(g: &mut graph::Graph, name: &str, meta: TensorMeta) -> graph::ValueId {
+    let id = graph::ValueId(g.values.len());
+    g.values.push(graph::ValueInfo {
+        name: name.into(),
+        meta,
+        kind: ValueKind::Input,
+        alias_of: None,
+    });
+    id
+}
+
+/// Appends node `name` running `op` over `inputs`, its one output named `out`.
+fn push_node(
+    g: &mut graph::Graph,
+    name: &str,
+    op: impl ops::Op + 'static,
+    inputs: Vec<graph::ValueId>,
+    out: &str,
+) -> Result<graph::ValueId, EngineError> {
+    let metas: Vec<&TensorMeta> = inputs.iter().map(|&i| &g.value(i).meta).collect();
+    let meta = op
+        .infer(&metas)
+        .map_err(|source| graph::GraphError::Op {
+            node: name.into(),
+            describe: op.describe(),
+            inputs: metas.iter().map(|m| m.to_string()).collect(),
+            source,
+        })?
+        .pop()
+        .ok_or_else(|| graph::GraphError::MissingOutput(out.into()))?;
+    let id = graph::ValueId(g.values.len());
+    g.values.push(graph::ValueInfo {
+        name: out.into(),
+        meta,
+        kind: ValueKind::Intermediate,
+        alias_of: None,
+    });
+    g.nodes.push(graph::Node {
+        name: name.into(),
+        op: Arc::new(op),
+        inputs,
+        outputs: vec![id],
+    });
+    Ok(id)
 }
 
 /// The GPU a session runs on, opened before its plans are lowered (they depend on the card).
@@ -536,7 +580,7 @@ impl Sizing<'_> {
                 batch: self.max_batch,
                 kv: self.kv,
             }),
-            false,
+            None,
             self.target,
             self.lowering,
         )?;
@@ -556,7 +600,7 @@ impl Sizing<'_> {
             Target::Cuda { .. } if chunk > 1 => Some(build_plan(
                 model,
                 shape(widest),
-                false,
+                None,
                 self.target,
                 self.lowering,
             )?),

@@ -7,8 +7,8 @@ use graph::LogitRows;
 use loader::tokenizer::Tokenizer;
 
 use crate::output::TextStream;
-use crate::sampling::{Sampler, SamplingParams};
-use crate::{Engine, EngineError};
+use crate::sampling::{Sampler, SamplingParams, SeenTokens};
+use crate::{DeviceChoice, Engine, EngineError};
 
 /// What to generate.
 #[derive(Clone, Debug)]
@@ -141,11 +141,18 @@ impl Engine {
         // ends in the token choice and 4 bytes come back.
         let on_device = self.on_gpu() && !req.want_logits && req.sampling.on_device();
         let mut sampler = Sampler::new(req.sampling.clone());
+        let mut seen = SeenTokens::new(&req.prompt);
+        let penalty = req.sampling.repetition_penalty;
         let mut logits = Vec::new();
         let mut next = None;
         let t0 = Instant::now();
         if on_device {
-            next = Some(self.forward_choose(&req.prompt[reuse..], sampler.device_row())?);
+            let choice = DeviceChoice {
+                row: sampler.device_row(),
+                penalty,
+                seen: seen.ids(),
+            };
+            next = Some(self.forward_choose(&req.prompt[reuse..], choice)?);
         } else {
             logits = self.forward(&req.prompt[reuse..], LogitRows::Last)?;
         }
@@ -167,6 +174,7 @@ impl Engine {
             }
             tokens.push(id);
             history.push(id);
+            seen.extend(&[id]);
             let (delta, stop_hit) = out.push(id, &req.stop_strings)?;
             let flow = on_token(TokenEvent {
                 id,
@@ -187,7 +195,12 @@ impl Engine {
             }
             let t = Instant::now();
             if on_device {
-                next = Some(self.forward_choose(&[id], sampler.device_row())?);
+                let choice = DeviceChoice {
+                    row: sampler.device_row(),
+                    penalty,
+                    seen: seen.ids(),
+                };
+                next = Some(self.forward_choose(&[id], choice)?);
             } else {
                 logits = self.forward(&[id], LogitRows::Last)?;
             }

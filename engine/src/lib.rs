@@ -12,12 +12,16 @@ pub mod prefix;
 pub mod sampling;
 pub mod scheduler;
 
-pub use backend::{DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, SAMPLING, build_plan};
+pub use backend::{
+    DEVICE_RESERVE_BYTES, Device, DeviceBudget, NEXT_TOKEN, PENALTY, PENALTY_IDS, SAMPLING,
+    build_plan,
+};
 pub use constraint::{TokenConstraint, TokenMask};
 pub use generate::{FinishReason, GenerateRequest, Generation, Stats, TokenEvent};
 pub use graph::{LoweringOptions, NodeTime, StepTiming, Target};
 pub use model::Model;
 pub use ops::head::RowSampling;
+pub use sampling::SeenTokens;
 pub use sampling::{Sampler, SamplingParams};
 
 use std::collections::HashMap;
@@ -168,8 +172,41 @@ impl CacheSnapshot {
     }
 }
 
-/// A plan's identity: its shape, and whether it ends in the token choice (`SampleRows`).
-type PlanKey = (StepShape, bool);
+/// A plan's identity: its shape, and whether it ends in the token choice (`SampleRows`), with
+/// the width of its penalty's id lists (0: no penalty).
+type PlanKey = (StepShape, Option<usize>);
+
+/// How a step chooses one sequence's next token where it ran: the row's draw, and the
+/// repetition penalty over the distinct ids it has seen (1: none).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceChoice<'a> {
+    pub row: RowSampling,
+    pub penalty: f32,
+    pub seen: &'a [u32],
+}
+
+impl DeviceChoice<'_> {
+    pub const GREEDY: DeviceChoice<'static> = DeviceChoice {
+        row: RowSampling::GREEDY,
+        penalty: 1.0,
+        seen: &[],
+    };
+
+    fn penalised(&self) -> bool {
+        self.penalty != 1.0 && !self.seen.is_empty()
+    }
+}
+
+/// The id-list width of a step's penalty: the power of two at or above the longest list of
+/// a penalised row (at least 64, so lists that grow a little share a plan); 0 without one.
+fn penalty_width(choose: &[DeviceChoice<'_>]) -> usize {
+    choose
+        .iter()
+        .filter(|c| c.penalised())
+        .map(|c| c.seen.len().max(64).next_power_of_two())
+        .max()
+        .unwrap_or(0)
+}
 
 /// A loaded checkpoint on one backend: the cache pool, the plans built so far, and the
 /// engine's own sequence for the single-sequence calls ([`Self::forward`] and the rest), which
@@ -257,9 +294,9 @@ impl Engine {
             prefill.as_ref(),
         )?;
         let mut plans = HashMap::new();
-        plans.insert((probe.shape, false), probe);
+        plans.insert((probe.shape, None), probe);
         if let Some(p) = prefill {
-            plans.insert((p.shape, false), p);
+            plans.insert((p.shape, None), p);
         }
         Ok(Engine {
             model,
@@ -348,7 +385,7 @@ impl Engine {
 
     /// The plan for a shape, built once.
     pub fn plan(&mut self, shape: StepShape) -> Result<&Plan, EngineError> {
-        self.plan_for((shape, false))
+        self.plan_for((shape, None))
     }
 
     fn plan_for(&mut self, key: PlanKey) -> Result<&Plan, EngineError> {
@@ -393,12 +430,16 @@ impl Engine {
     /// Appends `tokens` like [`Self::forward`] and returns the argmax of the last
     /// token's logits, computed where the step ran: on a GPU, 4 bytes come back.
     pub fn forward_argmax(&mut self, tokens: &[u32]) -> Result<u32, EngineError> {
-        self.forward_choose(tokens, RowSampling::GREEDY)
+        self.forward_choose(tokens, DeviceChoice::GREEDY)
     }
 
     /// Appends `tokens` like [`Self::forward`] and returns the token `row` chooses from the
     /// last token's logits, where the step ran.
-    pub fn forward_choose(&mut self, tokens: &[u32], row: RowSampling) -> Result<u32, EngineError> {
+    pub fn forward_choose(
+        &mut self,
+        tokens: &[u32],
+        row: DeviceChoice<'_>,
+    ) -> Result<u32, EngineError> {
         let n_chunks = self.check_tokens(tokens)?;
         let chunk = self.config.prefill_chunk.max(1);
         let mut key = None;
@@ -455,7 +496,7 @@ impl Engine {
         &mut self,
         piece: &[u32],
         rows: LogitRows,
-        choose: Option<&[RowSampling]>,
+        choose: Option<&[DeviceChoice<'_>]>,
     ) -> Result<PlanKey, EngineError> {
         let start = self.len;
         let blocks = self.own_blocks(start + piece.len());
@@ -479,7 +520,7 @@ impl Engine {
     pub fn step_sequences(
         &mut self,
         seqs: &[SeqSlice<'_>],
-        choose: Option<&[RowSampling]>,
+        choose: Option<&[DeviceChoice<'_>]>,
         logits: std::ops::Range<usize>,
     ) -> Result<StepOutput, EngineError> {
         let key = self.run_step(seqs, LogitRows::Last, choose)?;
@@ -517,7 +558,7 @@ impl Engine {
         &mut self,
         seqs: &[SeqSlice<'_>],
         logits: LogitRows,
-        choose: Option<&[RowSampling]>,
+        choose: Option<&[DeviceChoice<'_>]>,
     ) -> Result<PlanKey, EngineError> {
         let block = self.pool.block_size;
         let (first, rest) = seqs.split_first().ok_or(EngineError::EmptyPrompt)?;
@@ -599,16 +640,33 @@ impl Engine {
         for (i, seq) in row_seq[r..].iter_mut().enumerate() {
             *seq = (seqs.len() + i) as i32;
         }
-        let key = (shape, choose.is_some());
-        // Each logits row's parameters: a sequence's last row is its logits row with
+        // Each logits row's choice: a sequence's last row is its logits row with
         // `LogitRows::Last`; padding rows and every row of `All` take the argmax.
-        let mut sampling = vec![0f32; shape.logit_rows() * SAMPLE_FIELDS];
-        for (k, f) in sampling.chunks_exact_mut(SAMPLE_FIELDS).enumerate() {
-            let p = match (logits, choose) {
-                (LogitRows::Last, Some(c)) => c.get(k).copied().unwrap_or(RowSampling::GREEDY),
-                _ => RowSampling::GREEDY,
+        let rows = shape.logit_rows();
+        let choice = |k: usize| match (logits, choose) {
+            (LogitRows::Last, Some(c)) => c.get(k).copied().unwrap_or(DeviceChoice::GREEDY),
+            _ => DeviceChoice::GREEDY,
+        };
+        let width = match (logits, choose) {
+            (LogitRows::Last, Some(c)) => penalty_width(c),
+            _ => 0,
+        };
+        let key = (shape, choose.map(|_| width));
+        let mut sampling = Vec::with_capacity(rows * SAMPLE_FIELDS * 4);
+        let mut penalty = Vec::with_capacity(rows * 4);
+        let mut seen = Vec::with_capacity(rows * width * 4);
+        for k in 0..rows {
+            let c = choice(k);
+            sampling.extend(c.row.fields().iter().flat_map(|x| x.to_le_bytes()));
+            let (p, ids) = match c.penalised() {
+                true => (c.penalty, c.seen),
+                false => (1.0, &[][..]),
             };
-            f.copy_from_slice(&p.fields());
+            penalty.extend(p.to_le_bytes());
+            for j in 0..width {
+                let id = ids.get(j).map_or(-1, |&t| t as i32);
+                seen.extend(id.to_le_bytes());
+            }
         }
         self.plan_for(key)?;
         let plan = &self.plans[&key];
@@ -620,7 +678,6 @@ impl Engine {
             bytes(&table),
             bytes(&row_seq),
         );
-        let sampling: Vec<u8> = sampling.iter().flat_map(|x| x.to_le_bytes()).collect();
         self.backend.run(
             &self.model,
             plan,
@@ -631,6 +688,8 @@ impl Engine {
                 ("block_table", &table),
                 ("row_seq", &row_seq),
                 (SAMPLING, &sampling),
+                (PENALTY, &penalty),
+                (PENALTY_IDS, &seen),
             ],
         )?;
         Ok(key)

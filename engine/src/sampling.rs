@@ -49,10 +49,10 @@ impl SamplingParams {
         self.temperature == 0.0 && self.on_device()
     }
 
-    /// Whether a step can choose the token where it ran (`ops::head::SampleRows`): everything
-    /// but the history-dependent penalty and the bias, which rewrite the row first.
+    /// Whether a step can choose the token where it ran (`ops::head::PenalizeRows` over the
+    /// ids seen so far, then `ops::head::SampleRows`): everything but a logit bias.
     pub fn on_device(&self) -> bool {
-        self.repetition_penalty == 1.0 && self.logit_bias.is_empty()
+        self.logit_bias.is_empty()
     }
 
     /// A field outside its range, named as an API request would name it.
@@ -85,6 +85,34 @@ impl SamplingParams {
             ));
         }
         Ok(())
+    }
+}
+
+/// The distinct ids of a sequence's tokens in the order first seen: what the repetition
+/// penalty applies to, kept as tokens are added instead of sorted again every step.
+#[derive(Clone, Debug, Default)]
+pub struct SeenTokens {
+    set: std::collections::HashSet<u32>,
+    ids: Vec<u32>,
+}
+
+impl SeenTokens {
+    pub fn new(tokens: &[u32]) -> SeenTokens {
+        let mut s = SeenTokens::default();
+        s.extend(tokens);
+        s
+    }
+
+    pub fn extend(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            if self.set.insert(t) {
+                self.ids.push(t);
+            }
+        }
+    }
+
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
     }
 }
 

@@ -27,11 +27,11 @@ use std::sync::{Arc, Mutex};
 use loader::tokenizer::Tokenizer;
 use rayon::prelude::*;
 
-use crate::RowSampling;
 use crate::constraint::{TokenConstraint, TokenMask};
 use crate::output::TextStream;
 use crate::paged::BlockPool;
-use crate::sampling::{Sampler, argmax};
+use crate::sampling::{Sampler, SeenTokens, argmax};
+use crate::{DeviceChoice, RowSampling};
 use crate::{Engine, EngineError, FinishReason, GenerateRequest, SeqSlice};
 
 /// Limits of a scheduler.
@@ -150,6 +150,8 @@ struct Seq {
     req: GenerateRequest,
     /// The prompt and every token generated so far.
     tokens: Vec<u32>,
+    /// Their distinct ids, for a repetition penalty applied where the step runs.
+    seen: SeenTokens,
     /// Positions whose cache rows are written (`tokens[..computed]`).
     computed: usize,
     blocks: Vec<u32>,
@@ -265,6 +267,7 @@ impl Scheduler {
         let seq = Seq {
             id,
             tokens: req.prompt.clone(),
+            seen: SeenTokens::new(&req.prompt),
             computed: 0,
             blocks: Vec::new(),
             sampler: Sampler::new(req.sampling.clone()),
@@ -537,18 +540,29 @@ impl Scheduler {
             (Some(&a), Some(&b)) => a..b + 1,
             _ => 0..0,
         };
-        // Each row's parameters, its uniform drawn now (a chunk that does not end its
-        // prompt, and a row the host chooses, take the argmax and draw nothing here).
-        let choose: Option<Vec<RowSampling>> = (!self.config.sample_on_host).then(|| {
+        // Each row's parameters and penalty, its uniform drawn now (a row the host chooses,
+        // or one of a chunk that does not end its prompt, takes the argmax without a penalty
+        // and draws nothing).
+        let rows: Option<Vec<(RowSampling, f32)>> = (!self.config.sample_on_host).then(|| {
             order
                 .iter()
                 .map(|&(k, n)| {
                     let s = &mut self.running[k];
                     if chunk_ends(s, n) && s.chosen_on_device() {
-                        s.sampler.device_row()
+                        (s.sampler.device_row(), s.req.sampling.repetition_penalty)
                     } else {
-                        RowSampling::GREEDY
+                        (RowSampling::GREEDY, 1.0)
                     }
+                })
+                .collect()
+        });
+        let choose: Option<Vec<DeviceChoice<'_>>> = rows.map(|rows| {
+            rows.into_iter()
+                .zip(&order)
+                .map(|((row, penalty), &(k, _))| DeviceChoice {
+                    row,
+                    penalty,
+                    seen: self.running[k].seen.ids(),
                 })
                 .collect()
         });
@@ -717,6 +731,7 @@ impl Scheduler {
                 continue;
             }
             s.tokens.push(token);
+            s.seen.extend(&[token]);
             s.usage.completion_tokens = s.generated();
             let (text, stop_hit) = match s.out.push(token, &s.req.stop_strings) {
                 Ok(v) => v,

@@ -213,8 +213,8 @@ fn a_constraint_that_allows_nothing_fails_its_sequence_alone() {
 
 #[test]
 fn sampled_sequences_draw_the_same_tokens_chosen_in_the_step_or_on_the_host() {
-    // Every cut, each sequence its own seed; one with a repetition penalty always takes the
-    // host's path, beside the others.
+    // Every cut, each sequence its own seed, two with a repetition penalty (applied in the
+    // step); one with a logit bias always takes the host's path, beside the others.
     let reqs: Vec<engine::GenerateRequest> = prompts()
         .into_iter()
         .enumerate()
@@ -224,9 +224,9 @@ fn sampled_sequences_draw_the_same_tokens_chosen_in_the_step_or_on_the_host() {
                 top_k: [0, 40, 0, 7, 0][k],
                 top_p: [1.0, 1.0, 0.9, 0.8, 1.0][k],
                 min_p: [0.0, 0.0, 0.0, 0.05, 0.1][k],
-                repetition_penalty: if k == 4 { 1.2 } else { 1.0 },
+                repetition_penalty: [1.0, 1.0, 1.3, 1.0, 1.2][k],
+                logit_bias: if k == 4 { vec![(5, 2.0)] } else { Vec::new() },
                 seed: 100 + k as u64,
-                ..engine::SamplingParams::default()
             };
             r
         })

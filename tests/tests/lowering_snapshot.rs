@@ -24,7 +24,7 @@ fn tiny() -> Arc<Model> {
 
 fn plan(model: &Model, bucket: Bucket, target: Target) -> Plan {
     let shape = StepShape::single(bucket, LogitRows::Last);
-    build_plan(model, shape, false, target, &LoweringOptions::default()).unwrap()
+    build_plan(model, shape, None, target, &LoweringOptions::default()).unwrap()
 }
 
 const DECODE: Bucket = Bucket::Decode { batch: 1, kv: 64 };
@@ -140,7 +140,7 @@ fn every_fusion_can_be_turned_off_and_then_the_declaration_stays() {
         ..LoweringOptions::default()
     };
     let shape = StepShape::single(DECODE, LogitRows::Last);
-    let unfused = build_plan(&m, shape, false, HOPPER, &off).unwrap();
+    let unfused = build_plan(&m, shape, None, HOPPER, &off).unwrap();
     let declared = plan(&m, DECODE, Target::Cpu);
     assert_eq!(unfused.schedule.len(), declared.schedule.len());
     let fused = plan(&m, DECODE, HOPPER);
@@ -156,7 +156,7 @@ fn every_fusion_can_be_turned_off_and_then_the_declaration_stays() {
 fn the_tiny_greedy_decode_step_lowers_to_this_launch_list() {
     let m = tiny();
     let shape = StepShape::single(DECODE, LogitRows::Last);
-    let plan = build_plan(&m, shape, true, HOPPER, &LoweringOptions::default()).unwrap();
+    let plan = build_plan(&m, shape, Some(0), HOPPER, &LoweringOptions::default()).unwrap();
     let text = lowered_launches(&plan).unwrap();
     // The step ends in the token choice, whose I32 result is the only thing read back.
     let last = text
@@ -169,6 +169,22 @@ fn the_tiny_greedy_decode_step_lowers_to_this_launch_list() {
     insta::assert_snapshot!("tiny_xing4_greedy_decode_lowered", text);
 }
 
+#[test]
+fn a_penalised_choice_lowers_to_the_penalty_then_the_draw() {
+    let m = tiny();
+    let shape = StepShape::single(DECODE, LogitRows::Last);
+    let plan = build_plan(&m, shape, Some(64), HOPPER, &LoweringOptions::default()).unwrap();
+    let text = lowered_launches(&plan).unwrap();
+    assert!(text.contains("input penalty_ids I32[1,64]"), "{text}");
+    assert!(text.contains("input penalty F32[1]"), "{text}");
+    let at = |what: &str| {
+        text.lines()
+            .position(|l| l.starts_with(' ') && l.contains(what))
+            .unwrap_or_else(|| panic!("no {what} in {text}"))
+    };
+    assert!(at("penalize_rows") < at("sample_rows"), "{text}");
+}
+
 /// Runs `tokens` at positions `0..n` then one decode token on the CPU executor, through the
 /// plans built for `target`; returns every prefill row's logits and the decode step's.
 fn run_on_cpu(m: &Model, target: Target, tokens: &[u32], next: u32) -> (Vec<f32>, Vec<f32>) {
@@ -176,8 +192,8 @@ fn run_on_cpu(m: &Model, target: Target, tokens: &[u32], next: u32) -> (Vec<f32>
     let n = tokens.len();
     let prefill = StepShape::single(Bucket::Prefill { chunk: n, kv: 64 }, LogitRows::All);
     let decode = StepShape::single(Bucket::Decode { batch: 1, kv: 64 }, LogitRows::Last);
-    let p = build_plan(m, prefill, false, target, &opts).unwrap();
-    let d = build_plan(m, decode, false, target, &opts).unwrap();
+    let p = build_plan(m, prefill, None, target, &opts).unwrap();
+    let d = build_plan(m, decode, None, target, &opts).unwrap();
     let mut state = HostState::for_plan(&p, 64).unwrap();
     let mut exec = CpuExecutor::new();
     let bytes = |v: &[i32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
@@ -297,7 +313,7 @@ fn a_latent_too_wide_for_the_gpu_attention_is_refused_when_the_plan_is_made() {
             .contains("mla_attention")
     );
     let shape = StepShape::single(DECODE, LogitRows::Last);
-    let e = build_plan(&wide, shape, false, HOPPER, &LoweringOptions::default())
+    let e = build_plan(&wide, shape, None, HOPPER, &LoweringOptions::default())
         .unwrap_err()
         .to_string();
     for part in [

@@ -2,9 +2,10 @@
 //! few rows, with a planted tie; `sample_rows` over a real vocabulary for one token and a batch
 //! of 64 rows, each row with its own cuts (greedy, temperature alone, top-k with a planted tie
 //! at its boundary, top-p, min-p, all three). Bound: [`NMSE_EXACT`] (the I32 ids must be equal;
-//! both sides sum weights in f64, so a draw parts only within an exp ulp of a boundary).
+//! both sides sum weights in f64, so a draw parts only within an exp ulp of a boundary);
+//! `penalize_rows` over a real vocabulary with repeated ids and padding (exact).
 
-use super::{Argmax, RowSampling, SAMPLE_FIELDS, SampleRows};
+use super::{Argmax, PenalizeRows, RowSampling, SAMPLE_FIELDS, SampleRows};
 use crate::parity::NMSE_EXACT;
 use crate::parity::{HostValue, ParityCase};
 
@@ -58,6 +59,32 @@ pub fn cases() -> Vec<ParityCase> {
                         vec![
                             HostValue::f32([n, vocab], &x),
                             HostValue::f32([n, SAMPLE_FIELDS], &params),
+                        ]
+                    },
+                )
+            }),
+        )
+        .chain(
+            [(1usize, 131_072usize, 64usize), (64, 131_072, 512)].map(|(n, vocab, w)| {
+                ParityCase::new(
+                    format!("penalize_rows/n={n} v={vocab} w={w}"),
+                    PenalizeRows,
+                    5 + n as u64,
+                    NMSE_EXACT,
+                    move |r| {
+                        let x = r.vec(n * vocab, -8.0, 8.0);
+                        // Seen ids with repeats, then the -1 padding of a shorter history.
+                        let ids: Vec<i32> = (0..n * w)
+                            .map(|e| match e % w < w * 3 / 4 {
+                                true => r.below(vocab) as i32,
+                                false => -1,
+                            })
+                            .collect();
+                        let pen: Vec<f32> = (0..n).map(|t| 1.0 + 0.05 * (t % 5) as f32).collect();
+                        vec![
+                            HostValue::f32([n, vocab], &x),
+                            HostValue::i32([n, w], &ids),
+                            HostValue::f32([n], &pen),
                         ]
                     },
                 )

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::{Argmax, SampleRows, SliceRows};
+use super::{Argmax, PenalizeRows, SampleRows, SliceRows};
 use crate::op::check_host;
 use crate::tensor::{HostTensor, HostTensorMut};
 use crate::{Op, OpError};
@@ -232,6 +232,37 @@ impl SampleRows {
                 Ok(i) => *o = i as i32,
                 Err(why) => {
                     return Err(OpError::data(self.name(), format!("row {t} holds {why}")));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The repetition penalty of one logit (llama.cpp and Hugging Face): divided by `penalty`
+/// where positive, multiplied where not.
+pub fn penalize(v: f32, penalty: f32) -> f32 {
+    if v > 0.0 { v / penalty } else { v * penalty }
+}
+
+impl PenalizeRows {
+    pub(super) fn cpu_ref(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let v = inputs[0].meta.shape[1];
+        let w = inputs[1].meta.shape[1];
+        let x = inputs[0].f32()?;
+        let ids = inputs[1].i32()?;
+        let pen = inputs[2].f32()?;
+        let out = outputs[0].f32_mut()?;
+        out.copy_from_slice(x);
+        for (r, &p) in pen.iter().enumerate() {
+            for &id in &ids[r * w..(r + 1) * w] {
+                if let Some(i) = usize::try_from(id).ok().filter(|&i| i < v) {
+                    out[r * v + i] = penalize(x[r * v + i], p);
                 }
             }
         }

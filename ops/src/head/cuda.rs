@@ -1,6 +1,6 @@
 //! CUDA launches of the head ops.
 
-use super::{Argmax, SampleRows, SliceRows};
+use super::{Argmax, PenalizeRows, SampleRows, SliceRows};
 use crate::check::as_i32;
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
 use crate::op::check_device;
@@ -77,6 +77,61 @@ impl SampleRows {
                 .arg(inputs[1].ptr)
                 .arg(outputs[0].ptr)
                 .arg(as_i32(op, "V", v)?)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+}
+
+impl PenalizeRows {
+    /// Two launches: the rows copied, then one thread a listed id.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (n, v) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        let w = inputs[1].meta.shape[1];
+        let total = n * v;
+        if total == 0 {
+            return Ok(());
+        }
+        let copy = ctx.kernel("head.cu", HEAD_CU, "slice_rows")?;
+        // SAFETY: slice_rows(x, out, 0, total): x and out both hold total f32 (shape rule).
+        unsafe {
+            ctx.device
+                .launch(&copy)
+                .grid(blocks_for(total, 256).min(32768))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(outputs[0].ptr)
+                .arg(0i64)
+                .arg(total as i64)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
+        if n * w == 0 {
+            return Ok(());
+        }
+        let k = ctx.kernel("head.cu", HEAD_CU, "penalize_rows")?;
+        // SAFETY: penalize_rows(x, ids, penalty, out, V, W, n*W): ids holds n×W i32, penalty
+        // n f32, x and out n×V f32; ids outside 0..V are skipped in the kernel.
+        unsafe {
+            ctx.device
+                .launch(&k)
+                .grid(blocks_for(n * w, 256))
+                .block(256)
+                .arg(inputs[0].ptr)
+                .arg(inputs[1].ptr)
+                .arg(inputs[2].ptr)
+                .arg(outputs[0].ptr)
+                .arg(as_i32(op, "V", v)?)
+                .arg(as_i32(op, "W", w)?)
+                .arg(as_i32(op, "n*W", n * w)?)
                 .enqueue()
                 .map_err(dev_err)
         }

@@ -459,3 +459,19 @@ sample_add_digit(mass, dk, (double)wv);
     if (threadIdx.x == 0) out[blockIdx.x] = chosen >= 0 ? chosen : last_all;
 #undef SAMPLE_RANK_TIES
 }
+
+// The repetition penalty over each row's listed ids (after slice_rows copied the rows):
+// out[r, id] = x[r, id] / p where positive, * p where not. An id listed twice writes the same
+// value twice (each write reads x); ids outside 0..V are the padding.
+extern "C" __global__ void penalize_rows(const float* __restrict__ x, const int* __restrict__ ids,
+                                         const float* __restrict__ penalty, float* __restrict__ out,
+                                         int V, int W, int total) {
+    PDL_ENTER();
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= total) return;
+    const int r = e / W, id = ids[e];
+    if (id < 0 || id >= V) return;
+    const long long at = (long long)r * V + id;
+    const float v = x[at], p = penalty[r];
+    out[at] = v > 0.f ? v / p : v * p;
+}

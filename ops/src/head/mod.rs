@@ -13,7 +13,7 @@ use crate::gpu::{DeviceTensor, GpuCtx, Scratch};
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
-pub use cpu::{RowSampling, SAMPLE_FIELDS, argmax_row, sample_row};
+pub use cpu::{RowSampling, SAMPLE_FIELDS, argmax_row, penalize, sample_row};
 pub(crate) use cuda::HEAD_CU;
 
 /// F32 `[n, V]` → I32 `[n]`: per row the index of the first maximum. A row
@@ -113,6 +113,65 @@ impl Op for SampleRows {
 
     fn describe(&self) -> String {
         "sample_rows".to_string()
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+/// F32 `[n, V]` logits, I32 `[n, W]` token ids and F32 `[n]` penalties → F32 `[n, V]`: the
+/// logits with each listed id's value of row r divided by `penalty[r]` where positive and
+/// multiplied by it where not (the repetition penalty of llama.cpp and Hugging Face, over
+/// the ids a sequence has seen). Ids outside `0..V` (the -1 padding) are skipped; an id
+/// listed twice is penalised once (each write reads the input).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PenalizeRows;
+
+impl Op for PenalizeRows {
+    fn name(&self) -> &'static str {
+        "penalize_rows"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let op = self.name();
+        arity(op, inputs, 3)?;
+        let (x, ids, pen) = (inputs[0], inputs[1], inputs[2]);
+        want_dtype(op, "logits", x, DType::F32)?;
+        want_dtype(op, "ids", ids, DType::I32)?;
+        want_dtype(op, "penalty", pen, DType::F32)?;
+        if x.shape.len() != 2 || x.shape[1] == 0 || i32::try_from(x.shape[1]).is_err() {
+            return Err(OpError::shape(
+                op,
+                format!("logits must be [n, V] with 0 < V < 2^31, found {x}"),
+            ));
+        }
+        let n = x.shape[0];
+        if ids.shape.len() != 2 || ids.shape[0] != n || pen.shape != [n] {
+            return Err(OpError::shape(
+                op,
+                format!("ids must be [{n}, W] and penalty [{n}], found {ids} and {pen}"),
+            ));
+        }
+        Ok(vec![x.clone()])
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        "penalize_rows".to_string()
     }
 
     fn cuda(

@@ -178,3 +178,32 @@ fn sample_rows_names_the_row_without_a_candidate_and_refuses_bad_params() {
     .unwrap_err();
     assert!(e.to_string().contains("params"), "{e}");
 }
+
+#[test]
+fn the_penalty_divides_positive_logits_multiplies_the_rest_and_skips_padding() {
+    let x = [2.0, -1.0, 0.5, 3.0, /* row 2 */ 1.0, 1.0, -4.0, 0.0];
+    let ids = [0, 1, 1, -1, /* row 2 */ 2, 99, 3, -1];
+    let out = run(
+        &PenalizeRows,
+        &[
+            &Owned::f32([2, 4], &x),
+            &Owned::i32([2, 4], &ids),
+            &Owned::f32([2], &[2.0, 1.5]),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        out[0].to_f32(),
+        vec![1.0, -2.0, 0.5, 3.0, 1.0, 1.0, -6.0, 0.0]
+    );
+    let e = infer(
+        &PenalizeRows,
+        &[
+            TensorMeta::f32([2, 4]),
+            TensorMeta::i32([3, 4]),
+            TensorMeta::f32([2]),
+        ],
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("ids must be"), "{e}");
+}
