@@ -109,6 +109,11 @@ pub struct LoweringOptions {
     pub hc_rows_chunks_per_warp: usize,
     /// Tokens from which attention takes the f16 flash kernel (where its shape allows).
     pub attention_flash_min_rows: usize,
+    /// Rows of a chunk from which it takes the flash kernel anyway when its context bucket
+    /// holds at least [`FLASH_DEEP_KV`] positions (0: never): the split kernel reads the whole
+    /// context once a row, the flash kernel once a 64-row tile (a 192-token chunk beside 64
+    /// decode rows at 16k positions took 120 ms a step on the split kernel).
+    pub attention_flash_deep_min_rows: usize,
     /// The split-K attention (decode steps, short chunks) multiplies f16 operands with f32
     /// sums, as the flash kernel does, rather than f32-class split operands (3 tensor
     /// instructions a product, which bound long-context decode on the H200).
@@ -138,11 +143,15 @@ impl Default for LoweringOptions {
             hc_rows_min_rows: 64,
             hc_rows_chunks_per_warp: 1,
             attention_flash_min_rows: 256,
+            attention_flash_deep_min_rows: 16,
             attention_f16_split: true,
             pdl_weights_first: true,
         }
     }
 }
+
+/// The context bucket from which [`LoweringOptions::attention_flash_deep_min_rows`] applies.
+pub const FLASH_DEEP_KV: usize = 2048;
 
 impl fmt::Display for LoweringOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -153,7 +162,7 @@ impl fmt::Display for LoweringOptions {
              gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}), \
              <={} routes; \
              router tiled>={} topk inverse>={} \
-             hc rows>={} (cpw {}) flash>={} split-k products={}; weights first={}",
+             hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
             on(self.pair_linears),
@@ -172,6 +181,8 @@ impl fmt::Display for LoweringOptions {
             self.hc_rows_min_rows,
             self.hc_rows_chunks_per_warp,
             self.attention_flash_min_rows,
+            self.attention_flash_deep_min_rows,
+            FLASH_DEEP_KV,
             if self.attention_f16_split {
                 "f16"
             } else {
@@ -442,7 +453,14 @@ fn choose_kernel(
             .unwrap_or(1);
         let n = rows(g, node, 2);
         let lead = (n + 1).saturating_sub(seqs.max(1));
-        let flash = lead >= o.attention_flash_min_rows && op.flash_supports(width);
+        let kv = meta(g, node, 3)
+            .and_then(|m| m.shape.get(1).copied())
+            .unwrap_or(0)
+            * op.block_size;
+        let deep = o.attention_flash_deep_min_rows > 0
+            && lead >= o.attention_flash_deep_min_rows
+            && kv >= FLASH_DEEP_KV;
+        let flash = (lead >= o.attention_flash_min_rows || deep) && op.flash_supports(width);
         let split = if o.attention_f16_split {
             AttentionPath::SplitKF16
         } else {

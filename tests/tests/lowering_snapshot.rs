@@ -329,7 +329,8 @@ fn a_latent_too_wide_for_the_gpu_attention_is_refused_when_the_plan_is_made() {
 /// A latent the flash kernel takes (kv_lora 64 with a 64-wide rope key): a prefill chunk of
 /// 512 runs on it whole; a mixed step's 300-token chunk runs on it and its decode rows on the
 /// split kernel (one sequence's rows at a time each); a chunk below the flash threshold beside
-/// decode rows, and a decode batch, stay on the split kernel.
+/// decode rows, and a decode batch, stay on the split kernel, unless the context bucket is deep
+/// (2048 positions or more) and the chunk at least 16 rows.
 #[test]
 fn a_mixed_step_s_long_chunk_takes_the_flash_kernel_and_its_decode_rows_the_split_one() {
     let mut dims = models::synth::Dims::preset(Preset::Tiny);
@@ -375,4 +376,36 @@ fn a_mixed_step_s_long_chunk_takes_the_flash_kernel_and_its_decode_rows_the_spli
         "[split-k f16]",
     );
     all(Bucket::Decode { batch: 64, kv: 512 }, "[split-k f16]");
+    // Over a deep context a short chunk takes the flash kernel too (each split row would read
+    // the whole context); a decode batch there stays on the split kernel.
+    all(
+        Bucket::Mixed {
+            chunk: 40,
+            batch: 4,
+            kv: 4096,
+        },
+        "[flash f16 rows 0..40, then split-k f16]",
+    );
+    all(
+        Bucket::Mixed {
+            chunk: 8,
+            batch: 4,
+            kv: 4096,
+        },
+        "[split-k f16]",
+    );
+    all(
+        Bucket::Prefill {
+            chunk: 100,
+            kv: 4096,
+        },
+        "[flash f16]",
+    );
+    all(
+        Bucket::Decode {
+            batch: 64,
+            kv: 4096,
+        },
+        "[split-k f16]",
+    );
 }

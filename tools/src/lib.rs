@@ -59,6 +59,13 @@ pub struct LoweringArgs {
     /// Tokens from which the top-k sum builds an inverse route table first (default 132).
     #[arg(long, value_name = "N")]
     pub topk_inverse_min_rows: Option<usize>,
+    /// Tokens from which a chunk's attention takes the flash kernel (default 256).
+    #[arg(long, value_name = "N")]
+    pub attention_flash_min_rows: Option<usize>,
+    /// Rows of a chunk from which it takes the flash kernel over a context bucket of 2048
+    /// positions or more (0: never; default 16).
+    #[arg(long, value_name = "N")]
+    pub attention_flash_deep_min_rows: Option<usize>,
     /// Decode attention (the split-K kernel) with f32-class products (operands split over
     /// three tensor instructions) instead of f16 operands with f32 sums (also
     /// `XING4_ATTENTION_F32=1`).
@@ -100,6 +107,12 @@ impl LoweringArgs {
                 .unwrap_or(d.topk_inverse_min_rows),
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
+            attention_flash_min_rows: self
+                .attention_flash_min_rows
+                .unwrap_or(d.attention_flash_min_rows),
+            attention_flash_deep_min_rows: self
+                .attention_flash_deep_min_rows
+                .unwrap_or(d.attention_flash_deep_min_rows),
             gemv_max_rows: self.gemv_max_rows.unwrap_or(d.gemv_max_rows),
             head_gemv_max_rows: self.head_gemv_max_rows.unwrap_or(d.head_gemv_max_rows),
             expert_gemv_max_routes: self
