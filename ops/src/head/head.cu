@@ -179,6 +179,29 @@ __device__ __forceinline__ void sample_add_digit(T (&sums)[15], unsigned dk, T v
     for (int d = 0; d < 15; ++d) sums[d] += dk >= (unsigned)(d + 1) ? v : T(0);
 }
 
+// The largest digit d (0 if none) whose block-wide sum of `sums[d - 1]` reaches `goal`: the
+// next four bits of a threshold (the warps' partials go through `dig`). Every thread of the
+// block returns the same digit.
+template <typename T>
+__device__ __forceinline__ unsigned sample_best_digit(const T (&sums)[15], T (*dig)[16], T goal) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int d = 0; d < 15; ++d) {
+        T v = sums[d];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) dig[warp][d] = v;
+    }
+    __syncthreads();
+    unsigned best = 0;
+    for (int d = 0; d < 15; ++d) {
+        T sum = 0;
+        for (int w = 0; w < SAMPLE_WARPS; ++w) sum += dig[w][d];
+        if (sum >= goal) best = d + 1;
+    }
+    __syncthreads();
+    return best;
+}
+
 // The walk over a row's ids inside `sample_rows` (names row, inv_t, beg, end, lane in
 // scope): every lane of a warp runs the same number of steps, as a ballot needs them all.
 #define SAMPLE_WALK(...)                                                    \
@@ -285,24 +308,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
             SAMPLE_WALK(
                 if (finite && key >= prefix) {
                     const unsigned dk = min(15u, (key - prefix) >> shift);
-sample_add_digit(cnt, dk, 1u);
+                    sample_add_digit(cnt, dk, 1u);
                 }
             )
-#pragma unroll
-            for (int d = 0; d < 15; ++d) {
-                unsigned v = cnt[d];
-                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                if (lane == 0) digu[warp][d] = v;
-            }
-            __syncthreads();
-            unsigned best = 0;
-            for (int d = 0; d < 15; ++d) {
-                unsigned s = 0;
-                for (int w = 0; w < SAMPLE_WARPS; ++w) s += digu[w][d];
-                if (s >= top_k) best = d + 1;
-            }
-            __syncthreads();
-            prefix += best << shift;
+            prefix += sample_best_digit(cnt, digu, top_k) << shift;
         }
         unsigned ge, gt;
         SAMPLE_RANK_TIES(prefix, ge, gt);
@@ -333,24 +342,10 @@ sample_add_digit(cnt, dk, 1u);
                 if (in && key >= prefix) {
                     const unsigned dk = min(15u, (key - prefix) >> shift);
                     const float wv = expf(xv - mx);
-sample_add_digit(mass, dk, (double)wv);
+                    sample_add_digit(mass, dk, (double)wv);
                 }
             )
-#pragma unroll
-            for (int d = 0; d < 15; ++d) {
-                double v = mass[d];
-                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                if (lane == 0) digd[warp][d] = v;
-            }
-            __syncthreads();
-            unsigned best = 0;
-            for (int d = 0; d < 15; ++d) {
-                double s = 0.0;
-                for (int w = 0; w < SAMPLE_WARPS; ++w) s += digd[w][d];
-                if (s >= target) best = d + 1;
-            }
-            __syncthreads();
-            prefix += best << shift;
+            prefix += sample_best_digit(mass, digd, target) << shift;
         }
         // Summed in another order than `total`, the search may land below the top-k cut
         // when top_p is within a rounding of 1 (the cut stands there), and a top_p of 0
