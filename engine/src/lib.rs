@@ -172,6 +172,11 @@ impl CacheSnapshot {
     }
 }
 
+/// Plans of steps with a prefill chunk an engine keeps (decode plans, a few buckets, are all
+/// kept): an evicted plan costs ~7 ms to build again (the 64-client soak's mean), a kept one
+/// host memory for as long as the server runs.
+pub const MAX_CHUNK_PLANS: usize = 128;
+
 /// A plan's identity: its shape, and whether it ends in the token choice (`SampleRows`), with
 /// the width of its penalty's id lists (0: no penalty).
 type PlanKey = (StepShape, Option<usize>);
@@ -220,6 +225,10 @@ pub struct Engine {
     /// What this session's plans are lowered for.
     target: Target,
     plans: HashMap<PlanKey, Plan>,
+    /// The plans of steps with a chunk, oldest first: keyed by the chunk's exact length they
+    /// would grow with every prompt length a server meets, so the oldest go past
+    /// [`MAX_CHUNK_PLANS`] (the sizing plans are never in it).
+    chunk_plans: std::collections::VecDeque<PlanKey>,
     /// Plans lowered so far and the host time it took (a step of a new shape pays it).
     plan_builds: PlanBuilds,
     pool: KvPool,
@@ -304,6 +313,7 @@ impl Engine {
             backend,
             target,
             plans,
+            chunk_plans: Default::default(),
             plan_builds: PlanBuilds::default(),
             pool,
             len: 0,
@@ -401,8 +411,22 @@ impl Engine {
             self.plans.insert(key, plan);
             self.plan_builds.count += 1;
             self.plan_builds.seconds += started.elapsed().as_secs_f64();
+            if !matches!(key.0.bucket, Bucket::Decode { .. }) {
+                self.chunk_plans.push_back(key);
+                while self.chunk_plans.len() > MAX_CHUNK_PLANS {
+                    if let Some(old) = self.chunk_plans.pop_front() {
+                        self.plans.remove(&old);
+                    }
+                }
+            }
         }
         Ok(&self.plans[&key])
+    }
+
+    /// Plans held now (the sizing plans, every decode plan built, and at most
+    /// [`MAX_CHUNK_PLANS`] of steps with a chunk).
+    pub fn plan_count(&self) -> usize {
+        self.plans.len()
     }
 
     /// The blocks of the engine's own sequence covering positions `0..len`.

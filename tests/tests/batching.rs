@@ -253,3 +253,28 @@ fn sampled_sequences_draw_the_same_tokens_chosen_in_the_step_or_on_the_host() {
     let greedy: Vec<Vec<u32>> = prompts().iter().map(|r| alone(Device::Cpu, r)).collect();
     assert_ne!(in_step, greedy);
 }
+
+#[test]
+fn an_engine_keeps_a_bounded_number_of_chunk_plans_and_rebuilds_an_evicted_one() {
+    let config = EngineConfig {
+        max_model_len: 512,
+        prefill_chunk: 512,
+        block_size: 16,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(tiny(), config).unwrap();
+    let first = e.forward_argmax(&prompt(3, 9)).unwrap();
+    // Every prompt length is a plan of its own.
+    for len in 1..=engine::MAX_CHUNK_PLANS + 20 {
+        e.reset();
+        e.forward_argmax(&prompt(len, 1)).unwrap();
+    }
+    assert!(
+        e.plan_count() <= engine::MAX_CHUNK_PLANS + 2,
+        "{} plans held",
+        e.plan_count()
+    );
+    // The first length's plan was evicted: built again, same answer.
+    e.reset();
+    assert_eq!(e.forward_argmax(&prompt(3, 9)).unwrap(), first);
+}
