@@ -70,7 +70,8 @@ struct Args {
     timing_steps: usize,
     /// At each depth, profile one decode step node by node (GPU only), and the last chunk of
     /// each prefill test, and print where their device time goes, grouped by the node's name
-    /// without its layer prefix.
+    /// without its layer prefix; with `-b`, one decode step of each B; with `--join`, the
+    /// mixed step halfway through the joining prompt's admission.
     #[arg(long)]
     profile: bool,
     /// Batched mode, in the shape of llama-batched-bench: for each count B, B sequences of
@@ -605,6 +606,8 @@ fn join_gen_len(n: usize, b: usize, join: usize, budget: usize) -> usize {
 
 /// `b` sequences of `p` synthetic tokens decode; after [`JOIN_BEFORE_STEPS`] steady steps a
 /// prompt of `join` tokens arrives (scheduler budget `budget` tokens a step); runs to the end.
+/// With `profile`, the mixed step halfway through the admission runs profiled (eagerly, an
+/// event between nodes) into it, and its time stays out of the latencies.
 #[allow(clippy::too_many_arguments)]
 fn join_run(
     engine: Engine,
@@ -614,6 +617,7 @@ fn join_run(
     join: usize,
     budget: usize,
     vocab: usize,
+    mut profile: Option<&mut Vec<engine::NodeTime>>,
 ) -> Result<(Engine, JoinRun)> {
     let mut s = Scheduler::new(
         engine,
@@ -635,14 +639,25 @@ fn join_run(
     let (mut before_ms, mut during_ms) = (Vec::new(), Vec::new());
     let mut joined: Option<(u64, Instant)> = None;
     let mut ttft_ms = None;
+    let halfway = join.div_ceil(budget.saturating_sub(b).max(1)) / 2;
     while s.has_work() {
         if joined.is_none() && before_ms.len() == JOIN_BEFORE_STEPS {
             let id = s.add(GenerateRequest::greedy(synthetic_ids(join, vocab, 7999), 2));
             joined = Some((id, Instant::now()));
         }
+        let profiling = joined.is_some()
+            && ttft_ms.is_none()
+            && during_ms.len() == halfway
+            && profile.as_ref().is_some_and(|p| p.is_empty());
+        if profiling {
+            s.engine_mut().profile_next_step();
+        }
         let t = Instant::now();
         let events = s.step();
         let ms = t.elapsed().as_secs_f64() * 1e3;
+        if profiling && let Some(p) = profile.as_mut() {
+            **p = s.engine_mut().take_profile();
+        }
         let mut join_token = false;
         for ev in events {
             match ev {
@@ -660,7 +675,10 @@ fn join_run(
         match joined {
             None if started.len() == b => before_ms.push(ms),
             Some((_, at)) if ttft_ms.is_none() => {
-                during_ms.push(ms);
+                // The profiled step ran eagerly with events: not a latency of the server's.
+                if !profiling {
+                    during_ms.push(ms);
+                }
                 if join_token {
                     ttft_ms = Some(at.elapsed().as_secs_f64() * 1e3);
                 }
@@ -815,9 +833,29 @@ fn join_table(
     for &b in &a.batch {
         let decode_len = join_gen_len(n, b, join, budget);
         // One warm-up run: kernels compile, the decode and mixed-step plans are built.
-        let (e, _) = join_run(engine, b, p, decode_len, join, budget, vocab)?;
-        let (e, run) = join_run(e, b, p, decode_len, join, budget, vocab)?;
+        let (e, _) = join_run(engine, b, p, decode_len, join, budget, vocab, None)?;
+        let (e, run) = join_run(e, b, p, decode_len, join, budget, vocab, None)?;
         engine = e;
+        if a.profile && engine.on_gpu() {
+            let mut nodes = Vec::new();
+            let (e, _) = join_run(
+                engine,
+                b,
+                p,
+                decode_len,
+                join,
+                budget,
+                vocab,
+                Some(&mut nodes),
+            )?;
+            engine = e;
+            print_profile(
+                &format!(
+                    "mixed step of B={b} halfway through a {join}-token prompt's admission ({budget} tokens a step)"
+                ),
+                &nodes,
+            );
+        }
         let (d, bf) = (&run.during_ms, &run.before_ms);
         eprintln!(
             "  B={b}: a {join}-token prompt joined in {} steps, {:.1} ms to its first token",
