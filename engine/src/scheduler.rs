@@ -15,9 +15,11 @@
 //!    sequence (a mixed step, as vLLM's chunked prefill), or either alone.
 //!
 //! Sampling is per sequence (its own parameters and seeded generator), stop tokens and stop
-//! strings per sequence. Steps whose sequences need no logits on the host (no penalty, bias,
-//! grammar or logits requested) end in the token choice where they ran (`SampleRows`: the
-//! argmax, or a draw from each sequence's seeded generator), so only token ids come back.
+//! strings per sequence. A step chooses the next token where it ran for every sequence that
+//! needs no logits on the host (no logit bias, grammar or requested logits): `PenalizeRows`
+//! over the ids it has seen, then `SampleRows` (the argmax, or a draw from the sequence's
+//! seeded generator), so only token ids come back; the other sequences' rows are read back and
+//! chosen here.
 //! A sequence may carry a [`TokenConstraint`]: its mask for the next token is computed on a
 //! host thread while the device runs the step, and applied to its logits row before sampling.
 
