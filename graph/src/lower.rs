@@ -99,7 +99,9 @@ pub struct LoweringOptions {
     /// Routes up to which the routed experts past the GEMV take the skinny grouped kernel
     /// (a decode step's few routes an expert); more take the grouped GEMM.
     pub expert_skinny_max_routes: usize,
-    /// Tokens from which the router's logits are a tiled GEMM.
+    /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
+    /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
+    /// the slice kernel's 4-token blocks spread over the chip).
     pub router_tiled_min_rows: usize,
     /// Tokens from which the top-k sum builds an inverse route table first.
     pub topk_inverse_min_rows: usize,
@@ -138,7 +140,7 @@ impl Default for LoweringOptions {
             skinny_max_rows: 128,
             bf16_skinny_max_rows: 16,
             expert_skinny_max_routes: 512,
-            router_tiled_min_rows: 64,
+            router_tiled_min_rows: 512,
             topk_inverse_min_rows: 132,
             hc_rows_min_rows: 64,
             hc_rows_chunks_per_warp: 1,

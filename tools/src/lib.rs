@@ -53,7 +53,7 @@ pub struct LoweringArgs {
     /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass (default 64).
     #[arg(long, value_name = "N")]
     pub hc_rows_min_rows: Option<usize>,
-    /// Tokens from which the router's logits are a tiled GEMM (default 64).
+    /// Tokens from which the router's logits are a tiled GEMM (default 512).
     #[arg(long, value_name = "N")]
     pub router_tiled_min_rows: Option<usize>,
     /// Tokens from which the top-k sum builds an inverse route table first (default 132).

@@ -99,6 +99,9 @@ fn router_cases(v: &mut Vec<ParityCase>) {
     for (kernel, n, gating) in [
         (RouterKernel::Slices, 1, Gating::Sigmoid),
         (RouterKernel::Slices, 4, Gating::Softmax),
+        // Tiles of 4 tokens with a ragged last one, and a step of 64 sequences.
+        (RouterKernel::Slices, 7, Gating::Sigmoid),
+        (RouterKernel::Slices, 64, Gating::Sigmoid),
         (RouterKernel::Tiled, 64, Gating::Sigmoid),
         (RouterKernel::Tiled, 150, Gating::Softmax),
     ] {

@@ -18,6 +18,9 @@ pub(crate) const MOE_CU: &str = concat!(
 /// partials fit the scratch sized for ROUTER_SLICE) that gives a 1024-token chunk ~200 blocks.
 pub(super) const ROUTER_TILED_SLICE: usize = 256;
 
+/// Tokens a block of the slice router takes at once (`RL_TOKENS`).
+const ROUTER_TOKENS_PER_BLOCK: usize = 4;
+
 /// Shared memory a block may use on the target (227 KiB opt-in on an H200).
 pub(super) const SMEM_LIMIT: usize = 227 * 1024;
 
@@ -94,7 +97,9 @@ impl Router {
             slices
         } else {
             let slices = d.div_ceil(ROUTER_SLICE);
-            let tok_tile = n.div_ceil(n.div_ceil(64).min(65535));
+            // A few tokens a block (the kernel's RL_TOKENS), so a decode step's tokens spread
+            // over the chip rather than running one after another in 224 blocks.
+            let tok_tile = n.div_ceil(n.div_ceil(ROUTER_TOKENS_PER_BLOCK).min(65535));
             let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits")?;
             // SAFETY: argument list matches router_logits; it writes n × slices × E partials.
             unsafe {

@@ -11,8 +11,12 @@
 // ---- router ----------------------------------------------------------------------------
 
 // part[t][s][e] = sum_{k in slice s} W[e][k] * z[t][k], slices of RL_SLICE values. Block =
-// 8 warps = 8 experts of one slice over a tile of tokens; lane = 4 consecutive k.
+// 8 warps = 8 experts of one slice over a tile of up to RL_TOKENS tokens; lane = 4
+// consecutive k. The tile's loads are issued together and its reductions interleaved: a block
+// walking 64 tokens one after another (a load, a five-step shuffle chain, a store each) took
+// 25 µs of a 64-sequence decode step.
 #define RL_SLICE 128
+#define RL_TOKENS 4
 
 extern "C" __global__ void __launch_bounds__(256)
 router_logits(const float* __restrict__ z, const float* __restrict__ W, float* __restrict__ part,
@@ -25,16 +29,27 @@ router_logits(const float* __restrict__ z, const float* __restrict__ W, float* _
     const bool kv = k < d;
     float4 wv = make_float4(0.f, 0.f, 0.f, 0.f);
     if (e < n_expert && kv) wv = *reinterpret_cast<const float4*>(W + (long long)e * d + k);
-    const int t0 = blockIdx.z * tok_tile, t1 = min(n, t0 + tok_tile);
-    for (int t = t0; t < t1; ++t) {
-        float4 zv = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (kv) zv = *reinterpret_cast<const float4*>(z + (long long)t * d + k);
-        float acc = wv.x * zv.x;
-        acc = fmaf(wv.y, zv.y, acc);
-        acc = fmaf(wv.z, zv.z, acc);
-        acc = fmaf(wv.w, zv.w, acc);
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0 && e < n_expert) part[((long long)t * n_slices + s) * n_expert + e] = acc;
+    const int t1 = min(n, (blockIdx.z + 1) * tok_tile);
+    for (int t0 = blockIdx.z * tok_tile; t0 < t1; t0 += RL_TOKENS) {
+        float acc[RL_TOKENS];
+#pragma unroll
+        for (int i = 0; i < RL_TOKENS; ++i) {
+            float4 zv = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (kv && t0 + i < t1) zv = *reinterpret_cast<const float4*>(z + (long long)(t0 + i) * d + k);
+            float a = wv.x * zv.x;
+            a = fmaf(wv.y, zv.y, a);
+            a = fmaf(wv.z, zv.z, a);
+            acc[i] = fmaf(wv.w, zv.w, a);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+            for (int i = 0; i < RL_TOKENS; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+        if (lane == 0 && e < n_expert) {
+#pragma unroll
+            for (int i = 0; i < RL_TOKENS; ++i)
+                if (t0 + i < t1) part[((long long)(t0 + i) * n_slices + s) * n_expert + e] = acc[i];
+        }
     }
 }
 

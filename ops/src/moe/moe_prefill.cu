@@ -805,14 +805,22 @@ expert_gemm_wg_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
 // stages filled by cp.async, no block barrier in the loop. At the end a tile's partial sums
 // meet in shared memory and its phase-0 warp adds them in phase order: one writer an element
 // and a fixed order, so a step repeats bit for bit. (H200, 32 tokens at the real shapes: the
-// loop is bound by decoding the weights, 115 µs of gate+up with no weight traffic against
-// 70 µs of weight traffic with no decoding, 141 µs both.)
+// loop was bound by decoding the weights, 115 µs of gate+up with no weight traffic against
+// 70 µs of weight traffic with no decoding, 141 µs both; a k-tile then took 1,433
+// instructions a warp, now 975: the scale after the MMA, the codebook in registers, a stage
+// row a lane.)
 //
 // Inputs. expert_x_f16 first narrows the input rows to f16 (times x_scale, as above) in the
 // order the B fragments want: word 4t + m of a 32-value block holds inputs (4t + m, 4t + m +
 // 16), so lane t's four pairs of a block are one 16-byte load, and they meet the weights'
-// decode (tc_decode: lane t holds values 4t + i and 4t + i + 16 of a block) in the same K
-// order. Numerics are those of the tiles above (f16 operands rounded once, f32 sums).
+// decode (sk_codes: lane t holds values 4t + i and 4t + i + 16 of a block) in the same K
+// order.
+//
+// Numerics. The weights enter the MMA as 16·code, exact in f16; a block's two MMAs sum
+// 16·code·x in f32 (products exact), and that sum is scaled by the block's d in f32 and added
+// to the route's total (one fma a block, in K order). The inputs are rounded to f16 once, as
+// in the tiles above; the weights are not rounded at all (the tiles round d·code to f16), and
+// the decode is two instructions a weight pair shorter (no per-weight scale multiply).
 
 #define SK_KT 256
 #define SK_ROWB 144
@@ -832,6 +840,47 @@ expert_x_f16(const float* __restrict__ x, unsigned* __restrict__ xh, long long w
         const float* xb = x + (w >> 4) * 32;
         xh[w] = tc_pack_f16(__fmul_rn(xb[4 * t + m], scale), __fmul_rn(xb[4 * t + m + 16], scale));
     }
+}
+
+// The codebook's first halves, the placing byte and the selectors' base, read from memory
+// once a thread: as compile-time constants ptxas kept them in uniform registers and copied
+// them into vector registers before every lookup (a byte permute takes its table from vector
+// registers), 133 copies in a k-tile of 1,430 instructions.
+__device__ unsigned sk_consts[4] = {0x3f2d1801u, 0xa6998d81u, 0x74747474u, 0x32103210u};
+
+// prmt.b32 as written: __byte_perm's selector is masked to the bits the mode reads, an
+// instruction a permute that the selectors built here do not need.
+__device__ __forceinline__ unsigned sk_prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// 16·code of the 8 weights a lane holds of one block, exact f16 pairs: w[i] = (16·v[4t+i],
+// 16·v[4t+i+16]) from qs bytes 4t..4t+3 (q). The lookup of tc_decode_half for both halves
+// at once (the masks taken over 32 bits, the high half's selectors shifted down: a permute
+// reads its selector's low 16 bits), without the scale: the skinny kernel multiplies by d
+// after the MMA, in f32.
+__device__ __forceinline__ void sk_codes(unsigned q, const unsigned k[4], unsigned w[4]) {
+    const unsigned m = q & 0x77777777u;
+    const unsigned s = ((q >> 1) & 0x44444444u) | k[3];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const unsigned mh = hf ? m >> 16 : m;
+        const unsigned sh = hf ? s >> 16 : s;
+        const unsigned r = sk_prmt(sk_prmt(k[0], 0x766a5d4fu, mh), sk_prmt(k[1], 0xf1d9c5b5u, mh), sh);
+        unsigned c0, c1;
+        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(c0) : "r"(sk_prmt(r, k[2], 0x4140u)), "r"(0x74807480u));
+        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(c1) : "r"(sk_prmt(r, k[2], 0x4342u)), "r"(0x74807480u));
+        w[2 * hf] = c0;
+        w[2 * hf + 1] = c1;
+    }
+}
+
+__device__ __forceinline__ float sk_h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
 }
 
 __device__ __forceinline__ void sk_cp16(unsigned dst, const unsigned char* src, int bytes) {
@@ -883,27 +932,32 @@ __device__ __forceinline__ void expert_skinny_body(
     const int n_active = (rn + 7) >> 3;
 
     const unsigned wbase = (unsigned)__cvta_generic_to_shared(sk_smem) + warp * SK_WARP_SMEM;
-    // Word p of row i of a stage: piece c = lane + 32j, i = c / 9, p = c % 9.
-    auto issue = [&](int kt, int stage) {
-        const unsigned dst0 = wbase + stage * SK_WSTAGE;
-#pragma unroll
-        for (int j = 0; j < SK_ROWS * 9 / 32; ++j) {
-            const int c = lane + 32 * j;
-            const int i = c / 9, p = c - 9 * i;
-            int out;
-            const unsigned char* base;
-            if (swiglu) {
-                out = c0 + 8 * (i >> 4) + (i & 7);
-                base = (i & 8) ? eb : ea;
-            } else {
-                out = c0 + i;
-                base = ea;
-            }
-            const bool ok = out < n_out;
-            const unsigned char* src =
-                ok ? base + (long long)out * row_bytes + (long long)kt * SK_ROWB + 16 * p : ea;
-            sk_cp16(dst0 + i * SK_ROWB + 16 * p, src, ok ? 16 : 0);
+    // Lane i copies stage row i, its 9 words from one base (offsets 16p fold into the
+    // copies): the row's weight row and whether it exists are fixed for the whole loop.
+    // (Words spread over the lanes in order cost ~200 instructions of addressing a k-tile.)
+    static_assert(SK_ROWS == 32, "a stage row a lane");
+    const unsigned char* my_row;
+    bool my_ok;
+    {
+        int out;
+        const unsigned char* base;
+        if (swiglu) {
+            out = c0 + 8 * (lane >> 4) + (lane & 7);
+            base = (lane & 8) ? eb : ea;
+        } else {
+            out = c0 + lane;
+            base = ea;
         }
+        my_ok = out < n_out;
+        my_row = my_ok ? base + (long long)out * row_bytes : ea;
+    }
+    const unsigned my_dst = wbase + lane * SK_ROWB;
+    auto issue = [&](int kt, int stage) {
+        const unsigned dst = my_dst + stage * SK_WSTAGE;
+        const unsigned char* src = my_row + (my_ok ? (long long)kt * SK_ROWB : 0);
+        const int bytes = my_ok ? 16 : 0;
+#pragma unroll
+        for (int p = 0; p < 9; ++p) sk_cp16(dst + 16 * p, src + 16 * p, bytes);
     };
 
     // The weights first: they depend on the expert alone, the inputs on the route table too.
@@ -949,6 +1003,9 @@ __device__ __forceinline__ void expert_skinny_body(
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int k = 0; k < 4; ++k) acc[mt][nt][k] = 0.0f;
+    unsigned kc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) kc[i] = sk_consts[i];
 
     for (int it = 0; it < mine; ++it) {
         const int kt = kp + kw * it;
@@ -961,27 +1018,28 @@ __device__ __forceinline__ void expert_skinny_body(
         const unsigned char* wst = sk_smem + warp * SK_WARP_SMEM + (it % SK_STAGES) * SK_WSTAGE + g * SK_ROWB;
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
-            unsigned wl[SK_MT][4], wh[SK_MT][4];
 #pragma unroll
             for (int mt = 0; mt < SK_MT; ++mt) {
                 const unsigned char* rp = wst + 16 * mt * SK_ROWB + 18 * b;
-                tc_decode(tc_load_qs(rp, b, t), *reinterpret_cast<const unsigned short*>(rp), wl[mt]);
                 const unsigned char* rq = rp + 8 * SK_ROWB;
-                tc_decode(tc_load_qs(rq, b, t), *reinterpret_cast<const unsigned short*>(rq), wh[mt]);
-            }
+                unsigned wl[4], wh[4];
+                sk_codes(tc_load_qs(rp, b, t), kc, wl);
+                sk_codes(tc_load_qs(rq, b, t), kc, wh);
+                const float dl = sk_h2f(*reinterpret_cast<const unsigned short*>(rp));
+                const float dh = sk_h2f(*reinterpret_cast<const unsigned short*>(rq));
+                const unsigned a0[4] = {wl[0], wh[0], wl[1], wh[1]};
+                const unsigned a1[4] = {wl[2], wh[2], wl[3], wh[3]};
 #pragma unroll
-            for (int s = 0; s < 2; ++s) {
-#pragma unroll
-                for (int mt = 0; mt < SK_MT; ++mt) {
-                    const unsigned a[4] = {wl[mt][2 * s], wh[mt][2 * s], wl[mt][2 * s + 1],
-                                           wh[mt][2 * s + 1]};
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        if (nt < n_active) {
-                            const unsigned b0 = s ? xq[b & 3][nt].z : xq[b & 3][nt].x;
-                            const unsigned b1 = s ? xq[b & 3][nt].w : xq[b & 3][nt].y;
-                            tc_mma(acc[mt][nt], a, b0, b1);
-                        }
+                for (int nt = 0; nt < NT; ++nt) {
+                    if (nt < n_active) {
+                        // The block's sum of 16·code·x, exact products in f32, then its scale.
+                        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        tc_mma(p, a0, xq[b & 3][nt].x, xq[b & 3][nt].y);
+                        tc_mma(p, a1, xq[b & 3][nt].z, xq[b & 3][nt].w);
+                        acc[mt][nt][0] = fmaf(dl, p[0], acc[mt][nt][0]);
+                        acc[mt][nt][1] = fmaf(dl, p[1], acc[mt][nt][1]);
+                        acc[mt][nt][2] = fmaf(dh, p[2], acc[mt][nt][2]);
+                        acc[mt][nt][3] = fmaf(dh, p[3], acc[mt][nt][3]);
                     }
                 }
             }
@@ -1050,7 +1108,7 @@ __device__ __forceinline__ void expert_skinny_body(
 }
 
 #define EXPERT_SKINNY(NT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128, 3) expert_skinny_iq4_##NT(                 \
+    extern "C" __global__ void __launch_bounds__(128, 4) expert_skinny_iq4_##NT(                 \
         const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,              \
         const uint4* __restrict__ xh, const int* __restrict__ offsets,                           \
         const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,         \

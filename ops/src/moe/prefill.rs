@@ -271,14 +271,14 @@ const SK_WARP_SMEM: usize = 3 * SK_ROWS * 144;
 const SK_WARPS: usize = 4;
 
 /// Warps that share a row tile's `k_tiles` k-tiles: as few as keep one and a half waves of
-/// warps on an H200 (132 multiprocessors × 12 resident warps) for `tiles` (row tile, expert)
+/// warps on an H200 (132 multiprocessors × 16 resident warps) for `tiles` (row tile, expert)
 /// pairs, since a block's route lookup, reduction and epilogue are fixed costs that fewer,
 /// longer warps pay less often. H200, 32 tokens (56 experts), one / two / four warps a row
 /// tile: gate+up 141 / 141 / 156 µs, down 75 / 82 / 98 µs.
 fn skinny_k_warps(k_tiles: usize, tiles: usize) -> usize {
     [1, 2, 4]
         .into_iter()
-        .find(|&kw| kw >= k_tiles.min(SK_WARPS) || 2 * tiles * kw >= 3 * 132 * 12)
+        .find(|&kw| kw >= k_tiles.min(SK_WARPS) || 2 * tiles * kw >= 3 * 132 * 16)
         .unwrap_or(SK_WARPS)
 }
 

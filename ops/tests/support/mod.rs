@@ -102,7 +102,7 @@ pub fn run(op: &dyn Op, inputs: &[&Buf]) -> Result<Vec<Buf>, OpError> {
 // with lower.rs's defaults. Tests that pin one path on purpose name the variant themselves.
 
 /// `LoweringOptions::default().router_tiled_min_rows`.
-pub const ROUTER_TILED_MIN_ROWS: usize = 64;
+pub const ROUTER_TILED_MIN_ROWS: usize = 512;
 /// `LoweringOptions::default().topk_inverse_min_rows`.
 pub const TOPK_INVERSE_MIN_ROWS: usize = 132;
 /// `LoweringOptions::default().hc_rows_min_rows`.
