@@ -116,6 +116,22 @@ pub fn cases() -> Vec<ParityCase> {
     ] {
         v.push(linear(name, LinearKernel::TensorCore, dtype, 100, k, o));
     }
+    // A decode step's rows on the tiles of 32 and 64 tokens (the lm head at 2..=64 sequences).
+    for (dtype, n) in [
+        (DType::Q6_K, 8),
+        (DType::Q6_K, 33),
+        (DType::Q8_0, 64),
+        (DType::F16, 5),
+    ] {
+        v.push(linear(
+            "short tiles",
+            LinearKernel::TensorCore,
+            dtype,
+            n,
+            3584,
+            1000,
+        ));
+    }
     // Batched decode on the skinny kernels. IQ4_NL: one row to past a whole 16-row tile. BF16
     // (the attention's projections): 2 to 129 rows (one to three token tiles), K split many ways
     // (q_a's 3,584 inputs over 24 row tiles) or not at all (256 inputs at 64 rows), rows and K

@@ -170,11 +170,11 @@ impl Linear {
                 }
                 match path {
                     LinearPath::Tiles(fit) => {
-                        let grid = (o.div_ceil(128), n.div_ceil(128));
+                        let grid = (o.div_ceil(128), n.div_ceil(fit.tokens()));
                         if grid.1 > 65535 {
                             return Err(OpError::shape(
                                 op,
-                                format!("n = {n} is more than 65535 tiles of 128"),
+                                format!("n = {n} is more than 65535 tiles of {}", fit.tokens()),
                             ));
                         }
                         let pair = i32::from(o.is_multiple_of(2) && y.ptr.is_multiple_of(8));
@@ -187,7 +187,7 @@ impl Linear {
                                 .launch(&kern)
                                 .grid((grid.0 as u32, grid.1 as u32))
                                 .block(256)
-                                .shared_mem(TqFit::SMEM_BYTES)
+                                .shared_mem(fit.smem_bytes())
                                 .arg(w.ptr)
                                 .arg(x.ptr)
                                 .arg(y.ptr)

@@ -38,7 +38,7 @@ pub enum LinearKernel {
     TensorCore,
     /// A few rows (a decode step's batch) over a weight read once for all of them: IQ4_NL with
     /// whole 256-value k-tiles takes the skinny product (`moe::prefill`'s `expert_skinny_iq4`,
-    /// the matrix as one expert; f16 operands, f32 sums), BF16 with K a multiple of 32 the
+    /// the matrix as one expert; f16 inputs, exact codes, f32 sums), BF16 with K a multiple of 32 the
     /// skinny BF16 product (`linear_skinny_bf16`; bf16 x, f32 sums, as the tensor cores).
     /// Other weights take the tensor-core path.
     Skinny,

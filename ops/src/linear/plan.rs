@@ -166,6 +166,10 @@ pub(super) enum TqFit {
     Two,
     /// One block a multiprocessor, no register cap.
     One,
+    /// Tiles of 32 tokens (at most 32 rows; two blocks a multiprocessor).
+    Short32,
+    /// Tiles of 64 tokens (33..=64 rows; two blocks a multiprocessor).
+    Short64,
 }
 
 impl TqFit {
@@ -173,18 +177,38 @@ impl TqFit {
         match self {
             TqFit::Two => "x2",
             TqFit::One => "x1",
+            TqFit::Short32 => "m32",
+            TqFit::Short64 => "m64",
         }
     }
 
-    /// Three x stages and two decoded weight tiles of 128 rows, 72 bf16 a row.
-    pub(super) const SMEM_BYTES: u32 = (5 * 128 * 72 * 2) as u32;
+    /// Tokens a tile covers.
+    pub(super) fn tokens(self) -> usize {
+        match self {
+            TqFit::Two | TqFit::One => 128,
+            TqFit::Short32 => 32,
+            TqFit::Short64 => 64,
+        }
+    }
+
+    /// Three x stages of the tile's tokens and two decoded weight tiles of 128 rows, 72 bf16
+    /// a row.
+    pub(super) fn smem_bytes(self) -> u32 {
+        ((3 * self.tokens() + 2 * 128) * 72 * 2) as u32
+    }
 
     /// One block a multiprocessor when the grid gives each at most one anyway (measured on
     /// the H200: the shared expert's 3584->1024 at 1024 tokens 71 µs against 111 µs for
     /// two-a-multiprocessor blocks), and for F32 weights, whose raw registers do not fit
     /// 128; two otherwise (IQ4_NL 3584->9216, 1024 tokens: 287 µs against 353 µs).
+    /// A decode step's few rows (F32 aside) take the short tiles: a 128-token tile at 8 rows
+    /// is 94% padding, multiplied.
     pub(super) fn choose(dtype: DType, n: usize, o: usize, sms: usize) -> TqFit {
-        if dtype == DType::F32 || o.div_ceil(128) * n.div_ceil(128) <= sms {
+        if dtype != DType::F32 && n <= 32 {
+            TqFit::Short32
+        } else if dtype != DType::F32 && n <= 64 {
+            TqFit::Short64
+        } else if dtype == DType::F32 || o.div_ceil(128) * n.div_ceil(128) <= sms {
             TqFit::One
         } else {
             TqFit::Two

@@ -203,6 +203,24 @@ fn prefill_tiles_run_alone_on_a_multiprocessor_only_when_the_grid_leaves_them_al
 }
 
 #[test]
+fn a_decode_steps_few_rows_take_token_tiles_of_32_or_64_not_128() {
+    let q6 = |n| TqFit::choose(DType::Q6_K, n, 131_072, 132);
+    for n in [2, 8, 32] {
+        assert_eq!(q6(n), TqFit::Short32, "n={n}");
+    }
+    for n in [33, 64] {
+        assert_eq!(q6(n), TqFit::Short64, "n={n}");
+    }
+    assert_eq!(q6(65), TqFit::Two);
+    // F32 weights' raw registers fit only the one-a-multiprocessor tiles.
+    assert_eq!(TqFit::choose(DType::F32, 8, 512, 132), TqFit::One);
+    assert_eq!(
+        TqFit::Short32.tokens() * 3 + 256,
+        TqFit::Short32.smem_bytes() as usize / 144
+    );
+}
+
+#[test]
 fn prefill_scratch_holds_x_as_bf16_and_for_bf16_weights_the_cublas_workspace() {
     let metas = |dtype| {
         [
