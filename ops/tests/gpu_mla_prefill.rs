@@ -206,8 +206,14 @@ impl Op for Prefill {
     }
 
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
-        match (inputs.get(1), inputs.get(3)) {
-            (Some(c), Some(t)) => mla_prefill_scratch_bytes(table_reach(&self.0, t), c.inner()),
+        match (inputs.get(1), inputs.get(2), inputs.get(3)) {
+            (Some(c), Some(p), Some(t)) => mla_prefill_scratch_bytes(
+                p.shape[0],
+                self.0.n_head,
+                table_reach(&self.0, t),
+                c.inner(),
+                self.0.kv_lora,
+            ),
             _ => 0,
         }
     }
@@ -491,7 +497,7 @@ fn time_chunk(gpu: &GpuCtx, first: usize, bucket: usize) {
         TensorMeta::i32([n]),
         TensorMeta::f32([n, nh, lora]),
     );
-    let new_bytes = mla_prefill_scratch_bytes(bucket, w);
+    let new_bytes = mla_prefill_scratch_bytes(n, nh, bucket, w, lora);
     let old_bytes = att.cuda_scratch_bytes(&[&qm, &cm, &pm, &tm, &rm]);
     let scratch = upload(gpu, &vec![0u8; new_bytes.max(old_bytes).max(16)]);
     let view = |meta, b: &DeviceBuffer<u8>| DeviceTensor {

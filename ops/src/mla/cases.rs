@@ -376,6 +376,16 @@ pub fn cases() -> Vec<ParityCase> {
             64,
             AttentionPath::FlashThenSplit { lead: 300, f16 },
         ));
+        // A short chunk deep in its sequence beside decode rows: the flash launch splits the
+        // chunk's keys over the chip (40 tokens × 32 heads: 20 blocks, 6 splits).
+        let mut mixed: Vec<(i32, i32)> = (1960..2000).map(|p| (0, p)).collect();
+        mixed.extend([(1, 5), (2, 1999)]);
+        v.push(paged(
+            "short chunk then decode rows",
+            mixed,
+            64,
+            AttentionPath::FlashThenSplit { lead: 40, f16 },
+        ));
         // 24 sequences over tables of 512 positions: 5 chunks a token, merged by the
         // few-chunk combine.
         let batch: Vec<(i32, i32)> = (0..24).map(|s| (s, 40 + 19 * s)).collect();

@@ -540,7 +540,7 @@ impl MlaAttention {
         };
         if flash {
             check_device(self, inputs, outputs)?;
-            let need = mla_prefill_scratch_bytes(rows, w);
+            let need = mla_prefill_scratch_bytes(n, self.n_head, rows, w, self.kv_lora);
             scratch.require("mla_attention", need)?;
             // SAFETY: check_device checked q (n×heads×W), the cache (rows×W), positions (n)
             // and out (n×heads×kv_lora); the scratch holds the f16 copy of the cache.
@@ -599,7 +599,7 @@ impl MlaAttention {
             if !self.flash_supports(w) {
                 return Err(self.flash_refuses(w));
             }
-            scratch.require(op, mla_prefill_scratch_bytes(rows, w))?;
+            scratch.require(op, mla_prefill_scratch_bytes(lead, nh, rows, w, lora))?;
             // SAFETY: check_device checked q, the cache, positions and out for all n rows; the
             // flash kernel reads and writes the first `lead` of them, and the table row of
             // row_seq[0] (the chunk's sequence); the scratch holds the f16 copy of its rows.

@@ -139,7 +139,8 @@ mla_prefill_convert(const float* __restrict__ cache, const int* __restrict__ pos
 extern "C" __global__ void __launch_bounds__(256, 1)
 mla_prefill_attn(const float* __restrict__ q, const unsigned short* __restrict__ kh,
                  const int* __restrict__ positions, float* __restrict__ out, int n_tok,
-                 int n_head, int w, int lora, int ctx, float scale_log2) {
+                 int n_head, int w, int lora, int ctx, float scale_log2,
+                 float* __restrict__ part_o, float2* __restrict__ part_ml) {
     PDL_ENTER();
     extern __shared__ uint4 mlap_smem[];
     unsigned char* q_s = reinterpret_cast<unsigned char*>(mlap_smem);
@@ -168,7 +169,15 @@ mla_prefill_attn(const float* __restrict__ q, const unsigned short* __restrict__
     __syncthreads();
     int maxk = 0;
     for (int i = 0; i < MLAP_ROWS; ++i) maxk = max(maxk, nk_s[i]);
-    const int ntiles = (maxk + MLAP_KEYS - 1) / MLAP_KEYS;
+    // Split blockIdx.y of gridDim.y takes its share of this block's key tiles (a chunk of few
+    // rows over a long context leaves most multiprocessors idle otherwise); with more than one
+    // split the block writes its unnormalised rows, their max and their sum for
+    // mla_prefill_combine.
+    const int splits = (int)gridDim.y;
+    const int all_tiles = (maxk + MLAP_KEYS - 1) / MLAP_KEYS;
+    const int per_split = (all_tiles + splits - 1) / splits;
+    const int tile0 = min(all_tiles, (int)blockIdx.y * per_split);
+    const int ntiles = min(all_tiles, tile0 + per_split) - tile0;
 
     const unsigned q_u = mlap_smem_u32(q_s), k_u = mlap_smem_u32(k_s), p_u = mlap_smem_u32(p_s);
     const int chunks = w >> 3;  // 16-byte chunks of a key row
@@ -176,7 +185,7 @@ mla_prefill_attn(const float* __restrict__ q, const unsigned short* __restrict__
     const int cj0 = tid / chunks, cc0 = tid - cj0 * chunks;
     const int cdj = 256 / chunks, cdc = 256 - cdj * chunks;
     auto issue = [&](int it) {
-        const int j0 = it * MLAP_KEYS;
+        const int j0 = (tile0 + it) * MLAP_KEYS;
         const unsigned dst = k_u + (it & 1) * MLAP_TILEB;
         int j = cj0, c = cc0;
 #pragma unroll 1
@@ -278,7 +287,7 @@ mla_prefill_attn(const float* __restrict__ q, const unsigned short* __restrict__
         }
 
         // Scale into the exp2 domain and mask keys at or past each row's count.
-        const int jb = it * MLAP_KEYS + 32 * kgrp + 2 * tq;
+        const int jb = (tile0 + it) * MLAP_KEYS + 32 * kgrp + 2 * tq;
         float mx_a = MLAP_NEG_INF, mx_b = MLAP_NEG_INF;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -376,8 +385,31 @@ mla_prefill_attn(const float* __restrict__ q, const unsigned short* __restrict__
     if (tq == 0) {
         sum_s[kgrp * MLAP_ROWS + row_a] = l_run[0];
         sum_s[kgrp * MLAP_ROWS + row_b] = l_run[1];
+        if (kgrp == 0) {
+            max_s[row_a] = m_run[0];
+            max_s[row_b] = m_run[1];
+        }
     }
     __syncthreads();
+    if (splits > 1) {
+        const long long base = (long long)blockIdx.y * gridDim.x * MLAP_ROWS;
+        if (tid < MLAP_ROWS && r0 + tid < nrows)
+            part_ml[base + r0 + tid] = make_float2(max_s[tid], sum_s[tid] + sum_s[MLAP_ROWS + tid]);
+        if (!pv) return;
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = 16 * mt + g + 8 * h;
+                if (r0 + row >= nrows) continue;
+                float* dst = part_o + (base + r0 + row) * lora + 64 * warp + 2 * tq;
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+                    *reinterpret_cast<float2*>(dst + 8 * nt) =
+                        make_float2(o[mt][nt][2 * h], o[mt][nt][2 * h + 1]);
+            }
+        return;
+    }
     if (!pv) return;
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
@@ -394,4 +426,36 @@ mla_prefill_attn(const float* __restrict__ q, const unsigned short* __restrict__
                 *reinterpret_cast<float2*>(dst + 8 * nt) =
                     make_float2(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
         }
+}
+
+// out[r] = the splits' rows merged: each split's rows scaled by 2^(its max - the largest
+// max), added in split order, over the same merge of their sums (zeros where no split saw a
+// key). grid = rows, block = lora / 4 threads; part_o [splits][rows_pad][lora], part_ml
+// [splits][rows_pad] as mla_prefill_attn wrote them (rows_pad = its grid's rows).
+extern "C" __global__ void __launch_bounds__(128)
+mla_prefill_combine(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
+                    float* __restrict__ out, int rows_pad, int lora, int splits) {
+    PDL_ENTER();
+    const int r = blockIdx.x, c = 4 * threadIdx.x;
+    float mx = MLAP_NEG_INF;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_ml[(long long)s * rows_pad + r].x);
+    float l = 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = 0; s < splits; ++s) {
+        const float2 ml = part_ml[(long long)s * rows_pad + r];
+        // A split with no key for this row has m = -inf, l = 0 and zero rows: weight 0.
+        const float a = ml.x == MLAP_NEG_INF ? 0.0f : exp2f(ml.x - mx);
+        l = fmaf(a, ml.y, l);
+        if (c < lora) {
+            const float4 v = *reinterpret_cast<const float4*>(part_o + ((long long)s * rows_pad + r) * lora + c);
+            acc.x = fmaf(a, v.x, acc.x);
+            acc.y = fmaf(a, v.y, acc.y);
+            acc.z = fmaf(a, v.z, acc.z);
+            acc.w = fmaf(a, v.w, acc.w);
+        }
+    }
+    if (c >= lora) return;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    *reinterpret_cast<float4*>(out + (long long)r * lora + c) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
 }

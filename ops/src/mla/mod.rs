@@ -18,7 +18,7 @@ use crate::gpu::{DeviceTensor, GpuCtx, Scratch};
 use crate::rope::RopeParams;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
-use prefill::mla_prefill_scratch_bytes;
+use prefill::{mla_prefill_scratch_bound, mla_prefill_scratch_bytes};
 
 pub use cpu::{ContiguousPages, Pages};
 pub(crate) use cuda::MLA_CU;
@@ -489,8 +489,16 @@ impl Op for MlaAttention {
                     AttentionPath::Flash | AttentionPath::FlashThenSplit { .. }
                 );
                 // The two launches of a mixed step run one after the other: one scratch.
+                // The flash launch takes the step's tokens (all of them, or a mixed step's
+                // chunk: at most as many).
                 if flash && self.flash_supports(w) {
-                    split.max(mla_prefill_scratch_bytes(rows, w))
+                    split.max(mla_prefill_scratch_bound(
+                        n,
+                        self.n_head,
+                        rows,
+                        w,
+                        self.kv_lora,
+                    ))
                 } else {
                     split
                 }
@@ -774,6 +782,9 @@ mod mixed_step_scratch {
         let bytes = att.cuda_scratch_bytes(&[&q, &cache, &pos, &table, &seq]);
         assert!(attention_scratch(1, 1024, 32, 512) > 0);
         assert!(bytes >= attention_scratch(1, 1024, 32, 512), "{bytes}");
-        assert!(bytes >= mla_prefill_scratch_bytes(1024, 576), "{bytes}");
+        assert!(
+            bytes >= mla_prefill_scratch_bytes(513, 32, 1024, 576, 512),
+            "{bytes}"
+        );
     }
 }

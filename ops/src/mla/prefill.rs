@@ -32,10 +32,74 @@ const ATTN_SMEM: usize = ROWS * MAX_W * 2 + 2 * KEYS * MAX_W * 2 + ROWS * KEYS *
 // An H200 block may opt in to 227 KiB.
 const _: () = assert!(ATTN_SMEM <= 227 * 1024);
 
+/// Blocks the attention's grid aims to fill: an H200's multiprocessors, one block each (its
+/// shared memory). A constant, not the device's count, so a plan's scratch and its launches
+/// agree and a step computes the same sums on any card.
+const SPLIT_TARGET_BLOCKS: usize = 132;
+/// Key tiles a split takes at least, and the most splits.
+const MIN_TILES_PER_SPLIT: usize = 4;
+const MAX_SPLITS: usize = 32;
+
+/// Splits of the key range each block of the attention takes (`gridDim.y`): one when its
+/// query rows fill the chip, else as many as keep the grid within one block a multiprocessor
+/// and every split at least [`MIN_TILES_PER_SPLIT`] tiles of the table's rows. A mixed step's
+/// 64-token chunk is 32 blocks of 64 query rows: alone they walked a 16k context on a quarter
+/// of the chip (774 µs a layer on the H200).
+pub fn flash_kv_splits(n_tok: usize, n_head: usize, ctx_rows: usize) -> usize {
+    let blocks = (n_tok * n_head).div_ceil(ROWS);
+    if blocks == 0 || blocks >= SPLIT_TARGET_BLOCKS {
+        return 1;
+    }
+    let by_grid = SPLIT_TARGET_BLOCKS / blocks;
+    let by_ctx = ctx_rows.div_ceil(KEYS) / MIN_TILES_PER_SPLIT;
+    by_grid.min(by_ctx).clamp(1, MAX_SPLITS)
+}
+
+/// Bytes of the split partials after the f16 cache: each split's unnormalised rows
+/// (`kv_lora` f32 each) and its (max, sum) pair a row, over the grid's padded rows.
+fn partial_bytes(n_tok: usize, n_head: usize, kv_lora: usize, splits: usize) -> (usize, usize) {
+    if splits <= 1 {
+        return (0, 0);
+    }
+    let rows = (n_tok * n_head).div_ceil(ROWS) * ROWS;
+    (splits * rows * kv_lora * 4, splits * rows * 8)
+}
+
+/// Scratch that covers [`launch_mla_prefill`] for any `n_tok` up to `max_tok` (a mixed step's
+/// chunk is fewer tokens than the step's): a split grid holds at most
+/// `SPLIT_TARGET_BLOCKS` blocks, so its partials are at most that many blocks' rows.
+pub fn mla_prefill_scratch_bound(
+    max_tok: usize,
+    n_head: usize,
+    ctx_rows: usize,
+    w: usize,
+    kv_lora: usize,
+) -> usize {
+    let exact = mla_prefill_scratch_bytes(max_tok, n_head, ctx_rows, w, kv_lora);
+    if max_tok == 0 || flash_kv_splits(1, n_head, ctx_rows) <= 1 {
+        return exact;
+    }
+    exact.max(
+        (ctx_rows * w * 2).next_multiple_of(16) + SPLIT_TARGET_BLOCKS * ROWS * (kv_lora * 4 + 8),
+    )
+}
+
 /// Scratch [`launch_mla_prefill`] needs: the cache narrowed to f16 (`ctx_rows × w`), rounded
-/// up to 16 bytes.
-pub fn mla_prefill_scratch_bytes(ctx_rows: usize, w: usize) -> usize {
-    (ctx_rows * w * 2).next_multiple_of(16)
+/// up to 16 bytes, then the split partials when [`flash_kv_splits`] splits the keys.
+pub fn mla_prefill_scratch_bytes(
+    n_tok: usize,
+    n_head: usize,
+    ctx_rows: usize,
+    w: usize,
+    kv_lora: usize,
+) -> usize {
+    let (o, ml) = partial_bytes(
+        n_tok,
+        n_head,
+        kv_lora,
+        flash_kv_splits(n_tok, n_head, ctx_rows),
+    );
+    (ctx_rows * w * 2).next_multiple_of(16) + o + ml
 }
 
 /// Refuses the shapes the kernels do not cover.
@@ -134,7 +198,7 @@ pub unsafe fn launch_mla_prefill(
             )));
         }
     }
-    let need = mla_prefill_scratch_bytes(ctx_rows, w);
+    let need = mla_prefill_scratch_bytes(n_tok, n_head, ctx_rows, w, kv_lora);
     if scratch.bytes < need {
         return Err(OpError::Type(format!(
             "{OP}: scratch of {} bytes, {need} needed for {ctx_rows} rows of {w}",
@@ -174,13 +238,18 @@ pub unsafe fn launch_mla_prefill(
     }
     let attn = ctx.kernel("mla_prefill.cu", MLA_PREFILL_CU, "mla_prefill_attn")?;
     let blocks = (n_tok * n_head).div_ceil(ROWS);
+    let splits = flash_kv_splits(n_tok, n_head, ctx_rows);
+    let (o_bytes, _) = partial_bytes(n_tok, n_head, kv_lora, splits);
+    let part_o = scratch.ptr + (ctx_rows * w * 2).next_multiple_of(16) as u64;
+    let part_ml = part_o + o_bytes as u64;
     // SAFETY: argument list matches mla_prefill_attn; it reads the scratch rows the convert
     // launch wrote (below each block's largest valid position), Q rows below n_tok·n_head and
-    // writes exactly the n_tok·n_head·kv_lora outputs.
+    // writes exactly the n_tok·n_head·kv_lora outputs (one split) or that many rows of each
+    // split's partials after the f16 cache (the scratch size checked above covers them).
     unsafe {
         ctx.device
             .launch(&attn)
-            .grid(blocks as u32)
+            .grid((blocks as u32, splits as u32))
             .block(256)
             .shared_mem(ATTN_SMEM as u32)
             .arg(q)
@@ -193,6 +262,28 @@ pub unsafe fn launch_mla_prefill(
             .arg(lora_i)
             .arg(ctx_i)
             .arg(kq_scale * std::f32::consts::LOG2_E)
+            .arg(part_o)
+            .arg(part_ml)
+            .enqueue()
+            .map_err(dev_err)?;
+    }
+    if splits == 1 {
+        return Ok(());
+    }
+    let combine = ctx.kernel("mla_prefill.cu", MLA_PREFILL_CU, "mla_prefill_combine")?;
+    // SAFETY: argument list matches mla_prefill_combine; it reads the partials the attention
+    // wrote for rows below n_tok·n_head of every split and writes those rows of `out`.
+    unsafe {
+        ctx.device
+            .launch(&combine)
+            .grid((n_tok * n_head) as u32)
+            .block(kv_lora.div_ceil(4) as u32)
+            .arg(part_o)
+            .arg(part_ml)
+            .arg(out)
+            .arg((blocks * ROWS) as i32)
+            .arg(lora_i)
+            .arg(splits as i32)
             .enqueue()
             .map_err(dev_err)
     }
@@ -229,8 +320,39 @@ mod tests {
 
     #[test]
     fn the_scratch_holds_the_f16_cache_rounded_to_16_bytes() {
-        assert_eq!(mla_prefill_scratch_bytes(4096, 576), 4096 * 576 * 2);
-        assert_eq!(mla_prefill_scratch_bytes(1, 128), 256);
-        assert_eq!(mla_prefill_scratch_bytes(0, 576), 0);
+        // 512 tokens of 32 heads fill the chip: no partials.
+        assert_eq!(
+            mla_prefill_scratch_bytes(512, 32, 4096, 576, 512),
+            4096 * 576 * 2
+        );
+        assert_eq!(mla_prefill_scratch_bytes(1, 1, 1, 128, 64), 256);
+        assert_eq!(mla_prefill_scratch_bytes(0, 32, 0, 576, 512), 0);
+    }
+
+    #[test]
+    fn a_short_chunk_over_a_long_context_splits_its_keys_to_fill_the_chip() {
+        // 64 tokens × 32 heads = 32 blocks: four splits of a 16k context fill 128 of 132.
+        assert_eq!(flash_kv_splits(64, 32, 16384), 4);
+        assert_eq!(flash_kv_splits(128, 32, 16384), 2);
+        // Enough blocks already, or too few keys to share out.
+        assert_eq!(flash_kv_splits(512, 32, 16384), 1);
+        assert_eq!(flash_kv_splits(64, 32, 256), 1);
+        assert_eq!(flash_kv_splits(64, 32, 512), 2);
+        // One token's 32 heads, a long context: capped.
+        assert_eq!(flash_kv_splits(1, 32, 1 << 20), MAX_SPLITS);
+        // The partials sit after the f16 cache, padded rows for every split.
+        let rows = 32 * 64;
+        assert_eq!(
+            mla_prefill_scratch_bytes(64, 32, 16384, 576, 512),
+            16384 * 576 * 2 + 4 * rows * 512 * 4 + 4 * rows * 8
+        );
+        // The bound for a step of up to 600 tokens covers every chunk length inside it.
+        let bound = mla_prefill_scratch_bound(600, 32, 16384, 576, 512);
+        for t in 1..=600 {
+            assert!(
+                mla_prefill_scratch_bytes(t, 32, 16384, 576, 512) <= bound,
+                "t={t}"
+            );
+        }
     }
 }

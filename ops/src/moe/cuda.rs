@@ -21,6 +21,17 @@ pub(super) const ROUTER_TILED_SLICE: usize = 256;
 /// Tokens a block of the slice router takes at once (`RL_TOKENS`).
 const ROUTER_TOKENS_PER_BLOCK: usize = 4;
 
+/// Tokens a block of the slice router covers (a multiple of [`ROUTER_TOKENS_PER_BLOCK`], or
+/// all `n`): as few as keep the grid within one wave of 8 blocks a multiprocessor, since a
+/// block's cost is mostly latency (its weight slice, then each 4-token round's loads and
+/// reductions). H200, 64 tokens: 64 a block (224 blocks, one token after another) 25 µs;
+/// 4 a block (3,584 blocks, seven waves) 28 µs.
+pub(super) fn router_token_tile(n: usize, blocks_per_tile: usize, sms: usize) -> usize {
+    let tiles = (sms * 8 / blocks_per_tile.max(1)).clamp(1, 65535);
+    let per = n.div_ceil(tiles).next_multiple_of(ROUTER_TOKENS_PER_BLOCK);
+    per.min(n.next_multiple_of(ROUTER_TOKENS_PER_BLOCK)).max(1)
+}
+
 /// Shared memory a block may use on the target (227 KiB opt-in on an H200).
 pub(super) const SMEM_LIMIT: usize = 227 * 1024;
 
@@ -97,9 +108,11 @@ impl Router {
             slices
         } else {
             let slices = d.div_ceil(ROUTER_SLICE);
-            // A few tokens a block (the kernel's RL_TOKENS), so a decode step's tokens spread
-            // over the chip rather than running one after another in 224 blocks.
-            let tok_tile = n.div_ceil(n.div_ceil(ROUTER_TOKENS_PER_BLOCK).min(65535));
+            let tok_tile = router_token_tile(
+                n,
+                blocks_for(ne, 8) as usize * slices,
+                ctx.device.sm_count() as usize,
+            );
             let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits")?;
             // SAFETY: argument list matches router_logits; it writes n × slices × E partials.
             unsafe {
@@ -643,5 +656,32 @@ impl TopKSum {
                 .enqueue()
                 .map_err(dev_err)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::router_token_tile;
+
+    #[test]
+    fn the_slice_router_spreads_a_decode_steps_tokens_over_one_wave_of_blocks() {
+        // The release: 64 experts in blocks of 8, 3584 inputs in slices of 128: 224 blocks a
+        // token tile; an H200 holds 132 × 8 of them.
+        let tile = |n| router_token_tile(n, 8 * 28, 132);
+        assert_eq!(tile(1), 4);
+        assert_eq!(tile(8), 4);
+        assert_eq!(tile(64), 16);
+        assert_eq!(tile(128), 32);
+        for n in [1, 3, 8, 17, 64, 100, 128, 511] {
+            let t = tile(n);
+            assert_eq!(t % 4, 0, "n={n}");
+            assert!(
+                n.div_ceil(t) * 224 <= 132 * 8,
+                "n={n}: {} tiles",
+                n.div_ceil(t)
+            );
+        }
+        // More blocks a tile than one wave holds: one tile of every token.
+        assert_eq!(router_token_tile(50, 5000, 132), 52);
     }
 }
