@@ -1,8 +1,6 @@
 //! CUDA launches of the linear ops.
 
-use super::plan::{
-    Bf16SkinnyPlan, CUBLAS_WORKSPACE, LinearPath, TqFit, linear_path, prefill_scratch,
-};
+use super::plan::{Bf16SkinnyPlan, CUBLAS_WORKSPACE, LinearPath, linear_path, prefill_scratch};
 use super::{Linear, LinearPair, NormLinear};
 use crate::check::as_i32;
 use crate::dequant::wt_code;

@@ -18,7 +18,7 @@ use crate::gpu::{DeviceTensor, GpuCtx, Scratch};
 use crate::rope::RopeParams;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
-use prefill::{mla_prefill_scratch_bound, mla_prefill_scratch_bytes};
+use prefill::mla_prefill_scratch_bound;
 
 pub use cpu::{ContiguousPages, Pages};
 pub(crate) use cuda::MLA_CU;
@@ -783,7 +783,7 @@ mod mixed_step_scratch {
         assert!(attention_scratch(1, 1024, 32, 512) > 0);
         assert!(bytes >= attention_scratch(1, 1024, 32, 512), "{bytes}");
         assert!(
-            bytes >= mla_prefill_scratch_bytes(513, 32, 1024, 576, 512),
+            bytes >= prefill::mla_prefill_scratch_bytes(513, 32, 1024, 576, 512),
             "{bytes}"
         );
     }
