@@ -8,7 +8,7 @@ mod batch_support;
 mod support;
 
 use batch_support::*;
-use engine::scheduler::SeqId;
+use engine::scheduler::{SchedulerConfig, SeqId};
 use engine::{Device, Engine, EngineConfig, FinishReason};
 
 #[test]
@@ -235,11 +235,12 @@ fn sampled_sequences_draw_the_same_tokens_chosen_in_the_step_or_on_the_host() {
         let mut s = scheduler_with(
             Device::Cpu,
             0,
-            engine::scheduler::SchedulerConfig {
+            SchedulerConfig {
                 max_num_seqs: 8,
                 max_num_batched_tokens: 64,
                 prefix_caching: false,
                 sample_on_host: on_host,
+                ..SchedulerConfig::default()
             },
         );
         let ids: Vec<SeqId> = reqs.iter().map(|r| s.add(r.clone())).collect();
@@ -277,4 +278,37 @@ fn an_engine_keeps_a_bounded_number_of_chunk_plans_and_rebuilds_an_evicted_one()
     // The first length's plan was evicted: built again, same answer.
     e.reset();
     assert_eq!(e.forward_argmax(&prompt(3, 9)).unwrap(), first);
+}
+
+#[test]
+fn a_prompt_joining_under_an_attention_budget_takes_more_shorter_chunks_and_the_same_tokens() {
+    let reqs = prompts();
+    let run = |attention: usize| {
+        let mut s = scheduler_with(
+            Device::Cpu,
+            0,
+            SchedulerConfig {
+                max_num_seqs: 8,
+                max_num_batched_tokens: 64,
+                prefix_caching: false,
+                mixed_attention_budget: attention,
+                ..SchedulerConfig::default()
+            },
+        );
+        let mut out = Outcome::default();
+        let mut ids: Vec<SeqId> = reqs[..4].iter().map(|r| s.add(r.clone())).collect();
+        for _ in 0..6 {
+            out.take(s.step());
+        }
+        ids.push(s.add(reqs[4].clone()));
+        out.take(s.run_to_completion());
+        let tokens: Vec<Vec<u32>> = ids.iter().map(|id| out.of(*id)).collect();
+        (tokens, s.stats().mixed_steps)
+    };
+    let (free, free_mixed) = run(0);
+    // The 70-token prompt beside decode rows: chunks of 24, 24 and 22 unbounded; within
+    // 1,280 query-key pairs the third is cut to a block of 16 (16·64 ≤ 1,280 < 22·70).
+    let (bound, bound_mixed) = run(1280);
+    assert_eq!(free, bound, "the chunking changed a sequence's tokens");
+    assert_eq!(bound_mixed, free_mixed + 1);
 }

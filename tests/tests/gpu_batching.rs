@@ -119,6 +119,7 @@ fn thirty_two_sequences_on_the_gpu_part_from_their_alone_tokens_only_at_near_tie
             max_num_batched_tokens: 4096,
             prefix_caching: false,
             sample_on_host: false,
+            ..SchedulerConfig::default()
         },
         None,
     );

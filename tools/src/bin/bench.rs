@@ -89,12 +89,25 @@ struct Args {
     /// `--max-num-batched-tokens`).
     #[arg(long, value_name = "T", default_value_t = 4096)]
     max_num_batched_tokens: usize,
+    /// With `--join`: query-key pairs the prompt's chunk may attend in a step beside decode
+    /// rows (serve's `--mixed-attention-budget`; 0: no bound).
+    #[arg(long, value_name = "PAIRS", default_value_t = 0)]
+    mixed_attention_budget: usize,
     /// Structured outputs' host cost instead of the model tests: the JSON schema in FILE is
     /// compiled against the checkpoint's vocabulary and the token mask of every step of `-r`
     /// answers is timed (each token drawn at random among the allowed ones); prints the median
     /// and p90 µs per token.
     #[arg(long, value_name = "FILE")]
     mask_schema: Option<PathBuf>,
+}
+
+impl Args {
+    fn join_budget(&self) -> JoinBudget {
+        JoinBudget {
+            tokens: self.max_num_batched_tokens,
+            attention: self.mixed_attention_budget,
+        }
+    }
 }
 
 /// `blk.12.attn.q_a` → `attn.q_a`, and in a node fused across layers every part loses its
@@ -519,6 +532,7 @@ fn batch_run(
             max_num_batched_tokens: usize::MAX / 2,
             prefix_caching: false,
             sample_on_host: false,
+            ..SchedulerConfig::default()
         },
         None,
     );
@@ -599,9 +613,35 @@ const JOIN_BEFORE_STEPS: usize = 16;
 
 /// Decode tokens each running sequence needs so it is still decoding when the prompt of
 /// `join` tokens has its first token: the steps before, the prompt's chunks with room to spare.
-fn join_gen_len(n: usize, b: usize, join: usize, budget: usize) -> usize {
-    let chunks = join.div_ceil(budget.saturating_sub(b).max(1));
-    n.max(JOIN_BEFORE_STEPS + 2 * chunks + 8)
+fn join_gen_len(n: usize, b: usize, join: usize, budget: JoinBudget) -> usize {
+    n.max(JOIN_BEFORE_STEPS + 2 * budget.chunks(b, join) + 8)
+}
+
+/// A join's step limits: `--max-num-batched-tokens` and `--mixed-attention-budget`.
+#[derive(Clone, Copy, Debug)]
+struct JoinBudget {
+    tokens: usize,
+    attention: usize,
+}
+
+impl JoinBudget {
+    /// Chunks the scheduler cuts a `join`-token prompt into beside `b` decode rows (its
+    /// `mixed_chunk`, blocks of the engine's default size).
+    fn chunks(self, b: usize, join: usize) -> usize {
+        let (mut done, mut chunks) = (0, 0);
+        while done < join {
+            done += engine::scheduler::mixed_chunk(
+                join - done,
+                done,
+                self.tokens.saturating_sub(b).max(1),
+                true,
+                self.attention,
+                graph::DEFAULT_BLOCK_SIZE,
+            );
+            chunks += 1;
+        }
+        chunks
+    }
 }
 
 /// `b` sequences of `p` synthetic tokens decode; after [`JOIN_BEFORE_STEPS`] steady steps a
@@ -615,7 +655,7 @@ fn join_run(
     p: usize,
     n: usize,
     join: usize,
-    budget: usize,
+    budget: JoinBudget,
     vocab: usize,
     mut profile: Option<&mut Vec<engine::NodeTime>>,
 ) -> Result<(Engine, JoinRun)> {
@@ -623,9 +663,10 @@ fn join_run(
         engine,
         SchedulerConfig {
             max_num_seqs: b + 1,
-            max_num_batched_tokens: budget,
+            max_num_batched_tokens: budget.tokens,
             prefix_caching: false,
             sample_on_host: false,
+            mixed_attention_budget: budget.attention,
         },
         None,
     );
@@ -639,7 +680,7 @@ fn join_run(
     let (mut before_ms, mut during_ms) = (Vec::new(), Vec::new());
     let mut joined: Option<(u64, Instant)> = None;
     let mut ttft_ms = None;
-    let halfway = join.div_ceil(budget.saturating_sub(b).max(1)) / 2;
+    let halfway = budget.chunks(b, join) / 2;
     while s.has_work() {
         if joined.is_none() && before_ms.len() == JOIN_BEFORE_STEPS {
             let id = s.add(GenerateRequest::greedy(synthetic_ids(join, vocab, 7999), 2));
@@ -724,9 +765,7 @@ fn batched(a: &Args, model: std::sync::Arc<engine::Model>, device: Device) -> Re
     if a.join == Some(0) {
         bail!("--join must be at least 1 token");
     }
-    let join_n = a
-        .join
-        .map(|j| join_gen_len(n, max_b, j, a.max_num_batched_tokens));
+    let join_n = a.join.map(|j| join_gen_len(n, max_b, j, a.join_budget()));
     let config = EngineConfig {
         max_model_len: (p + join_n.unwrap_or(n) + 1).max(a.join.map_or(0, |j| j + 3)),
         prefill_chunk: a.prefill_chunk,
@@ -828,7 +867,7 @@ fn join_table(
     n: usize,
     vocab: usize,
 ) -> Result<()> {
-    let budget = a.max_num_batched_tokens;
+    let budget = a.join_budget();
     let mut rows = Vec::new();
     for &b in &a.batch {
         let decode_len = join_gen_len(n, b, join, budget);
@@ -851,7 +890,8 @@ fn join_table(
             engine = e;
             print_profile(
                 &format!(
-                    "mixed step of B={b} halfway through a {join}-token prompt's admission ({budget} tokens a step)"
+                    "mixed step of B={b} halfway through a {join}-token prompt's admission ({} tokens a step, attention budget {})",
+                    budget.tokens, budget.attention
                 ),
                 &nodes,
             );
@@ -863,7 +903,9 @@ fn join_table(
             run.ttft_ms
         );
         rows.push(format!(
-            "| {b} | {join} | {budget} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2} | {:.1} |",
+            "| {b} | {join} | {} | {} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2} | {:.1} |",
+            budget.tokens,
+            budget.attention,
             quantile(bf, 0.5),
             quantile(bf, 0.99),
             d.len(),
@@ -874,9 +916,9 @@ fn join_table(
         ));
     }
     println!(
-        "| B | joining prompt | tokens a step | ITL p50 ms before | ITL p99 before | steps to admit | ITL p50 ms while admitted | ITL p99 while admitted | ITL max | join TTFT ms |"
+        "| B | joining prompt | tokens a step | attention budget | ITL p50 ms before | ITL p99 before | steps to admit | ITL p50 ms while admitted | ITL p99 while admitted | ITL max | join TTFT ms |"
     );
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &rows {
         println!("{r}");
     }

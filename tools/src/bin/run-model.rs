@@ -202,6 +202,7 @@ fn main() -> Result<()> {
             max_num_batched_tokens: chunk.max(1),
             prefix_caching: false,
             sample_on_host: false,
+            ..SchedulerConfig::default()
         },
         tokenizer,
     );

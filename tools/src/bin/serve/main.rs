@@ -72,6 +72,11 @@ struct Args {
     /// Tokens one step may carry (decode rows plus a prefill chunk).
     #[arg(long, default_value_t = 4096)]
     max_num_batched_tokens: usize,
+    /// Query-key pairs a prompt's chunk may attend in a step that also decodes (its tokens
+    /// times the positions they reach; 0: no bound): a chunk deep in a long prompt slows every
+    /// running sequence's step, so deeper chunks are shorter.
+    #[arg(long, default_value_t = 0)]
+    mixed_attention_budget: usize,
     /// Choose every token on the host from its logits row (by default a step chooses the
     /// tokens of requests without a penalty, a bias, a grammar or logprobs where it ran, and
     /// only token ids come back).
@@ -293,6 +298,7 @@ async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig)
         max_num_batched_tokens: args.max_num_batched_tokens,
         prefix_caching: args.prefix_cache_bytes > 0,
         sample_on_host: args.sample_on_host,
+        mixed_attention_budget: args.mixed_attention_budget,
     };
     std::thread::Builder::new()
         .name("load".into())
