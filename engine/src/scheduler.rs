@@ -67,22 +67,25 @@ impl Default for SchedulerConfig {
     }
 }
 
+/// Tokens a chunk cut by the attention budget is a multiple of (and at least): chunk lengths
+/// a long prompt meets stay few (each is a plan the engine builds once), and 16 rows are what
+/// the flash attention takes over a deep context.
+pub const MIXED_CHUNK_QUANTUM: usize = 16;
+
 /// Tokens of the prefill chunk a step takes of a prompt with `computed` positions done and
 /// `remaining` to go, at most `cap` (the token budget and the engine's chunk size). Beside
-/// decode rows (`mixed`) with a `budget` of query-key pairs, the chunk is the longest run of
-/// whole `block`s whose attention, `chunk × (computed + chunk)` pairs, fits it, and at least
-/// one block so the prompt always advances; the rest of the prompt is taken whole when it fits.
-/// Whole blocks keep the chunk lengths a long prompt meets few (each is a plan the engine
-/// builds once). H200, 64 decode rows, a 16,384-token prompt joining in 64-token chunks:
-/// a step at depth 8k is 33 ms, of which 12 ms the chunk's attention, and the attention grows
-/// with the depth.
+/// decode rows (`mixed`) with a `budget` of query-key pairs, the chunk is the longest multiple
+/// of `quantum` whose attention, `chunk × (computed + chunk)` pairs, fits it, and at least one
+/// quantum so the prompt always advances; the rest of the prompt is taken whole when it fits.
+/// H200, 64 decode rows, a 16,384-token prompt joining in 64-token chunks: a step at depth 8k
+/// is 33 ms, of which 12 ms the chunk's attention, and the attention grows with the depth.
 pub fn mixed_chunk(
     remaining: usize,
     computed: usize,
     cap: usize,
     mixed: bool,
     budget: usize,
-    block: usize,
+    quantum: usize,
 ) -> usize {
     let chunk = remaining.min(cap.max(1));
     if !mixed || budget == 0 {
@@ -92,8 +95,8 @@ pub fn mixed_chunk(
     if fits(chunk) {
         return chunk;
     }
-    let block = block.max(1);
-    // The largest c with c·(computed + c) ≤ budget, then down to whole blocks.
+    let quantum = quantum.max(1);
+    // The largest c with c·(computed + c) ≤ budget, then down to whole quanta.
     let mut c = ((computed * computed + 4 * budget) as f64).sqrt() as usize;
     c = c.saturating_sub(computed) / 2;
     while c > 0 && !fits(c) {
@@ -102,7 +105,7 @@ pub fn mixed_chunk(
     while fits(c + 1) {
         c += 1;
     }
-    (c / block * block).clamp(block.min(chunk), chunk)
+    (c / quantum * quantum).clamp(quantum.min(chunk), chunk)
 }
 
 /// A sequence's handle.
@@ -417,7 +420,7 @@ impl Scheduler {
                         .min(budget.max(self.pool.block_size())),
                     !decoding.is_empty(),
                     self.config.mixed_attention_budget,
-                    self.pool.block_size(),
+                    MIXED_CHUNK_QUANTUM,
                 );
                 (s.id, chunk)
             });
@@ -885,13 +888,16 @@ enum Row<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::mixed_chunk;
+    use super::{MIXED_CHUNK_QUANTUM, mixed_chunk};
 
     #[test]
-    fn a_chunk_beside_decode_rows_keeps_its_attention_within_the_budget_in_whole_blocks() {
-        // 64-token steps, blocks of 16, 600k pairs: shallow chunks take the whole cap, deep
-        // ones shrink, never below a block.
-        let chunk = |remaining, computed| mixed_chunk(remaining, computed, 64, true, 600_000, 16);
+    fn a_chunk_beside_decode_rows_keeps_its_attention_within_the_budget_in_whole_quanta() {
+        // 64-token steps, quanta of 16, 600k pairs: shallow chunks take the whole cap, deep
+        // ones shrink, never below a quantum.
+        assert_eq!(MIXED_CHUNK_QUANTUM, 16);
+        let chunk = |remaining, computed| {
+            mixed_chunk(remaining, computed, 64, true, 600_000, MIXED_CHUNK_QUANTUM)
+        };
         assert_eq!(chunk(16_384, 0), 64);
         assert_eq!(chunk(16_384 - 8192, 8192), 64);
         assert_eq!(chunk(2048, 14_336), 32);

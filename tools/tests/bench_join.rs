@@ -60,25 +60,66 @@ fn a_long_prompt_joins_running_sequences_over_several_mixed_steps() {
     );
     let row = stdout
         .lines()
-        .find(|l| l.starts_with("| 2 | 200 | 16 |"))
+        .find(|l| l.starts_with("| 2 | 200 | 16 | 0 |"))
         .unwrap_or_else(|| panic!("no row for B=2 in\n{stdout}"));
     let cells: Vec<f64> = row
         .trim_matches('|')
         .split('|')
         .map(|c| c.trim().parse::<f64>().unwrap_or(f64::NAN))
         .collect();
-    // B, prompt, budget, p50 before, p99 before, steps, p50 during, p99 during, max, TTFT.
-    assert_eq!(cells.len(), 10, "{row}");
+    // B, prompt, budget, attention budget, p50 before, p99 before, steps, p50 during, p99
+    // during, max, TTFT.
+    assert_eq!(cells.len(), 11, "{row}");
     assert_eq!(
-        cells[5], 4.0,
+        cells[6], 4.0,
         "steps to admit 200 tokens in 64-token chunks: {row}"
     );
     let (p50b, p99b, p50d, p99d, max, ttft) =
-        (cells[3], cells[4], cells[6], cells[7], cells[8], cells[9]);
+        (cells[4], cells[5], cells[7], cells[8], cells[9], cells[10]);
     assert!(p50b > 0.0 && p99b >= p50b, "{row}");
     assert!(p50d > 0.0 && p99d >= p50d && max >= p99d, "{row}");
     // The prompt's first token comes after all four of its steps.
     assert!(ttft >= 4.0 * p50d * 0.5, "{row}");
+    let _ = std::fs::remove_dir_all(&model);
+}
+
+#[test]
+fn an_attention_budget_cuts_the_joining_prompt_into_shorter_chunks_as_it_goes_deeper() {
+    let model = tiny_checkpoint("attention");
+    // Within 3,000 query-key pairs a step: 48, 32, then 16-token chunks, and the last 8.
+    let out = bench(
+        &model,
+        &[
+            "-b",
+            "2",
+            "-p",
+            "8",
+            "-n",
+            "4",
+            "--join",
+            "200",
+            "--max-num-batched-tokens",
+            "16",
+            "--mixed-attention-budget",
+            "3000",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("| 2 | 200 | 16 | 3000 |"))
+        .unwrap_or_else(|| panic!("no row for B=2 in\n{stdout}"));
+    let steps: f64 = row
+        .trim_matches('|')
+        .split('|')
+        .nth(6)
+        .map_or(f64::NAN, |c| c.trim().parse().unwrap_or(f64::NAN));
+    assert_eq!(steps, 10.0, "48 + 32 + 7·16 + 8 tokens: {row}");
     let _ = std::fs::remove_dir_all(&model);
 }
 

@@ -626,17 +626,18 @@ struct JoinBudget {
 
 impl JoinBudget {
     /// Chunks the scheduler cuts a `join`-token prompt into beside `b` decode rows (its
-    /// `mixed_chunk`, blocks of the engine's default size).
+    /// `mixed_chunk`; the token budget less the decode rows, but at least a block of the
+    /// engine's default size, as the scheduler allows).
     fn chunks(self, b: usize, join: usize) -> usize {
         let (mut done, mut chunks) = (0, 0);
         while done < join {
             done += engine::scheduler::mixed_chunk(
                 join - done,
                 done,
-                self.tokens.saturating_sub(b).max(1),
+                self.tokens.saturating_sub(b).max(graph::DEFAULT_BLOCK_SIZE),
                 true,
                 self.attention,
-                graph::DEFAULT_BLOCK_SIZE,
+                engine::scheduler::MIXED_CHUNK_QUANTUM,
             );
             chunks += 1;
         }
