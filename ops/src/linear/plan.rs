@@ -158,8 +158,8 @@ pub(super) fn prefill_scratch(dtype: DType, n: usize, k: usize) -> usize {
     256 + (n * k * 2).next_multiple_of(256) + ws
 }
 
-/// How `linear_tq_<type>_<fit>` (linear/linear.cu, 128 tokens × 128 rows a block) sits on
-/// the multiprocessors.
+/// Which `linear_tq_<type>_<fit>` (linear/linear.cu, 128 weight rows a block) runs: 128
+/// tokens a block, one or two blocks a multiprocessor, or 32 / 64 tokens for a decode step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum TqFit {
     /// Two blocks a multiprocessor (128 registers a thread).
