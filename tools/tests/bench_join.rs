@@ -32,13 +32,14 @@ fn bench(model: &PathBuf, extra: &[&str]) -> std::process::Output {
         .expect("bench runs")
 }
 
-#[test]
-fn a_long_prompt_joins_running_sequences_over_several_mixed_steps() {
-    let model = tiny_checkpoint("admit");
-    // 200 tokens against a budget of 16 a step: the scheduler takes at least one 64-position
-    // block a step, so the prompt needs 4 chunks, each a mixed step with the 2 decode rows.
+/// The join table's row for B=2 sequences of 8 tokens (4 generated) and a 200-token prompt
+/// over steps of 16 tokens within `attention` query-key pairs, as numbers:
+/// B, prompt, budget, attention budget, p50 before, p99 before, steps, p50 during, p99 during,
+/// max, TTFT.
+fn join_row(model: &PathBuf, attention: usize) -> (String, Vec<f64>) {
+    let attention = attention.to_string();
     let out = bench(
-        &model,
+        model,
         &[
             "-b",
             "2",
@@ -50,6 +51,8 @@ fn a_long_prompt_joins_running_sequences_over_several_mixed_steps() {
             "200",
             "--max-num-batched-tokens",
             "16",
+            "--mixed-attention-budget",
+            &attention,
         ],
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -60,16 +63,24 @@ fn a_long_prompt_joins_running_sequences_over_several_mixed_steps() {
     );
     let row = stdout
         .lines()
-        .find(|l| l.starts_with("| 2 | 200 | 16 | 0 |"))
-        .unwrap_or_else(|| panic!("no row for B=2 in\n{stdout}"));
+        .find(|l| l.starts_with(&format!("| 2 | 200 | 16 | {attention} |")))
+        .unwrap_or_else(|| panic!("no row for B=2 in\n{stdout}"))
+        .to_string();
     let cells: Vec<f64> = row
         .trim_matches('|')
         .split('|')
         .map(|c| c.trim().parse::<f64>().unwrap_or(f64::NAN))
         .collect();
-    // B, prompt, budget, attention budget, p50 before, p99 before, steps, p50 during, p99
-    // during, max, TTFT.
     assert_eq!(cells.len(), 11, "{row}");
+    (row, cells)
+}
+
+#[test]
+fn a_long_prompt_joins_running_sequences_over_several_mixed_steps() {
+    let model = tiny_checkpoint("admit");
+    // 200 tokens against a budget of 16 a step: the scheduler takes at least one 64-position
+    // block a step, so the prompt needs 4 chunks, each a mixed step with the 2 decode rows.
+    let (row, cells) = join_row(&model, 0);
     assert_eq!(
         cells[6], 4.0,
         "steps to admit 200 tokens in 64-token chunks: {row}"
@@ -87,39 +98,8 @@ fn a_long_prompt_joins_running_sequences_over_several_mixed_steps() {
 fn an_attention_budget_cuts_the_joining_prompt_into_shorter_chunks_as_it_goes_deeper() {
     let model = tiny_checkpoint("attention");
     // Within 3,000 query-key pairs a step: 48, 32, then 16-token chunks, and the last 8.
-    let out = bench(
-        &model,
-        &[
-            "-b",
-            "2",
-            "-p",
-            "8",
-            "-n",
-            "4",
-            "--join",
-            "200",
-            "--max-num-batched-tokens",
-            "16",
-            "--mixed-attention-budget",
-            "3000",
-        ],
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let row = stdout
-        .lines()
-        .find(|l| l.starts_with("| 2 | 200 | 16 | 3000 |"))
-        .unwrap_or_else(|| panic!("no row for B=2 in\n{stdout}"));
-    let steps: f64 = row
-        .trim_matches('|')
-        .split('|')
-        .nth(6)
-        .map_or(f64::NAN, |c| c.trim().parse().unwrap_or(f64::NAN));
-    assert_eq!(steps, 10.0, "48 + 32 + 7·16 + 8 tokens: {row}");
+    let (row, cells) = join_row(&model, 3000);
+    assert_eq!(cells[6], 10.0, "48 + 32 + 7·16 + 8 tokens: {row}");
     let _ = std::fs::remove_dir_all(&model);
 }
 
