@@ -18,6 +18,18 @@ pub(crate) const MOE_CU: &str = concat!(
 /// partials fit the scratch sized for ROUTER_SLICE) that gives a 1024-token chunk ~200 blocks.
 pub(super) const ROUTER_TILED_SLICE: usize = 256;
 
+/// Warps a block of `router_select` (one token each) and its dynamic shared memory: each
+/// warp stages its token's `slices × n_expert` partials beside its logits, keys and flags
+/// (`3 × n_expert` words). Eight warps when they fit, fewer for wide routers; `None` when not
+/// even one does.
+pub(super) fn select_block(slices: usize, n_expert: usize) -> Option<(u32, usize)> {
+    let per_warp = (slices + 3) * n_expert * 4;
+    [8u32, 4, 2, 1]
+        .into_iter()
+        .map(|w| (w, w as usize * per_warp))
+        .find(|&(_, bytes)| bytes <= SMEM_LIMIT)
+}
+
 /// Tokens a block of the slice router takes at once (`RL_TOKENS`).
 const ROUTER_TOKENS_PER_BLOCK: usize = 4;
 
@@ -64,22 +76,28 @@ impl Router {
         }
         aligned16(op, "z", &inputs[0])?;
         aligned16(op, "W", &inputs[1])?;
-        let select_smem = 8 * 3 * ne * 4;
-        if select_smem > SMEM_LIMIT {
-            return Err(OpError::shape(
-                op,
-                format!("{ne} experts exceed the select kernel's shared memory"),
-            ));
-        }
-        let need = router_scratch(n, d, ne);
-        scratch.require(op, need)?;
         let tiled = match self.kernel {
             RouterKernel::Unlowered => return Err(unlowered(op)),
             RouterKernel::Slices => false,
             RouterKernel::Tiled => true,
         };
-        let slices = if tiled {
-            let slices = d.div_ceil(ROUTER_TILED_SLICE);
+        let slices = d.div_ceil(if tiled {
+            ROUTER_TILED_SLICE
+        } else {
+            ROUTER_SLICE
+        });
+        let Some((select_warps, select_smem)) = select_block(slices, ne) else {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "{ne} experts over {slices} slices of D exceed the select kernel's shared \
+                     memory"
+                ),
+            ));
+        };
+        let need = router_scratch(n, d, ne);
+        scratch.require(op, need)?;
+        if tiled {
             let token_tiles = n.div_ceil(64);
             if token_tiles > 65535 || slices > 65535 {
                 return Err(OpError::shape(
@@ -106,9 +124,7 @@ impl Router {
                     .enqueue()
                     .map_err(dev_err)?;
             }
-            slices
         } else {
-            let slices = d.div_ceil(ROUTER_SLICE);
             let tok_tile = router_token_tile(
                 n,
                 blocks_for(ne, 8) as usize * slices,
@@ -136,16 +152,15 @@ impl Router {
                     .enqueue()
                     .map_err(dev_err)?;
             }
-            slices
-        };
+        }
         let select = ctx.kernel("moe.cu", MOE_CU, "router_select")?;
         let bias = inputs.get(2).map_or(0, |b| b.ptr);
         // SAFETY: argument list matches router_select; it reads the partials written above.
         unsafe {
             ctx.device
                 .launch(&select)
-                .grid(blocks_for(n, 8))
-                .block(256)
+                .grid(blocks_for(n, select_warps as usize))
+                .block(32 * select_warps)
                 .shared_mem(select_smem as u32)
                 .arg(scratch.ptr)
                 .arg(bias)
@@ -662,7 +677,21 @@ impl TopKSum {
 
 #[cfg(test)]
 mod tests {
-    use super::router_token_tile;
+    use super::{SMEM_LIMIT, router_token_tile, select_block};
+
+    #[test]
+    fn the_select_kernel_stages_a_tokens_partials_in_eight_warps_or_fewer_when_wide() {
+        // The release: 64 experts, 28 slices (3584 inputs of 128) or 14 tiled.
+        assert_eq!(select_block(28, 64), Some((8, 8 * 31 * 64 * 4)));
+        assert_eq!(select_block(14, 64), Some((8, 8 * 17 * 64 * 4)));
+        // 256 experts over 56 slices: 59 KiB a warp, three warps' worth fit: two.
+        assert_eq!(select_block(56, 256), Some((2, 2 * 59 * 256 * 4)));
+        for (slices, ne) in [(1, 1), (28, 160), (56, 256), (100, 64)] {
+            let (w, bytes) = select_block(slices, ne).expect("fits");
+            assert!(bytes <= SMEM_LIMIT && bytes == w as usize * (slices + 3) * ne * 4);
+        }
+        assert_eq!(select_block(400, 256), None);
+    }
 
     #[test]
     fn the_slice_router_spreads_a_decode_steps_tokens_over_one_wave_of_blocks() {

@@ -807,8 +807,8 @@ expert_gemm_wg_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
 // and a fixed order, so a step repeats bit for bit. (H200, 32 tokens at the real shapes: the
 // loop was bound by decoding the weights, 115 µs of gate+up with no weight traffic against
 // 70 µs of weight traffic with no decoding, 141 µs both; a k-tile then took 1,433
-// instructions a warp, now 975: the scale after the MMA, the codebook in registers, a stage
-// row a lane.)
+// instructions a warp, now 1,229 (NT=1): the scale after the MMA, the codebook in
+// registers, the copies' addresses stepped rather than divided.)
 //
 // Inputs. expert_x_f16 first narrows the input rows to f16 (times x_scale, as above) in the
 // order the B fragments want: word 4t + m of a 32-value block holds inputs (4t + m, 4t + m +
@@ -932,32 +932,47 @@ __device__ __forceinline__ void expert_skinny_body(
     const int n_active = (rn + 7) >> 3;
 
     const unsigned wbase = (unsigned)__cvta_generic_to_shared(sk_smem) + warp * SK_WARP_SMEM;
-    // Lane i copies stage row i, its 9 words from one base (offsets 16p fold into the
-    // copies): the row's weight row and whether it exists are fixed for the whole loop.
-    // (Words spread over the lanes in order cost ~200 instructions of addressing a k-tile.)
-    static_assert(SK_ROWS == 32, "a stage row a lane");
-    const unsigned char* my_row;
-    bool my_ok;
-    {
-        int out;
-        const unsigned char* base;
-        if (swiglu) {
-            out = c0 + 8 * (lane >> 4) + (lane & 7);
-            base = (lane & 8) ? eb : ea;
-        } else {
-            out = c0 + lane;
-            base = ea;
-        }
-        my_ok = out < n_out;
-        my_row = my_ok ? base + (long long)out * row_bytes : ea;
-    }
-    const unsigned my_dst = wbase + lane * SK_ROWB;
+    // Stage row i's 16-byte word p is chunk 9i + p of the stage; lane takes chunks lane + 32j
+    // (j < 9), so a warp's copy is 512 contiguous stage bytes (~3.5 weight rows) and its
+    // requests fill whole sectors. Chunk lane + 32(j+1) is 3 rows and 5 words past chunk
+    // lane + 32j: the rows and words step without a division. (A stage row a lane, 16 bytes
+    // from 32 rows an instruction, asked L2 for every sector twice, 16 bytes each, and wrote
+    // shared memory a lane at a time: 44% excess sectors and 68% excess wavefronts, which cost
+    // what its shorter addressing saved.)
+    static_assert(SK_ROWS * 9 == 32 * 9, "nine chunks a lane");
+    const int i0 = lane / 9, p0 = lane - 9 * (lane / 9);
+    const unsigned my_dst = wbase + 16 * lane;
     auto issue = [&](int kt, int stage) {
         const unsigned dst = my_dst + stage * SK_WSTAGE;
-        const unsigned char* src = my_row + (my_ok ? (long long)kt * SK_ROWB : 0);
-        const int bytes = my_ok ? 16 : 0;
+        const long long koff = (long long)kt * SK_ROWB;
+        // Opaque copies: derived per copy round rather than hoisted out of the k loop as nine
+        // live 64-bit addresses (which made the kernel spill).
+        int i, p;
+        asm volatile("mov.b32 %0, %1;" : "=r"(i) : "r"(i0));
+        asm volatile("mov.b32 %0, %1;" : "=r"(p) : "r"(p0));
 #pragma unroll
-        for (int p = 0; p < 9; ++p) sk_cp16(dst + 16 * p, src + 16 * p, bytes);
+        for (int j = 0; j < 9; ++j) {
+            if (j > 0) {
+                i += 3;
+                p += 5;
+                if (p >= 9) {
+                    p -= 9;
+                    ++i;
+                }
+            }
+            int out;
+            const unsigned char* base;
+            if (swiglu) {
+                out = c0 + 8 * (i >> 4) + (i & 7);
+                base = (i & 8) ? eb : ea;
+            } else {
+                out = c0 + i;
+                base = ea;
+            }
+            const bool ok = out < n_out;
+            sk_cp16(dst + 512 * j, ok ? base + (long long)out * row_bytes + koff + 16 * p : ea,
+                    ok ? 16 : 0);
+        }
     };
 
     // The weights first: they depend on the expert alone, the inputs on the route table too.
@@ -1107,8 +1122,8 @@ __device__ __forceinline__ void expert_skinny_body(
     }
 }
 
-#define EXPERT_SKINNY(NT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128, 4) expert_skinny_iq4_##NT(                 \
+#define EXPERT_SKINNY(NT, MINB)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128, MINB) expert_skinny_iq4_##NT(              \
         const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,              \
         const uint4* __restrict__ xh, const int* __restrict__ offsets,                           \
         const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,         \
@@ -1117,6 +1132,6 @@ __device__ __forceinline__ void expert_skinny_body(
         expert_skinny_body<NT>(Wa, Wb, xh, offsets, route_token, y, n_in, n_out, n_expert,       \
                                n_x_rows, n_routes, y_scale, kw);                                 \
     }
-EXPERT_SKINNY(1)
-EXPERT_SKINNY(2)
+EXPERT_SKINNY(1, 4)
+EXPERT_SKINNY(2, 3)
 #undef EXPERT_SKINNY
