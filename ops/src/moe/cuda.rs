@@ -677,7 +677,25 @@ impl TopKSum {
 
 #[cfg(test)]
 mod tests {
+    use super::super::prefill::skinny_route_tile;
     use super::{SMEM_LIMIT, router_token_tile, select_block};
+
+    #[test]
+    fn a_decode_steps_experts_take_eight_route_tiles_until_they_average_five_routes() {
+        // Top-4 of 64: 8, 32 and 64 tokens' routes in 8-route tiles, 128 tokens' in 16.
+        assert_eq!(skinny_route_tile(32, Some(64)), 1);
+        assert_eq!(skinny_route_tile(256, Some(64)), 1);
+        assert_eq!(skinny_route_tile(320, Some(64)), 1);
+        assert_eq!(skinny_route_tile(321, Some(64)), 2);
+        assert_eq!(skinny_route_tile(512, Some(64)), 2);
+        // A dense product's rows are all one weight's: 16-row tiles past 8 rows.
+        assert_eq!(skinny_route_tile(8, None), 1);
+        assert_eq!(skinny_route_tile(9, None), 2);
+        assert_eq!(skinny_route_tile(64, None), 2);
+        // Few routes take one tile however they are grouped.
+        assert_eq!(skinny_route_tile(8, Some(1)), 1);
+        assert_eq!(skinny_route_tile(9, Some(1)), 2);
+    }
 
     #[test]
     fn the_select_kernel_stages_a_tokens_partials_in_eight_warps_or_fewer_when_wide() {

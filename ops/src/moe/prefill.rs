@@ -282,6 +282,21 @@ fn skinny_k_warps(k_tiles: usize, tiles: usize) -> usize {
         .unwrap_or(SK_WARPS)
 }
 
+/// Routes an expert averages up to which grouped products take 8-route tiles
+/// (`expert_skinny_iq4_1`): with top-4 of 64 that is up to 80 tokens. Past it 16-route tiles
+/// decode fewer weights twice; below it the 8-route kernel's fewer registers (111 against
+/// 130) keep 16 warps a multiprocessor resident instead of 12, and 4 routes an expert (64
+/// tokens) rarely overflow 8.
+pub(crate) const SKINNY_NT1_ROUTES_AN_EXPERT: usize = 5;
+
+/// The skinny kernel's n8 tiles a route tile (`NT`) for `routes` routes, grouped over
+/// `experts` experts or dense (None): one for at most 8 routes or for experts that average
+/// at most [`SKINNY_NT1_ROUTES_AN_EXPERT`], else two.
+pub(crate) fn skinny_route_tile(routes: usize, experts: Option<usize>) -> usize {
+    let few_an_expert = experts.is_some_and(|e| routes <= SKINNY_NT1_ROUTES_AN_EXPERT * e);
+    if routes <= 8 || few_an_expert { 1 } else { 2 }
+}
+
 /// Whether the skinny kernel takes inputs of this width (whole 256-value k-tiles).
 pub fn skinny_supports(n_in: usize) -> bool {
     n_in > 0 && n_in.is_multiple_of(SKINNY_K_TILE)
@@ -387,7 +402,7 @@ pub(crate) unsafe fn launch_expert_skinny(
         }
         SkinnyRoutes::Dense => (0, 0, 1),
     };
-    let nt = if routes <= 8 { 1 } else { 2 };
+    let nt = skinny_route_tile(routes, (offsets != 0).then_some(n_expert));
     let tm = 8 * nt;
     let tiles = if offsets != 0 {
         routes.div_ceil(tm) + n_expert.min(routes)
