@@ -106,26 +106,20 @@ pub(crate) struct Bf16SkinnyPlan {
 /// card, so enough weight loads are in flight to stream at the memory's rate.
 const BF16_SKINNY_WARPS: usize = 2048;
 
-/// Bytes of partial sums a split skinny BF16 product may write: a third of an H200's 50 MB
-/// L2, so they are read back from it.
-pub(crate) const BF16_SKINNY_PARTIALS: usize = 16 << 20;
-
 impl Bf16SkinnyPlan {
     /// The plan for `n` rows, `k` inputs (a multiple of 32) and `outs` output columns in all
     /// over `tiles` tiles. K is split until about [`BF16_SKINNY_WARPS`] warps run, each with
-    /// at least two chunks, and no further than keeps the partial sums within
-    /// [`BF16_SKINNY_PARTIALS`] (written and read back once, in L2) and twice the weight's
-    /// bytes. Bounding them by the
-    /// weight's bytes instead left q_a with kv_a 588 warps at 64 rows: 21.8 µs a layer for
-    /// 9.6 MB on an H200 (440 GB/s), where the attention output, 1,792 warps, streams 29 MB
-    /// in 18.
+    /// at least two chunks, and no further than keeps the partial sums' traffic (written and
+    /// read once, mostly in L2) under the weight's bytes. (Splitting q_a with kv_a 38 ways
+    /// at 64 rows instead of 14, 1,596 warps instead of 588, left it at 21.3 µs a layer on
+    /// an H200 against 21.8: its time there is not the split.)
     pub(crate) fn choose(n: usize, k: usize, outs: usize, tiles: usize) -> Bf16SkinnyPlan {
         let nt = n.div_ceil(8).next_power_of_two().clamp(1, 8);
         let token_tiles = n.div_ceil(8 * nt).max(1);
         let nch = (k / 32).max(1);
+        let weight_bytes = 2 * k * outs;
         let by_warps = BF16_SKINNY_WARPS.div_ceil((tiles * token_tiles).max(1));
-        let partials = BF16_SKINNY_PARTIALS.min(2 * 2 * k * outs);
-        let by_traffic = partials / (4 * n.max(1) * outs.max(1));
+        let by_traffic = weight_bytes / (2 * 4 * n.max(1) * outs.max(1));
         let want = by_warps.min(by_traffic).min(nch / 2).max(1);
         let per = nch.div_ceil(want);
         Bf16SkinnyPlan {

@@ -279,10 +279,10 @@ fn skinny_bf16_plans_give_every_chunk_to_one_split_and_every_row_to_one_token_ti
                 p.splits * p.per >= nch && (p.splits - 1) * p.per < nch,
                 "{p:?} k={k}"
             );
-            // The partial sums, when there are any, stay within their share of L2.
+            // The partial sums, when there are any, cost no more traffic than the weight.
             if p.splits > 1 {
                 assert!(
-                    p.splits * n * outs * 4 <= BF16_SKINNY_PARTIALS.min(4 * k * outs),
+                    p.splits * n * outs * 4 * 2 <= 2 * k * outs,
                     "{p:?} n={n} k={k}"
                 );
                 assert!(p.scratch_bytes(n, outs) >= 256 + p.splits * n * outs * 4);
@@ -294,10 +294,7 @@ fn skinny_bf16_plans_give_every_chunk_to_one_split_and_every_row_to_one_token_ti
     // q_a with kv_a at 8 rows is 42 row tiles: K is split so the chip has warps to run.
     let qa = Bf16SkinnyPlan::choose(8, 3584, 1344, 42);
     assert!(qa.splits * 42 >= 1024, "{qa:?}");
-    // At 64 rows too: the partials (13 MB) are no reason to leave the chip a third empty.
-    let qa64 = Bf16SkinnyPlan::choose(64, 3584, 1344, 42);
-    assert!(qa64.splits * 42 >= 1536, "{qa64:?}");
     // Many row tiles already fill the chip: no split, no scratch.
-    let wide = Bf16SkinnyPlan::choose(64, 256, 65536, 2048);
+    let wide = Bf16SkinnyPlan::choose(64, 256, 4096, 128);
     assert_eq!((wide.splits, wide.nt, wide.token_tiles), (1, 8, 1));
 }
