@@ -389,6 +389,38 @@ impl DeviceArena {
         Ok(out)
     }
 
+    /// Enqueues a device-to-device copy of `view` (which must lie in this arena) into `dst`
+    /// starting `at` elements in; no host sync.
+    pub fn copy_into<T: DeviceRepr>(
+        &self,
+        view: DeviceView<T>,
+        dst: &mut DeviceBuffer<T>,
+        at: usize,
+    ) -> Result<(), CudaError> {
+        self.check_contains("DeviceArena::copy_into", &view)?;
+        if at.checked_add(view.len).is_none_or(|end| end > dst.len()) {
+            return Err(CudaError::OutOfBounds {
+                what: "DeviceArena::copy_into",
+                start: at,
+                end: at.saturating_add(view.len),
+                size: dst.len(),
+            });
+        }
+        if view.is_empty() {
+            return Ok(());
+        }
+        let stream = self.buf.slice.stream();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let to = dst.device_ptr() + (at * std::mem::size_of::<T>()) as u64;
+        // SAFETY: the source lies inside this live allocation and the destination range inside
+        // `dst` (both checked above); the copy is stream-ordered before any later free.
+        unsafe { result::memcpy_dtod_async(to, view.ptr, view.num_bytes(), stream.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
+    }
+
     /// Enqueues a fill of `view` (which must lie in this arena) with zero bytes; no host sync.
     pub fn zero<T>(&mut self, view: DeviceView<T>) -> Result<(), CudaError> {
         self.check_contains("DeviceArena::zero", &view)?;

@@ -91,6 +91,31 @@ impl Graph {
         total
     }
 
+    /// [`Self::node_bytes`] with a routed expert product's stacked weights
+    /// ([`ops::Op::routed_weights`]) counted for the `touched` experts of `experts` its step
+    /// routed to, not whole: the bytes that step needed.
+    pub fn node_bytes_touched(&self, node: &Node, touched: usize, experts: usize) -> u64 {
+        let total = self.node_bytes(node);
+        let Some(rw) = node.op.routed_weights() else {
+            return total;
+        };
+        let mut seen: Vec<ValueId> = Vec::new();
+        let mut untouched = 0u64;
+        for &i in rw.weights {
+            let Some(&id) = node.inputs.get(i) else {
+                continue;
+            };
+            if seen.contains(&id) {
+                continue;
+            }
+            seen.push(id);
+            let whole = self.value(id).meta.bytes().unwrap_or(0) as u128;
+            let idle = experts.saturating_sub(touched.min(experts)) as u128;
+            untouched += (whole * idle / experts.max(1) as u128) as u64;
+        }
+        total - untouched.min(total)
+    }
+
     pub fn find(&self, name: &str) -> Option<ValueId> {
         self.values.iter().position(|v| v.name == name).map(ValueId)
     }

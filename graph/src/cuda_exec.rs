@@ -201,7 +201,8 @@ pub struct NodeTime {
     pub node: String,
     pub op: String,
     pub ms: f64,
-    /// What the node must move at the least ([`crate::Graph::node_bytes`]).
+    /// What the node must move at the least ([`crate::Graph::node_bytes`]; a routed expert
+    /// product's stacks for the experts the step touched, [`crate::Graph::node_bytes_touched`]).
     pub bytes: u64,
 }
 
@@ -668,13 +669,57 @@ impl CudaExecutor {
 
     /// Runs one step of `plan` eagerly with an event after every node, behind a stall long
     /// enough for the host to enqueue the whole step first, so nodes run back to back as in a
-    /// replayed graph. Returns each node's name, op and device milliseconds in schedule order.
+    /// replayed graph. Returns each node's name, op and device milliseconds in schedule order,
+    /// and its bytes: a routed expert product's for the experts the step touched, read from
+    /// its route table (copied aside after the node that writes it, inside that node's
+    /// interval: a few hundred bytes, ~2 µs on the route plan's time).
     pub fn profile_eager(
         &mut self,
         plan: &Plan,
         inputs: &[(&str, &[u8])],
     ) -> Result<Vec<NodeTime>, CudaExecError> {
         self.upload_inputs(plan, inputs)?;
+        let g = &plan.graph;
+        // (schedule position to copy after, arena offset, elements, offset in `aside`) of each
+        // route table a routed product reads, once a table.
+        let mut tables: Vec<(usize, usize, usize, usize)> = Vec::new();
+        let mut table_of: Vec<Option<usize>> = vec![None; g.nodes.len()];
+        let mut aside_len = 0usize;
+        for (pos, &n) in plan.schedule.iter().enumerate() {
+            let node = &g.nodes[n];
+            let Some(rw) = node.op.routed_weights() else {
+                continue;
+            };
+            let Some(&vid) = node.inputs.get(rw.offsets) else {
+                continue;
+            };
+            let meta = &g.value(vid).meta;
+            let Some(slot) = plan.slot(plan.storage_of(vid)) else {
+                continue;
+            };
+            let after = plan
+                .schedule
+                .iter()
+                .position(|&m| g.nodes[m].outputs.contains(&vid))
+                .unwrap_or(pos);
+            let t = match tables
+                .iter()
+                .position(|t| t.1 == slot.offset && t.0 == after)
+            {
+                Some(t) => t,
+                None => {
+                    tables.push((after, slot.offset, meta.numel(), aside_len));
+                    aside_len += meta.numel();
+                    tables.len() - 1
+                }
+            };
+            table_of[n] = Some(t);
+        }
+        let mut aside = self
+            .ctx
+            .device
+            .alloc_zeros::<i32>(aside_len.max(1))
+            .map_err(dev("allocating the route tables' copies"))?;
         let trail = EventTrail::new(&self.ctx.device, plan.schedule.len() + 1)
             .map_err(dev("creating profile events"))?;
         // Host enqueue runs at a few microseconds a launch; a stall of 20 µs a node covers it.
@@ -684,12 +729,30 @@ impl CudaExecutor {
             .stall(&self.ctx.kernels, stall_us)
             .map_err(dev("stalling the stream"))?;
         trail.mark(0).map_err(dev("recording a profile event"))?;
+        let arena = self.arena.as_ref().ok_or(CudaExecError::NoArena)?;
         self.enqueue_with(plan, |k| {
+            for &(after, offset, len, at) in &tables {
+                if after == k {
+                    let view = arena
+                        .view::<i32>(offset, len)
+                        .map_err(dev("a route table"))?;
+                    arena
+                        .copy_into(view, &mut aside, at)
+                        .map_err(dev("copying a route table aside"))?;
+                }
+            }
             trail.mark(k + 1).map_err(dev("recording a profile event"))
         })?;
         let ms = trail
             .intervals_ms()
             .map_err(dev("reading profile events"))?;
+        let routes = if tables.is_empty() {
+            Vec::new()
+        } else {
+            aside
+                .download_range(0..aside_len)
+                .map_err(dev("reading the route tables"))?
+        };
         self.warm.insert(plan.id);
         Ok(plan
             .schedule
@@ -697,11 +760,23 @@ impl CudaExecutor {
             .zip(ms)
             .map(|(&n, ms)| {
                 let node = &plan.graph.nodes[n];
+                let bytes = match table_of[n] {
+                    Some(t) => {
+                        let (_, _, len, at) = tables[t];
+                        let offsets = &routes[at..at + len];
+                        plan.graph.node_bytes_touched(
+                            node,
+                            touched_experts(offsets),
+                            len.saturating_sub(1),
+                        )
+                    }
+                    None => plan.graph.node_bytes(node),
+                };
                 NodeTime {
                     node: node.name.clone(),
                     op: node.op.name().to_string(),
                     ms: f64::from(ms),
-                    bytes: plan.graph.node_bytes(node),
+                    bytes,
                 }
             })
             .collect())
@@ -883,6 +958,11 @@ const _: () = {
     const fn send<T: Send>() {}
     send::<CudaExecutor>();
 };
+
+/// Experts with at least one route in a route table (`offsets`, `n_expert + 1` entries).
+pub fn touched_experts(offsets: &[i32]) -> usize {
+    offsets.windows(2).filter(|w| w[1] > w[0]).count()
+}
 
 fn row_bytes(meta: &TensorMeta) -> Option<usize> {
     let rows = *meta.shape.first()?;

@@ -9,7 +9,8 @@ mod plan;
 
 pub use builder::{Graph, GraphBuilder, Node, ValueId, ValueInfo, ValueKind, WeightSource};
 pub use cuda_exec::{
-    CudaExecError, CudaExecutor, NodeTime, StepTiming, lowered_launches, weight_layout,
+    CudaExecError, CudaExecutor, NodeTime, StepTiming, lowered_launches, touched_experts,
+    weight_layout,
 };
 pub use exec::{AlignedBuf, CpuExecutor, HostState, HostWeights};
 pub use lower::{LoweringOptions, Target, lower};

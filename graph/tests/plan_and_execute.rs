@@ -190,3 +190,33 @@ fn a_nodes_bytes_count_its_weights_and_activations_once_and_leave_the_cache_out(
     // The cache write reads h and the positions; the cache it writes in place is not counted.
     assert_eq!(g.node_bytes(node("cache_write")), (rows + 3 * 4) as u64);
 }
+
+#[test]
+fn a_routed_products_bytes_count_the_experts_its_step_touched() {
+    use ops::moe::{ExpertDown, ExpertKernel};
+    let (e, embd, nf) = (8usize, 64usize, 32usize);
+    let down = TensorMeta::new([e, embd, nf], ops::DType::IQ4_NL);
+    let weights = HashMap::from([("down_exps".to_string(), down.clone())]);
+    let mut b = GraphBuilder::new(&weights);
+    let act = b.input("act", TensorMeta::f32([3, nf]));
+    let offsets = b.input("offsets", TensorMeta::i32([e + 1]));
+    let w = b.weight("down_exps").unwrap();
+    let op = ExpertDown {
+        n_expert: e,
+        n_embd: embd,
+        kernel: ExpertKernel::Unlowered,
+    };
+    let y = b.op1("experts_down", op, &[act, w, offsets]).unwrap();
+    b.output("y", y);
+    let g = b.finish();
+    let node = g.nodes.iter().find(|n| n.name == "experts_down").unwrap();
+    let whole = g.node_bytes(node);
+    let stack = down.bytes().unwrap() as u64;
+    // Every expert touched: the whole stack; two of eight: a quarter of it; none: no weight.
+    assert_eq!(g.node_bytes_touched(node, e, e), whole);
+    assert_eq!(g.node_bytes_touched(node, 2, e), whole - stack * 6 / 8);
+    assert_eq!(g.node_bytes_touched(node, 0, e), whole - stack);
+    // Three routes to experts 1 and 6 (offsets 0,0,2,2,2,2,2,3,3): two touched.
+    assert_eq!(graph::touched_experts(&[0, 0, 2, 2, 2, 2, 2, 3, 3]), 2);
+    assert_eq!(graph::touched_experts(&[0; 9]), 0);
+}

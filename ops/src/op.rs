@@ -104,6 +104,22 @@ pub trait Op: fmt::Debug + Send + Sync + std::any::Any {
     fn aliases(&self) -> &'static [(usize, usize)] {
         &[]
     }
+
+    /// For a product over stacked expert weights, which inputs are those stacks and which is
+    /// the route table (`offsets`, i32 `[n_expert + 1]`) that says the experts a step touches:
+    /// a profile counts the touched experts' bytes, not the whole stacks. None for most ops.
+    fn routed_weights(&self) -> Option<RoutedWeights> {
+        None
+    }
+}
+
+/// Inputs of a routed expert product ([`Op::routed_weights`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoutedWeights {
+    /// The route table: offsets[e]..offsets[e+1] are expert e's routes.
+    pub offsets: usize,
+    /// The stacked expert weights, `[n_expert, ...]`.
+    pub weights: &'static [usize],
 }
 
 /// Runs `op`'s shape rule on the inputs' metadata and checks that the outputs carry

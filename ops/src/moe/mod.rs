@@ -328,6 +328,13 @@ impl Op for ExpertSwiGlu {
         self.cpu_ref(inputs, outputs)
     }
 
+    fn routed_weights(&self) -> Option<crate::RoutedWeights> {
+        Some(crate::RoutedWeights {
+            offsets: 3,
+            weights: &[1, 2],
+        })
+    }
+
     fn describe(&self) -> String {
         format!(
             "expert_swiglu n_expert={} n_ff={}{}",
@@ -409,6 +416,13 @@ impl Op for ExpertDown {
             self.n_embd,
             self.kernel.label()
         )
+    }
+
+    fn routed_weights(&self) -> Option<crate::RoutedWeights> {
+        Some(crate::RoutedWeights {
+            offsets: 2,
+            weights: &[1],
+        })
     }
 
     /// The skinny kernel's f16 copy of act.

@@ -151,8 +151,9 @@ fn print_profile(label: &str, nodes: &[engine::NodeTime]) {
         nodes.len()
     );
     println!(
-        "(MB: weights, stacked experts whole, and activations in and out; the KV cache not \
-         counted; ceiling {COPY_CEILING_GBS:.0} GB/s)"
+        "(MB: weights, of the routed experts those the step touched, and activations in and \
+         out; the KV cache not counted; the route plan's time carries a copy of its table; \
+         ceiling {COPY_CEILING_GBS:.0} GB/s)"
     );
     println!("| node | op | count | µs/step | µs each | share | MB/step | GB/s | of ceiling |");
     println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
