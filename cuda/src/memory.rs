@@ -1,6 +1,7 @@
 use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
 use std::ops::Range;
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits, result};
 
@@ -389,6 +390,16 @@ impl DeviceArena {
         Ok(out)
     }
 
+    /// The arena's stream, its context bound to this thread for a raw driver call.
+    fn bound_stream(&self) -> Result<&Arc<CudaStream>, CudaError> {
+        let stream = self.buf.slice.stream();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        Ok(stream)
+    }
+
     /// Enqueues a device-to-device copy of `view` (which must lie in this arena) into `dst`
     /// starting `at` elements in; no host sync.
     pub fn copy_into<T: DeviceRepr>(
@@ -409,11 +420,7 @@ impl DeviceArena {
         if view.is_empty() {
             return Ok(());
         }
-        let stream = self.buf.slice.stream();
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let stream = self.bound_stream()?;
         let to = dst.device_ptr() + (at * std::mem::size_of::<T>()) as u64;
         // SAFETY: the source lies inside this live allocation and the destination range inside
         // `dst` (both checked above); the copy is stream-ordered before any later free.
@@ -427,11 +434,7 @@ impl DeviceArena {
         if view.is_empty() {
             return Ok(());
         }
-        let stream = self.buf.slice.stream();
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let stream = self.bound_stream()?;
         // SAFETY: the view was checked to lie inside this live allocation.
         unsafe { result::memset_d8_async(view.ptr, 0, view.num_bytes(), stream.cu_stream()) }
             .map_err(CudaError::driver("cuMemsetD8Async"))
