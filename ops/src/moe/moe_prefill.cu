@@ -856,6 +856,15 @@ __device__ __forceinline__ unsigned sk_prmt(unsigned a, unsigned b, unsigned sel
     return r;
 }
 
+// a >> (32 - log2 p) for a power of two p, as a multiply's high half: the integer multiply
+// issues to the FMA pipe, a shift to the ALU pipe, which the decode's permutes and logic ops
+// already keep busy at half rate.
+__device__ __forceinline__ unsigned sk_shr(unsigned a, unsigned p) {
+    unsigned r;
+    asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(p));
+    return r;
+}
+
 // 16·code of the 8 weights a lane holds of one block, exact f16 pairs: w[i] = (16·v[4t+i],
 // 16·v[4t+i+16]) from qs bytes 4t..4t+3 (q). The lookup of tc_decode_half for both halves
 // at once (the masks taken over 32 bits, the high half's selectors shifted down: a permute
@@ -863,11 +872,11 @@ __device__ __forceinline__ unsigned sk_prmt(unsigned a, unsigned b, unsigned sel
 // after the MMA, in f32.
 __device__ __forceinline__ void sk_codes(unsigned q, const unsigned k[4], unsigned w[4]) {
     const unsigned m = q & 0x77777777u;
-    const unsigned s = ((q >> 1) & 0x44444444u) | k[3];
+    const unsigned s = (sk_shr(q, 0x80000000u) & 0x44444444u) | k[3];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        const unsigned mh = hf ? m >> 16 : m;
-        const unsigned sh = hf ? s >> 16 : s;
+        const unsigned mh = hf ? sk_shr(m, 0x10000u) : m;
+        const unsigned sh = hf ? sk_shr(s, 0x10000u) : s;
         const unsigned r = sk_prmt(sk_prmt(k[0], 0x766a5d4fu, mh), sk_prmt(k[1], 0xf1d9c5b5u, mh), sh);
         unsigned c0, c1;
         asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(c0) : "r"(sk_prmt(r, k[2], 0x4140u)), "r"(0x74807480u));
