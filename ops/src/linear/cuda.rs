@@ -427,6 +427,7 @@ unsafe fn launch_bf16_skinny(
             .launch(&kern)
             .grid((blocks as u32, token_tiles as u32))
             .block(128)
+            .shared_mem(plan.shared_bytes() as u32)
             .arg(w1)
             .arg(x)
             .arg(y1)

@@ -832,23 +832,36 @@ TQ(f32, WT_F32, x1, 1)
 // chunks. Lane (g, t) loads 16 bytes of rows g, g+8, g+16, g+24 at chunk values 8t..8t+7
 // straight from global memory (a warp's load covers whole 32-byte sectors) into a register ring
 // SKB_PF chunks deep. The block's warps take consecutive row tiles of one K split, so they
-// share x: each round the block narrows SKB_PF chunks of its 8·NT tokens to bf16 in shared
-// memory (64 bytes a token a chunk), and lane (g, t) reads values 8t..8t+7 of token 8nt+g as
-// one 16-byte load (a warp's 32 loads are 512 contiguous bytes). The MMA's k slots are a
-// permutation of the chunk's values (slot 2t holds values 8t, 8t+1 and slot 2t+8 values 8t+2,
-// 8t+3; the second MMA the other four), the same for both operands, so the two products add
-// up the chunk's dot products. (Each warp reading and narrowing x itself from L2 cost 72 µs for
-// the attention output at 64 rows, against cuBLAS's 18: x was read once per row tile.)
+// share x: the block copies the f32 x of its 8·NT tokens over its chunks into shared memory
+// with cp.async, up to SKB_STAGE_PAIRS (token, chunk) pairs a round (one round for every split
+// the plans make up to 64 rows), all copies in flight at once, so a round is one trip to L2.
+// Lane (g, t) then reads values 8t..8t+7 of token 8nt+g (two 16-byte loads; a staged row is
+// SKB_XROW bytes, so a quarter warp's loads hit distinct banks) and rounds them to bf16 pairs.
+// The MMA's k slots are a permutation of the chunk's values (slot 2t holds values 8t, 8t+1 and
+// slot 2t+8 values 8t+2, 8t+3; the second MMA the other four), the same for both operands, so
+// the two products add up the chunk's dot products. (Narrowing x into shared memory a round of
+// three chunks at a time, each item's load then its store, cost a round trip an item: 6 a
+// round at 64 tokens, q_a with kv_a 20.6 µs at 65 rows with DRAM 10.7% busy on the H200.
+// Each warp reading and narrowing x itself from L2 cost 72 µs for the attention output at 64
+// rows, against cuBLAS's 18: x was read once per row tile.)
 //
 // A matrix of few row tiles (q_a with kv_a: 42) cannot fill the chip with one warp a tile, so K
 // is split `splits` ways (linear/plan.rs `Bf16SkinnyPlan`); each warp then writes its partial
 // sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so a step
 // repeats bit for bit. With splits == 1 the warp writes y itself.
-// grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, shared memory
-// SKB_PF·8NT·64 bytes; with O2 > 0 the tiles of W2 (into y2) follow those of W (one launch for
-// q_a and kv_a). K % 32 == 0, W and W2 16-byte aligned, x rows 16-byte aligned.
+// grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, dynamic shared
+// memory min(per, SKB_STAGE_PAIRS / 8NT)·8NT·SKB_XROW bytes; with O2 > 0 the tiles of W2
+// (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W and W2 16-byte
+// aligned, x rows 16-byte aligned.
 #define SKB_WARPS 4
 #define SKB_PF 3
+#define SKB_XROW 144
+#define SKB_STAGE_PAIRS 512
+
+__device__ __forceinline__ void skb_cp16(unsigned dst, const float* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
 
 template <int NT>
 __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict__ W,
@@ -856,14 +869,15 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
                                                  const unsigned char* __restrict__ W2, float* y2,
                                                  int O2, float* part, int splits, int per) {
     constexpr int TOK = 8 * NT;
-    __shared__ __align__(16) uint4 xs[SKB_PF][TOK][4];  // [chunk][token][8 values as bf16]
+    constexpr int ROUND = SKB_STAGE_PAIRS / TOK;  // chunks a staging round
+    extern __shared__ __align__(16) unsigned char skb_xs[];  // [chunk][token][SKB_XROW bytes]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles1 = (O + 31) >> 5, tiles = tiles1 + ((O2 + 31) >> 5);
     const int groups = (tiles + SKB_WARPS - 1) / SKB_WARPS;
     const int split = blockIdx.x / groups;
     const int tile = (blockIdx.x - split * groups) * SKB_WARPS + warp;
     if (split >= splits) return;  // block-uniform
-    // A warp past the last tile still narrows x and meets the barriers; it multiplies nothing.
+    // A warp past the last tile still stages x and meets the barriers; it multiplies nothing.
     const bool live = tile < tiles;
     const bool second = live && tile >= tiles1;
     const unsigned char* Wm = second ? W2 : W;
@@ -892,6 +906,25 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
         for (int j = 0; j < 4; ++j) ring[s][j] = c0 + s < c1 ? ldw(j, c0 + s) : z4;
     PDL_WAIT();
 
+    // Chunks [cb, min(c1, cb + ROUND)) of the block's tokens into shared memory (tokens past n
+    // as zeros); returns the end. Item i copies 16 bytes: word i % 8 of token (i / 8) % TOK's
+    // chunk, so eight consecutive threads read a token's 128 contiguous bytes.
+    const unsigned xs0 = (unsigned)__cvta_generic_to_shared(skb_xs);
+    auto stage = [&](int cb) {
+        const int ce = min(c1, cb + ROUND);
+        const int items = (ce - cb) * TOK * 8;
+        __syncthreads();  // the last round's readers are done with it
+        for (int i = threadIdx.x; i < items; i += 32 * SKB_WARPS) {
+            const int j = i & 7, tok = (i >> 3) % TOK, s = i / (8 * TOK);
+            const bool ok = tb + tok < n;
+            const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (cb + s) + 4 * j : x;
+            skb_cp16(xs0 + (unsigned)((s * TOK + tok) * SKB_XROW + 16 * j), src, ok ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+        return ce;
+    };
+
     float acc[2][NT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -900,37 +933,35 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
+    int staged = c0, rbase = c0;  // chunks [rbase, staged) are in shared memory
     for (int cb = c0; cb < c1; cb += SKB_PF) {
-        __syncthreads();  // the last round's readers are done with xs
-        // Item i: chunk i / (4·TOK), token (i / 4) % TOK, values 8·(i % 4) .. +7.
-        for (int i = threadIdx.x; i < SKB_PF * TOK * 4; i += 32 * SKB_WARPS) {
-            const int s = i / (4 * TOK), tok = (i >> 2) % TOK, q = i & 3;
-            uint4 v = z4;
-            if (cb + s < c1 && tb + tok < n) {
-                const float* xp = x + (long long)(tb + tok) * K + 32ll * (cb + s) + 8 * q;
-                const float4 a = ldx4(xp), b = ldx4(xp + 4);
-                v = make_uint4(tq_pack(a.x, a.y), tq_pack(a.z, a.w), tq_pack(b.x, b.y),
-                               tq_pack(b.z, b.w));
-            }
-            xs[s][tok][q] = v;
-        }
-        __syncthreads();
 #pragma unroll
         for (int s = 0; s < SKB_PF; ++s) {
             const int c = cb + s;
             if (c < c1) {
+                if (c == staged) {  // block-uniform
+                    rbase = c;
+                    staged = stage(c);
+                }
                 if (live) {
+                    const unsigned char* xr =
+                        skb_xs + ((c - rbase) * TOK + g) * SKB_XROW + 32 * t;
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         if (tb + 8 * nt < n) {  // warp-uniform
-                            const uint4 b = xs[s][8 * nt + g][t];
+                            const float4 xa =
+                                *reinterpret_cast<const float4*>(xr + 8 * nt * SKB_XROW);
+                            const float4 xb =
+                                *reinterpret_cast<const float4*>(xr + 8 * nt * SKB_XROW + 16);
+                            const unsigned b0 = tq_pack(xa.x, xa.y), b1 = tq_pack(xa.z, xa.w);
+                            const unsigned b2 = tq_pack(xb.x, xb.y), b3 = tq_pack(xb.z, xb.w);
 #pragma unroll
                             for (int mt = 0; mt < 2; ++mt) {
                                 const uint4 lo = ring[s][2 * mt], hi = ring[s][2 * mt + 1];
                                 const unsigned a1[4] = {lo.x, hi.x, lo.y, hi.y};
                                 const unsigned a2[4] = {lo.z, hi.z, lo.w, hi.w};
-                                tq_mma(acc[mt][nt], a1, b.x, b.y);
-                                tq_mma(acc[mt][nt], a2, b.z, b.w);
+                                tq_mma(acc[mt][nt], a1, b0, b1);
+                                tq_mma(acc[mt][nt], a2, b2, b3);
                             }
                         }
                     }

@@ -102,6 +102,13 @@ pub(crate) struct Bf16SkinnyPlan {
     pub per: usize,
 }
 
+/// Token-chunk pairs of x a skinny BF16 block stages at once (`SKB_STAGE_PAIRS`): 72 KiB, so
+/// three blocks share a multiprocessor.
+const BF16_SKINNY_STAGE_PAIRS: usize = 512;
+/// Bytes of one staged token-chunk pair (`SKB_XROW`): 32 f32 and 16 bytes that spread a quarter
+/// warp's reads over the banks.
+const BF16_SKINNY_XROW: usize = 144;
+
 /// Warps a skinny BF16 product aims for: about 16 a multiprocessor on a 132-multiprocessor
 /// card, so enough weight loads are in flight to stream at the memory's rate.
 const BF16_SKINNY_WARPS: usize = 2048;
@@ -128,6 +135,13 @@ impl Bf16SkinnyPlan {
             splits: nch.div_ceil(per),
             per,
         }
+    }
+
+    /// Dynamic shared memory of a block: the f32 x it stages a round (`SKB_STAGE_PAIRS`
+    /// token-chunk pairs at most, `SKB_XROW` bytes each, in linear.cu).
+    pub(crate) fn shared_bytes(&self) -> usize {
+        let tok = 8 * self.nt;
+        self.per.min(BF16_SKINNY_STAGE_PAIRS / tok) * tok * BF16_SKINNY_XROW
     }
 
     /// Scratch for the partial sums (none when K is not split), plus 256 bytes of alignment.

@@ -275,6 +275,11 @@ fn skinny_bf16_plans_give_every_chunk_to_one_split_and_every_row_to_one_token_ti
             );
             assert!(p.token_tiles * 8 * p.nt >= n && (p.token_tiles - 1) * 8 * p.nt < n);
             assert!(p.splits >= 1 && p.per >= 1);
+            // Three blocks' staged x fit a multiprocessor's 227 KiB.
+            assert!(
+                p.shared_bytes() > 0 && 3 * p.shared_bytes() <= 227 * 1024,
+                "{p:?}"
+            );
             assert!(
                 p.splits * p.per >= nch && (p.splits - 1) * p.per < nch,
                 "{p:?} k={k}"
