@@ -1006,7 +1006,10 @@ LINEAR_SKINNY_BF16(4)
 LINEAR_SKINNY_BF16(8)
 #undef LINEAR_SKINNY_BF16
 
-// y (and y2 past column O) = Σ_split part[split], in split order. One thread an output.
+// y (and y2 past column O) = Σ_split part[split], in split order. One thread an output; a
+// batch of SKB_RED partials is loaded before any is added, so a thread waits on L2 once a
+// batch rather than once a split.
+#define SKB_RED 8
 extern "C" __global__ void __launch_bounds__(256)
     linear_skinny_reduce(const float* part, float* y, float* y2, int n, int O, int O2, int splits) {
     PDL_ENTER();
@@ -1014,7 +1017,14 @@ extern "C" __global__ void __launch_bounds__(256)
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, all = (long long)n * ot;
     if (i >= all) return;
     float v = part[i];
-    for (int s = 1; s < splits; ++s) v += part[s * all + i];
+    for (int s0 = 1; s0 < splits; s0 += SKB_RED) {
+        float b[SKB_RED];
+#pragma unroll
+        for (int u = 0; u < SKB_RED; ++u) b[u] = s0 + u < splits ? part[(s0 + u) * all + i] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < SKB_RED; ++u)
+            if (s0 + u < splits) v += b[u];
+    }
     const int tok = (int)(i / ot), col = (int)(i - (long long)tok * ot);
     if (col < O)
         y[(long long)tok * O + col] = v;
