@@ -96,6 +96,13 @@ pub struct LoweringOptions {
     /// rows (q_a+kv_a, attn.out and q_b: 41 and 48 µs a layer against cuBLAS's 52 and 53) and
     /// loses from 32 on (56 against 54 at 32, 91 against 55 at 64).
     pub bf16_skinny_max_rows: usize,
+    /// Rows up to which a BF16 weight of at most [`BF16_SKINNY_NARROW_OUTS`] outputs (q_a and
+    /// kv_a) takes the skinny BF16 kernel past [`Self::bf16_skinny_max_rows`]: cuBLAS's tiles
+    /// of so few outputs leave most of the chip idle. H200, 32 rows (bench/RESULTS.md
+    /// 2026-12-03 (t)): the q_a+kv_a pair 15.5 µs a layer on the skinny kernel against 21.5 on
+    /// cuBLAS, where the attention output (3,584 outputs) and q_b (6,144) took 26.5 and 17.1
+    /// against cuBLAS's 18.3 and 12.3.
+    pub bf16_skinny_narrow_max_rows: usize,
     /// Routes up to which the routed experts past the GEMV take the skinny grouped kernel
     /// (a decode step's few routes an expert); more take the grouped GEMM.
     pub expert_skinny_max_routes: usize,
@@ -105,7 +112,10 @@ pub struct LoweringOptions {
     pub router_tiled_min_rows: usize,
     /// Tokens from which the top-k sum builds an inverse route table first.
     pub topk_inverse_min_rows: usize,
-    /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass.
+    /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass. H200
+    /// (bench/RESULTS.md 2026-12-03 (t)): at 32 rows the two hc boundaries a layer took 15.9 +
+    /// 15.8 µs on the rows pass against 19.6 + 19.4 on the split-K dots; at 64, 17.7 + 17.0
+    /// against 30.4 + 29.8.
     pub hc_rows_min_rows: usize,
     /// 32-column chunks a warp of the rows pass takes; 0 turns the rows pass off.
     pub hc_rows_chunks_per_warp: usize,
@@ -139,10 +149,11 @@ impl Default for LoweringOptions {
             expert_gemv_max_routes: 8,
             skinny_max_rows: 128,
             bf16_skinny_max_rows: 16,
+            bf16_skinny_narrow_max_rows: 32,
             expert_skinny_max_routes: 512,
             router_tiled_min_rows: 512,
             topk_inverse_min_rows: 132,
-            hc_rows_min_rows: 64,
+            hc_rows_min_rows: 32,
             hc_rows_chunks_per_warp: 1,
             attention_flash_min_rows: 256,
             attention_flash_deep_min_rows: 16,
@@ -151,6 +162,10 @@ impl Default for LoweringOptions {
         }
     }
 }
+
+/// Outputs up to which a BF16 weight counts as narrow for
+/// [`LoweringOptions::bf16_skinny_narrow_max_rows`] (64 of the skinny kernel's 32-row tiles).
+pub const BF16_SKINNY_NARROW_OUTS: usize = 2048;
 
 /// The context bucket from which [`LoweringOptions::attention_flash_deep_min_rows`] applies.
 pub const FLASH_DEEP_KV: usize = 2048;
@@ -161,7 +176,7 @@ impl fmt::Display for LoweringOptions {
         write!(
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={}; \
-             gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}), \
+             gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes; \
              router tiled>={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}; weights first={}",
@@ -177,6 +192,7 @@ impl fmt::Display for LoweringOptions {
             self.expert_gemv_max_routes,
             self.skinny_max_rows,
             self.bf16_skinny_max_rows,
+            self.bf16_skinny_narrow_max_rows,
             self.expert_skinny_max_routes,
             self.router_tiled_min_rows,
             self.topk_inverse_min_rows,
@@ -244,8 +260,17 @@ impl LoweringOptions {
         let base = self.linear(rows);
         let takes =
             w.is_some_and(|w| w.shape.len() == 2 && ops::linear::skinny_takes(w.dtype, w.shape[1]));
-        let limit = if w.is_some_and(|w| w.dtype == DType::BF16) {
-            self.bf16_skinny_max_rows
+        let limit = if let Some(w) = w.filter(|w| w.dtype == DType::BF16) {
+            let narrow = w
+                .shape
+                .first()
+                .is_some_and(|&o| o <= BF16_SKINNY_NARROW_OUTS);
+            if narrow {
+                self.bf16_skinny_max_rows
+                    .max(self.bf16_skinny_narrow_max_rows)
+            } else {
+                self.bf16_skinny_max_rows
+            }
         } else {
             self.skinny_max_rows
         };

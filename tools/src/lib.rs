@@ -46,11 +46,15 @@ pub struct LoweringArgs {
     /// off; default 16).
     #[arg(long, value_name = "N")]
     pub bf16_skinny_max_rows: Option<usize>,
+    /// Most rows a BF16 product of at most 2,048 outputs (q_a, kv_a) takes on the skinny BF16
+    /// kernel, where that is more than --bf16-skinny-max-rows (default 32).
+    #[arg(long, value_name = "N")]
+    pub bf16_skinny_narrow_max_rows: Option<usize>,
     /// Most routes the routed experts take on the skinny kernel (more: the grouped
     /// tensor-core kernel; 0 turns it off; default 512).
     #[arg(long, value_name = "N")]
     pub expert_skinny_max_routes: Option<usize>,
-    /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass (default 64).
+    /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass (default 32).
     #[arg(long, value_name = "N")]
     pub hc_rows_min_rows: Option<usize>,
     /// Tokens from which the router's logits are a tiled GEMM (default 512).
@@ -120,6 +124,9 @@ impl LoweringArgs {
                 .unwrap_or(d.expert_gemv_max_routes),
             skinny_max_rows: self.skinny_max_rows.unwrap_or(d.skinny_max_rows),
             bf16_skinny_max_rows: self.bf16_skinny_max_rows.unwrap_or(d.bf16_skinny_max_rows),
+            bf16_skinny_narrow_max_rows: self
+                .bf16_skinny_narrow_max_rows
+                .unwrap_or(d.bf16_skinny_narrow_max_rows),
             other_gemv_max_rows: self.other_gemv_max_rows.unwrap_or(d.other_gemv_max_rows),
             expert_skinny_max_routes: self
                 .expert_skinny_max_routes

@@ -95,6 +95,9 @@ fn family((hc, d): (usize, usize), tag: &str) -> Vec<ParityCase> {
         variants.extend([
             (HcPreKernel::Rows { chunks_per_warp: 1 }, 64, DType::BF16),
             (HcPreKernel::Rows { chunks_per_warp: 2 }, 64, DType::BF16),
+            // A 32-row decode step (the lowering's threshold) and rows that fill no tile.
+            (HcPreKernel::Rows { chunks_per_warp: 1 }, 32, DType::BF16),
+            (HcPreKernel::Rows { chunks_per_warp: 1 }, 37, DType::BF16),
         ]);
     }
     let mut v = Vec::new();
