@@ -858,11 +858,6 @@ TQ(f32, WT_F32, x1, 1)
 #define SKB_XROW 144
 #define SKB_STAGE_PAIRS 512
 
-__device__ __forceinline__ void skb_cp16(unsigned dst, const float* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
-                 : "memory");
-}
-
 template <int NT>
 __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict__ W,
                                                  const float* x, float* y, int n, int K, int O,
@@ -918,7 +913,7 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
             const int j = i & 7, tok = (i >> 3) % TOK, s = i / (8 * TOK);
             const bool ok = tb + tok < n;
             const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (cb + s) + 4 * j : x;
-            skb_cp16(xs0 + (unsigned)((s * TOK + tok) * SKB_XROW + 16 * j), src, ok ? 16 : 0);
+            tq_cp16(xs0 + (unsigned)((s * TOK + tok) * SKB_XROW + 16 * j), src, ok ? 16 : 0);
         }
         asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
         __syncthreads();
