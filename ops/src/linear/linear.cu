@@ -654,11 +654,12 @@ __device__ __forceinline__ void tq_decode_half(const TqRaw<WT>& r, int k, const 
         for (int i = 0; i < 4; ++i) {
             const unsigned a = __funnelshift_rc(r.ql[4 * h + i], r.ql[4 * h + i + 1], r.sh);
             const unsigned hb = __funnelshift_rc(r.qh[4 * h + i], r.qh[4 * h + i + 1], r.sh);
+            // Four 6-bit codes, a byte each (as the GEMV's q6_codes takes them).
+            const unsigned v = ((a >> nsh) & 0x0f0f0f0fu) | (((hb >> hsh) & 0x03030303u) << 4);
+            float c[4];
+            q6_codes(v, c);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int v = (int)(((a >> (8 * j + nsh)) & 15u) | (((hb >> (8 * j + hsh)) & 3u) << 4));
-                w[4 * i + j] = ds * (float)(v - 32);
-            }
+            for (int j = 0; j < 4; ++j) w[4 * i + j] = ds * c[j];
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) p[i] = tq_pack(w[2 * i], w[2 * i + 1]);
