@@ -4,7 +4,7 @@
 //! * **fusions** — hc_post + hc_pre + the sub-layer's RMSNorm as one op, a norm into the
 //!   BF16 GEMV after it, two products of one input as a pair, a dense SwiGLU's gate, up and
 //!   combination as one op, the cache row formed at its position, the shared expert's add as
-//!   the top-k sum's last step;
+//!   the top-k sum's last step, a few tokens' router and route plan as one launch;
 //! * **the kernel variant of every node** — GEMV or tensor-core tiles, split-K or the rows
 //!   pass, the router's and top-k sum's kernels, the attention kernel, from the rows the step
 //!   shape gives each node.
@@ -27,8 +27,8 @@ use ops::mla::{
     MlaKvCacheWrite, MlaQuery, MlaValueOut,
 };
 use ops::moe::{
-    ExpertDown, ExpertKernel, ExpertSwiGlu, GEMV_ROUTES_LIMIT, GateUpSwiGlu, Router, RouterKernel,
-    TopKKernel, TopKSum,
+    ExpertDown, ExpertKernel, ExpertSwiGlu, GEMV_ROUTES_LIMIT, GateUpSwiGlu, RoutePlan, Router,
+    RouterKernel, RouterRoutes, TopKKernel, TopKSum,
 };
 use ops::moe_prefill::TcKernel;
 use ops::norm::RmsNorm;
@@ -110,6 +110,9 @@ pub struct LoweringOptions {
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
     pub router_tiled_min_rows: usize,
+    /// Tokens up to which the router's selection and the route plan run as one block (one
+    /// launch fewer a MoE layer; 0: never).
+    pub router_routes_max_rows: usize,
     /// Tokens from which the top-k sum builds an inverse route table first.
     pub topk_inverse_min_rows: usize,
     /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass. H200
@@ -152,6 +155,7 @@ impl Default for LoweringOptions {
             bf16_skinny_narrow_max_rows: 32,
             expert_skinny_max_routes: 512,
             router_tiled_min_rows: 512,
+            router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
             hc_rows_min_rows: 32,
             hc_rows_chunks_per_warp: 1,
@@ -178,7 +182,7 @@ impl fmt::Display for LoweringOptions {
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes; \
-             router tiled>={} topk inverse>={} \
+             router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
@@ -195,6 +199,7 @@ impl fmt::Display for LoweringOptions {
             self.bf16_skinny_narrow_max_rows,
             self.expert_skinny_max_routes,
             self.router_tiled_min_rows,
+            self.router_routes_max_rows,
             self.topk_inverse_min_rows,
             self.hc_rows_min_rows,
             self.hc_rows_chunks_per_warp,
@@ -363,6 +368,7 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
     if opts.fold_shared_add {
         f.shared_add();
     }
+    f.router_routes(opts.router_routes_max_rows);
     let mut g = f.finish();
     for n in 0..g.nodes.len() {
         if let Some(op) = choose_kernel(&g, &g.nodes[n], target, opts) {
@@ -514,6 +520,15 @@ fn choose_kernel(
             },
             ..op.clone()
         }));
+    }
+    if let Some(op) = op_as::<RouterRoutes>(node) {
+        let mut op = op.clone();
+        op.router.kernel = if r0 >= o.router_tiled_min_rows {
+            RouterKernel::Tiled
+        } else {
+            RouterKernel::Slices
+        };
+        return Some(Arc::new(op));
     }
     if let Some(op) = op_as::<TopKSum>(node) {
         return Some(Arc::new(TopKSum {
@@ -858,6 +873,38 @@ impl Fusions {
             let mut inputs = tn.inputs.clone();
             inputs.push(addend);
             self.fuse(a, &[t, a], op, inputs, an.outputs.clone());
+        }
+    }
+
+    /// `route_plan(router(z, W[, bias]).ids)` over at most `max_rows` tokens as one
+    /// `router_routes`. The ids stay an output: the plan reads them back in the same launch.
+    fn router_routes(&mut self, max_rows: usize) {
+        let u = self.uses();
+        for p in 0..self.nodes.len() {
+            let Some(plan) = self.as_op::<RoutePlan>(p).cloned() else {
+                continue;
+            };
+            let pn = self.nodes[p].clone().expect("live");
+            let Some(r) = u.producer[pn.inputs[0].0] else {
+                continue;
+            };
+            let Some(router) = self.as_op::<Router>(r).cloned() else {
+                continue;
+            };
+            let rn = self.nodes[r].clone().expect("live");
+            let tokens = self.values[rn.inputs[0].0]
+                .meta
+                .shape
+                .first()
+                .copied()
+                .unwrap_or(0);
+            if rn.outputs[0] != pn.inputs[0] || tokens > max_rows {
+                continue;
+            }
+            let mut outputs = rn.outputs.clone();
+            outputs.extend_from_slice(&pn.outputs);
+            let op = RouterRoutes { router, plan };
+            self.fuse(r, &[r, p], op, rn.inputs.clone(), outputs);
         }
     }
 

@@ -5,7 +5,9 @@
 //! `test_a_permuted_route_table_gives_the_same_answer`).
 
 use half::f16;
-use ops::moe::{ExpertDown, ExpertSwiGlu, Gating, NORM_GUARD, RoutePlan, Router, TopKSum};
+use ops::moe::{
+    ExpertDown, ExpertSwiGlu, Gating, NORM_GUARD, RoutePlan, Router, RouterRoutes, TopKSum,
+};
 use ops::{DType, OpError, TensorMeta};
 
 mod support;
@@ -150,6 +152,41 @@ fn the_route_plan_refuses_an_expert_id_out_of_range() {
             other => panic!("expected a data error, got {other:?}"),
         }
     }
+}
+
+#[test]
+fn the_fused_router_routes_are_the_router_then_its_plan() {
+    // Two tokens over four experts, top 2: token 0 picks [3, 1], token 1 picks [1, 0].
+    let z = Buf::f32(&[2, 2], &[1.0, 0.0, 0.0, 1.0]);
+    let w = Buf::f32(&[4, 2], &[-1.0, 0.5, 0.5, 2.0, 0.0, -1.0, 1.0, -2.0]);
+    let router = sigmoid_router(4, 2, 1.0);
+    let alone = run(&router, &[&z, &w]).unwrap();
+    assert_eq!(alone[0].i32s(), [3, 1, 1, 0]);
+    let plan = RoutePlan {
+        n_expert: 4,
+        top_k: 2,
+    };
+    let planned = run(&plan, &[&alone[0]]).unwrap();
+    let fused = RouterRoutes {
+        router: router.clone(),
+        plan: plan.clone(),
+    };
+    let out = run(&fused, &[&z, &w]).unwrap();
+    assert_eq!(out.len(), 5);
+    assert_eq!(out[0].i32s(), alone[0].i32s());
+    assert_eq!(out[1].f32s(), alone[1].f32s());
+    for k in 0..3 {
+        assert_eq!(out[2 + k].i32s(), planned[k].i32s(), "plan output {k}");
+    }
+    // A plan of another expert count is refused when the shapes are inferred.
+    let mismatched = RouterRoutes {
+        router,
+        plan: RoutePlan {
+            n_expert: 5,
+            top_k: 2,
+        },
+    };
+    assert!(run(&mismatched, &[&z, &w]).is_err());
 }
 
 #[test]

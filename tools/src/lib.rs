@@ -60,6 +60,10 @@ pub struct LoweringArgs {
     /// Tokens from which the router's logits are a tiled GEMM (default 512).
     #[arg(long, value_name = "N")]
     pub router_tiled_min_rows: Option<usize>,
+    /// Tokens up to which the router's selection and the route plan run as one launch (0:
+    /// never; default 8).
+    #[arg(long, value_name = "N")]
+    pub router_routes_max_rows: Option<usize>,
     /// Tokens from which the top-k sum builds an inverse route table first (default 132).
     #[arg(long, value_name = "N")]
     pub topk_inverse_min_rows: Option<usize>,
@@ -109,6 +113,9 @@ impl LoweringArgs {
             topk_inverse_min_rows: self
                 .topk_inverse_min_rows
                 .unwrap_or(d.topk_inverse_min_rows),
+            router_routes_max_rows: self
+                .router_routes_max_rows
+                .unwrap_or(d.router_routes_max_rows),
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self

@@ -19,7 +19,7 @@ use half::f16;
 use super::prefill::TcKernel;
 use super::{
     ExpertDown, ExpertKernel, ExpertSwiGlu, GateUpSwiGlu, Gating, RoutePlan, Router, RouterKernel,
-    TopKKernel, TopKSum,
+    RouterRoutes, TopKKernel, TopKSum,
 };
 use crate::linear::LinearKernel;
 use crate::parity::{
@@ -96,6 +96,23 @@ fn router_cases(v: &mut Vec<ParityCase>) {
     let scale = 2.0;
     // Normalised weights of rms about scale/top_k.
     let bound = nmse_bound(1e-5 + 4.0 * logit, 4.0 * logit / (scale / TOPK as f64));
+    let router = |kernel, gating| Router {
+        n_expert: NE,
+        top_k: TOPK,
+        gating,
+        norm_topk: true,
+        scale: scale as f32,
+        kernel,
+    };
+    let inputs = move |n: usize| {
+        move |r: &mut Rng| {
+            vec![
+                uniform(r, &[n, EMBD], -1.0, 1.0),
+                uniform(r, &[NE, EMBD], -wmax, wmax),
+                uniform(r, &[NE], -0.05, 0.05),
+            ]
+        }
+    };
     for (kernel, n, gating) in [
         (RouterKernel::Slices, 1, Gating::Sigmoid),
         (RouterKernel::Slices, 4, Gating::Softmax),
@@ -112,23 +129,32 @@ fn router_cases(v: &mut Vec<ParityCase>) {
         };
         v.push(ParityCase::new(
             format!("router/{name} {gating:?} n={n}"),
-            Router {
-                n_expert: NE,
-                top_k: TOPK,
-                gating,
-                norm_topk: true,
-                scale: scale as f32,
-                kernel,
-            },
+            router(kernel, gating),
             2024 + n as u64,
             bound,
-            move |r| {
-                vec![
-                    uniform(r, &[n, EMBD], -1.0, 1.0),
-                    uniform(r, &[NE, EMBD], -wmax, wmax),
-                    uniform(r, &[NE], -0.05, 0.05),
-                ]
+            inputs(n),
+        ));
+    }
+    // The fused selection and plan: one token, a few, one a warp, and more tokens than the
+    // block's eight warps (each takes several in turn); the plan's I32 outputs exactly.
+    for (n, gating) in [
+        (1, Gating::Sigmoid),
+        (3, Gating::Softmax),
+        (8, Gating::Sigmoid),
+        (33, Gating::Sigmoid),
+    ] {
+        v.push(ParityCase::new(
+            format!("router_routes/slices {gating:?} n={n}"),
+            RouterRoutes {
+                router: router(RouterKernel::Slices, gating),
+                plan: RoutePlan {
+                    n_expert: NE,
+                    top_k: TOPK,
+                },
             },
+            3024 + n as u64,
+            bound,
+            inputs(n),
         ));
     }
 }

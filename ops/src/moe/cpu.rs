@@ -173,6 +173,30 @@ impl RoutePlan {
     }
 }
 
+impl RouterRoutes {
+    pub(super) fn cpu_ref(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let [ids, wts, off, tok, slot] = outputs else {
+            return Err(OpError::Type("router_routes writes 5 outputs".into()));
+        };
+        let d = inputs[0].meta.inner();
+        let bias = inputs.get(2).map(|b| b.f32()).transpose()?;
+        let (z, w) = (inputs[0].f32()?, inputs[1].f32()?);
+        self.router
+            .compute(z, w, bias, d, ids.i32_mut()?, wts.f32_mut()?)?;
+        self.plan.compute(
+            ids.i32_mut()?,
+            off.i32_mut()?,
+            tok.i32_mut()?,
+            slot.i32_mut()?,
+        )
+    }
+}
+
 // ---- grouped experts -----------------------------------------------------------------
 
 /// A stacked `[n_expert, n_out, n_in]` expert weight as stored (expert `e` outermost).

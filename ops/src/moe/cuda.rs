@@ -63,10 +63,50 @@ impl Router {
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
         let op = self.name();
+        let n = inputs[0].meta.shape[0];
+        let ne = self.n_expert;
+        let Some(s) = self.launch_logits(op, ctx, inputs, scratch)? else {
+            return Ok(());
+        };
+        let select = ctx.kernel("moe.cu", MOE_CU, "router_select")?;
+        let bias = inputs.get(2).map_or(0, |b| b.ptr);
+        // SAFETY: argument list matches router_select; it reads the partials written above.
+        unsafe {
+            ctx.device
+                .launch(&select)
+                .grid(blocks_for(n, s.warps as usize))
+                .block(32 * s.warps)
+                .shared_mem(s.smem as u32)
+                .arg(scratch.ptr)
+                .arg(bias)
+                .arg(outputs[0].ptr)
+                .arg(outputs[1].ptr)
+                .arg(n as i32)
+                .arg(ne as i32)
+                .arg(s.slices as i32)
+                .arg(self.top_k as i32)
+                .arg(i32::from(self.gating == Gating::Softmax))
+                .arg(i32::from(self.norm_topk))
+                .arg(self.scale)
+                .arg(NORM_GUARD)
+                .enqueue()
+                .map_err(dev_err)
+        }
+    }
+
+    /// The logits' per-slice partials into `scratch` (on the kernel the lowering chose), and
+    /// the select block that sums them; None for no tokens. `op` names the node in errors.
+    fn launch_logits(
+        &self,
+        op: &'static str,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<Option<SelectBlock>, OpError> {
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
         let ne = self.n_expert;
         if n == 0 {
-            return Ok(());
+            return Ok(None);
         }
         if !d.is_multiple_of(4) {
             return Err(OpError::shape(
@@ -153,26 +193,71 @@ impl Router {
                     .map_err(dev_err)?;
             }
         }
-        let select = ctx.kernel("moe.cu", MOE_CU, "router_select")?;
+        Ok(Some(SelectBlock {
+            warps: select_warps,
+            smem: select_smem,
+            slices,
+        }))
+    }
+}
+
+/// The select launch's block: warps (a token each at a time), dynamic shared memory, and the
+/// slices of D whose partials it sums.
+struct SelectBlock {
+    warps: u32,
+    smem: usize,
+    slices: usize,
+}
+
+impl RouterRoutes {
+    /// The router's logits launch, then `router_select_routes`: one block selects every
+    /// token's experts (its warps taking the tokens in turn) and sorts the routes, so the
+    /// lowering fuses only a few tokens.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let n = inputs[0].meta.shape[0];
+        let (ne, k) = (self.router.n_expert, self.router.top_k);
+        let Some(s) = self.router.launch_logits(op, ctx, inputs, scratch)? else {
+            return Ok(());
+        };
+        let smem = s.smem.max((2 + s.warps as usize) * ne * 4);
+        if smem > SMEM_LIMIT {
+            return Err(OpError::shape(
+                op,
+                format!("{ne} experts exceed the plan's shared memory"),
+            ));
+        }
+        let kern = ctx.kernel("moe.cu", MOE_CU, "router_select_routes")?;
         let bias = inputs.get(2).map_or(0, |b| b.ptr);
-        // SAFETY: argument list matches router_select; it reads the partials written above.
+        // SAFETY: argument list matches router_select_routes; it reads the partials written
+        // above, writes n·top_k ids and weights, E+1 offsets and n·top_k plan rows.
         unsafe {
             ctx.device
-                .launch(&select)
-                .grid(blocks_for(n, select_warps as usize))
-                .block(32 * select_warps)
-                .shared_mem(select_smem as u32)
+                .launch(&kern)
+                .grid(1)
+                .block(32 * s.warps)
+                .shared_mem(smem as u32)
                 .arg(scratch.ptr)
                 .arg(bias)
                 .arg(outputs[0].ptr)
                 .arg(outputs[1].ptr)
-                .arg(n as i32)
-                .arg(ne as i32)
-                .arg(slices as i32)
-                .arg(self.top_k as i32)
-                .arg(i32::from(self.gating == Gating::Softmax))
-                .arg(i32::from(self.norm_topk))
-                .arg(self.scale)
+                .arg(outputs[2].ptr)
+                .arg(outputs[3].ptr)
+                .arg(outputs[4].ptr)
+                .arg(dim_i32(op, "tokens", n)?)
+                .arg(dim_i32(op, "n_expert", ne)?)
+                .arg(s.slices as i32)
+                .arg(dim_i32(op, "top_k", k)?)
+                .arg(i32::from(self.router.gating == Gating::Softmax))
+                .arg(i32::from(self.router.norm_topk))
+                .arg(self.router.scale)
                 .arg(NORM_GUARD)
                 .enqueue()
                 .map_err(dev_err)

@@ -282,6 +282,66 @@ impl Op for RoutePlan {
     }
 }
 
+// ---- RouterRoutes --------------------------------------------------------------------
+
+/// [`Router`] then [`RoutePlan`] of its ids, as one node: a decode step's few tokens select
+/// and sort their routes in one block, one launch fewer a MoE layer. Same outputs, same bits.
+///
+/// Inputs: as [`Router`]. Outputs: ids, weights (as [`Router`]), then offsets, route_token,
+/// route_slot (as [`RoutePlan`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterRoutes {
+    pub router: Router,
+    pub plan: RoutePlan,
+}
+
+impl Op for RouterRoutes {
+    fn name(&self) -> &'static str {
+        "router_routes"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let mut out = self.router.infer(inputs)?;
+        if self.plan.n_expert != self.router.n_expert || self.plan.top_k != self.router.top_k {
+            return Err(OpError::shape(
+                self.name(),
+                format!(
+                    "the plan's {} experts, top {} differ from the router's {}, top {}",
+                    self.plan.n_expert, self.plan.top_k, self.router.n_expert, self.router.top_k
+                ),
+            ));
+        }
+        out.extend(self.plan.infer(&[&out[0]])?);
+        Ok(out)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} with its route plan", self.router.describe())
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        self.router.cuda_scratch_bytes(inputs)
+    }
+}
+
 /// `act[r] = silu(Wg_e·z[tok_r]) ⊙ (Wu_e·z[tok_r])` for every route `r` of every expert `e`,
 /// in sorted route order, kept f32 (this product is what overflows f16; seed §2).
 ///

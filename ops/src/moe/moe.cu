@@ -201,22 +201,19 @@ __device__ __forceinline__ void route_select_warp(float* p, int* key, int* taken
     }
 }
 
-// One warp a token: logits = the slices' partials summed in order, then the selection. The
+// One warp, token t: logits = the slices' partials summed in order, then the selection. The
 // warp first copies its token's n_slices × n_expert partials into shared memory with
 // contiguous 16-byte loads, all in flight together: summed straight from L2, each lane's
 // expert after expert and slice batch after slice batch made a chain of dependent loads, most
-// of this kernel's 6.5 µs. Shared memory a warp: (n_slices + 3) · n_expert words.
-extern "C" __global__ void __launch_bounds__(256)
-router_select(const float* __restrict__ part, const float* __restrict__ bias,
-              int* __restrict__ ids, float* __restrict__ weights, int n, int n_expert,
-              int n_slices, int top_k, int softmax, int norm_topk, float scale, float guard) {
-    PDL_ENTER();
-    extern __shared__ __align__(16) int rs_smem[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (t >= n) return;
+// of this kernel's 6.5 µs. `stage` is the warp's (n_slices + 3) · n_expert words.
+__device__ __forceinline__ void router_select_token(const float* __restrict__ part,
+                                                    const float* __restrict__ bias, int* ids,
+                                                    float* __restrict__ weights, int t,
+                                                    int n_expert, int n_slices, int top_k,
+                                                    int softmax, int norm_topk, float scale,
+                                                    float guard, float* stage) {
+    const int lane = threadIdx.x & 31;
     const int total = n_slices * n_expert;
-    float* stage = reinterpret_cast<float*>(rs_smem) + (long long)warp * (total + 3 * n_expert);
     float* p = stage + total;
     int* key = reinterpret_cast<int*>(p + n_expert);
     int* taken = key + n_expert;
@@ -243,6 +240,22 @@ router_select(const float* __restrict__ part, const float* __restrict__ bias,
                       guard);
 }
 
+// One warp a token. Shared memory a warp: (n_slices + 3) · n_expert words.
+extern "C" __global__ void __launch_bounds__(256)
+router_select(const float* __restrict__ part, const float* __restrict__ bias,
+              int* __restrict__ ids, float* __restrict__ weights, int n, int n_expert,
+              int n_slices, int top_k, int softmax, int norm_topk, float scale, float guard) {
+    PDL_ENTER();
+    extern __shared__ __align__(16) int rs_smem[];
+    const int warp = threadIdx.x >> 5;
+    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (t >= n) return;
+    float* stage = reinterpret_cast<float*>(rs_smem) +
+                   (long long)warp * (n_slices * n_expert + 3 * n_expert);
+    router_select_token(part, bias, ids, weights, t, n_expert, n_slices, top_k, softmax,
+                        norm_topk, scale, guard, stage);
+}
+
 // ---- route plan ------------------------------------------------------------------------
 
 // A stable counting sort of the slots by expert, in one block: per-expert counts, their
@@ -250,11 +263,13 @@ router_select(const float* __restrict__ part, const float* __restrict__ bias,
 // warp from __match_any_sync, across warps from a per-(warp, expert) table scanned in warp
 // order, across chunks from a running cursor. Ids outside [0, E) are skipped and the rows
 // they leave at the end are marked -1 (the engine validates ids; this only bounds writes).
-extern "C" __global__ void __launch_bounds__(1024)
-route_plan(const int* __restrict__ ids, int* __restrict__ offsets, int* __restrict__ route_token,
-           int* __restrict__ route_slot, int n_routes, int n_expert, int top_k) {
-    PDL_ENTER();
-    extern __shared__ int rp_smem[];
+// `ids` is not __restrict__: the fused router writes it earlier in the same launch, and a
+// read-only (non-coherent) load could miss those writes. Shared memory: (2 + warps) ·
+// n_expert words at `rp_smem`.
+__device__ __forceinline__ void route_plan_block(const int* ids, int* __restrict__ offsets,
+                                                 int* __restrict__ route_token,
+                                                 int* __restrict__ route_slot, int n_routes,
+                                                 int n_expert, int top_k, int* rp_smem) {
     int* counts = rp_smem;
     int* cursor = counts + n_expert;
     int* table = cursor + n_expert;  // [nwarps][n_expert]
@@ -325,6 +340,45 @@ route_plan(const int* __restrict__ ids, int* __restrict__ offsets, int* __restri
         route_slot[d] = -1;
     }
 }
+
+extern "C" __global__ void __launch_bounds__(1024)
+route_plan(const int* __restrict__ ids, int* __restrict__ offsets, int* __restrict__ route_token,
+           int* __restrict__ route_slot, int n_routes, int n_expert, int top_k) {
+    PDL_ENTER();
+    extern __shared__ int rp_smem[];
+    route_plan_block(ids, offsets, route_token, route_slot, n_routes, n_expert, top_k, rp_smem);
+}
+
+// The router's selection and the route plan in one block (a decode step's few tokens): each
+// warp selects its tokens in turn, then the block sorts the routes by expert. One launch
+// instead of two a MoE layer, where either alone is mostly launch latency. Shared memory:
+// the larger of warps · (n_slices + 3) · n_expert and (2 + warps) · n_expert words. The
+// launch is one block, so the bounds let it have the registers (at the default it spilled).
+extern "C" __global__ void __launch_bounds__(256, 1)
+router_select_routes(const float* __restrict__ part, const float* __restrict__ bias, int* ids,
+                     float* __restrict__ weights, int* __restrict__ offsets,
+                     int* __restrict__ route_token, int* __restrict__ route_slot, int n,
+                     int n_expert, int n_slices, int top_k, int softmax, int norm_topk,
+                     float scale, float guard) {
+    PDL_ENTER();
+    extern __shared__ __align__(16) int rsr_smem[];
+    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    float* stage = reinterpret_cast<float*>(rsr_smem) +
+                   (long long)warp * (n_slices * n_expert + 3 * n_expert);
+#pragma unroll 1
+    for (int t = warp; t < n; t += nwarps) {
+        router_select_token(part, bias, ids, weights, t, n_expert, n_slices, top_k, softmax,
+                            norm_topk, scale, guard, stage);
+        // Lane 0 may still read this token's scores while the others stage the next.
+        __syncwarp();
+    }
+    // Every token's ids are written (global writes of this block are visible past the
+    // barrier) and the staging area is free for the plan's tables.
+    __syncthreads();
+    route_plan_block(ids, offsets, route_token, route_slot, n * top_k, n_expert, top_k,
+                     rsr_smem);
+}
+
 // ---- IQ4_NL block decoding --------------------------------------------------------------
 
 // Value j of the block is the low nibble of byte j (j < 16), value j+16 its high nibble. The
