@@ -4,7 +4,8 @@
 //! * **fusions** — hc_post + hc_pre + the sub-layer's RMSNorm as one op, a norm into the
 //!   BF16 GEMV after it, two products of one input as a pair, a dense SwiGLU's gate, up and
 //!   combination as one op, the cache row formed at its position, the shared expert's add as
-//!   the top-k sum's last step, a few tokens' router and route plan as one launch;
+//!   the top-k sum's last step, the top-k sum formed inside the hc boundary after it, a few
+//!   tokens' router and route plan as one launch;
 //! * **the kernel variant of every node** — GEMV or tensor-core tiles, split-K or the rows
 //!   pass, the router's and top-k sum's kernels, the attention kernel, from the rows the step
 //!   shape gives each node.
@@ -20,7 +21,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use ops::elementwise::{Add, SwiGlu};
-use ops::hc::{HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm};
+use ops::hc::{HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, HcRoutedPostPreNorm};
 use ops::linear::{GEMV_ROWS_LIMIT, Linear, LinearKernel, LinearPair, NormLinear};
 use ops::mla::{
     AttentionPath, HEAD_GEMV_ROWS_LIMIT, HeadKernel, KvCacheWrite, MlaAttention, MlaKv,
@@ -75,6 +76,9 @@ pub struct LoweringOptions {
     pub fuse_kv_cache_write: bool,
     /// The add of the shared expert as the top-k sum's last step.
     pub fold_shared_add: bool,
+    /// The MoE's top-k sum (with the shared expert folded in) formed inside the hc boundary
+    /// that reads it, where that boundary runs its pair kernel (one launch fewer a MoE layer).
+    pub fuse_routed_hc: bool,
     /// Rows up to which products (and their fusions) take the weight-streaming GEMV; more
     /// take the tensor cores. At most [`GEMV_ROWS_LIMIT`].
     pub gemv_max_rows: usize,
@@ -146,6 +150,7 @@ impl Default for LoweringOptions {
             fuse_gate_up: true,
             fuse_kv_cache_write: true,
             fold_shared_add: true,
+            fuse_routed_hc: true,
             gemv_max_rows: 1,
             other_gemv_max_rows: 1,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
@@ -179,7 +184,7 @@ impl fmt::Display for LoweringOptions {
         let on = |b: bool| if b { "on" } else { "off" };
         write!(
             f,
-            "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={}; \
+            "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes; \
              router tiled>={} router+routes<={} topk inverse>={} \
@@ -190,6 +195,7 @@ impl fmt::Display for LoweringOptions {
             on(self.fuse_gate_up),
             on(self.fuse_kv_cache_write),
             on(self.fold_shared_add),
+            on(self.fuse_routed_hc),
             self.gemv_max_rows,
             self.other_gemv_max_rows,
             self.head_gemv_max_rows,
@@ -367,6 +373,9 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
     }
     if opts.fold_shared_add {
         f.shared_add();
+    }
+    if opts.fuse_routed_hc && opts.fuse_hc && opts.fold_shared_add {
+        f.routed_boundaries();
     }
     f.router_routes(opts.router_routes_max_rows);
     let mut g = f.finish();
@@ -566,6 +575,23 @@ fn choose_kernel(
     if let Some(op) = op_as::<HcPostPreNorm>(node) {
         let mut op = op.clone();
         op.pre_norm.pre.kernel = hc_kernel(&op.pre_norm.pre, 1, 4);
+        return Some(Arc::new(op));
+    }
+    if let Some(op) = op_as::<HcRoutedPostPreNorm>(node) {
+        // Input 0 holds the routes (top_k a token); the tokens are H's rows (input 4).
+        let mut op = op.clone();
+        let n = rows(g, node, 4);
+        op.sum.kernel = if n >= o.topk_inverse_min_rows {
+            TopKKernel::InverseTable
+        } else {
+            TopKKernel::Scan
+        };
+        let d = meta(g, node, 4)
+            .and_then(|m| m.shape.last().copied())
+            .unwrap_or(0);
+        let fn_dtype = meta(g, node, 7).map_or(DType::F32, |m| m.dtype);
+        let pre = &op.boundary.pre_norm.pre;
+        op.boundary.pre_norm.pre.kernel = o.hc_pre(pre, n, d, fn_dtype);
         return Some(Arc::new(op));
     }
     None
@@ -873,6 +899,31 @@ impl Fusions {
             let mut inputs = tn.inputs.clone();
             inputs.push(addend);
             self.fuse(a, &[t, a], op, inputs, an.outputs.clone());
+        }
+    }
+
+    /// `hc_post_pre_norm(topk_sum(rows, slots, weights, shared), H, …)`, the sum read by
+    /// nothing else, as one `hc_routed_post_pre_norm`.
+    fn routed_boundaries(&mut self) {
+        let u = self.uses();
+        for q in 0..self.nodes.len() {
+            let Some(boundary) = self.as_op::<HcPostPreNorm>(q).cloned() else {
+                continue;
+            };
+            let qn = self.nodes[q].clone().expect("live");
+            let y = qn.inputs[0];
+            let Some(t) = u.producer[y.0] else { continue };
+            let Some(sum) = self.as_op::<TopKSum>(t).cloned() else {
+                continue;
+            };
+            let tn = self.nodes[t].clone().expect("live");
+            if tn.inputs.len() != 4 || u.sole_reader(y) != Some(q) {
+                continue;
+            }
+            let mut inputs = tn.inputs.clone();
+            inputs.extend_from_slice(&qn.inputs[1..]);
+            let op = HcRoutedPostPreNorm { sum, boundary };
+            self.fuse(q, &[t, q], op, inputs, qn.outputs.clone());
         }
     }
 

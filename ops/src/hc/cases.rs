@@ -13,7 +13,10 @@
 
 use half::bf16;
 
-use super::{HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, StreamMean};
+use super::{
+    HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, HcRoutedPostPreNorm, StreamMean,
+};
+use crate::moe::{TopKKernel, TopKSum};
 use crate::parity::{HostValue, ParityCase, Rng, uniform};
 use crate::parity::{NMSE_EXACT, nmse_bound};
 use crate::tensor::{DType, TensorMeta};
@@ -141,6 +144,51 @@ fn family((hc, d): (usize, usize), tag: &str) -> Vec<ParityCase> {
                 let p = pre_inputs(r, (hc, d), n, DType::BF16, 20.0);
                 let mut ins = vec![
                     uniform(r, &[n, d], -20.0, 20.0),
+                    p[0].clone(),
+                    uniform(r, &[n, hc], 0.0, 2.0),
+                    uniform(r, &[n, hc, hc], 0.0, 1.0),
+                ];
+                ins.extend(p[1..].iter().cloned());
+                ins.push(uniform(r, &[d], -2.0, 2.0));
+                ins
+            },
+        ));
+    }
+    // The top-k sum formed inside the boundary: one token and nine (the pair kernel's 1- and
+    // 8-token blocks, the second block ragged), and 32 rows (the rows pass: y formed first).
+    let routed = [
+        (HcPreKernel::SplitK, 1),
+        (HcPreKernel::SplitK, 9),
+        (HcPreKernel::Rows { chunks_per_warp: 1 }, 32),
+    ];
+    for (kernel, n) in routed.into_iter().filter(|_| hc == HC) {
+        const TOP_K: usize = 4;
+        v.push(ParityCase::new(
+            format!("hc_routed_post_pre_norm/{} n={n}{tag}", label(kernel)),
+            HcRoutedPostPreNorm {
+                sum: TopKSum {
+                    top_k: TOP_K,
+                    kernel: TopKKernel::Scan,
+                },
+                boundary: HcPostPreNorm {
+                    post: HcPost { hc },
+                    pre_norm: HcPreNorm {
+                        pre: pre(kernel, hc),
+                        norm_eps: 1e-6,
+                    },
+                },
+            },
+            0xbead + n as u64,
+            norm_bound,
+            move |r| {
+                let routes = n * TOP_K;
+                let slots: Vec<i32> = r.distinct(routes, routes);
+                let p = pre_inputs(r, (hc, d), n, DType::BF16, 20.0);
+                let mut ins = vec![
+                    uniform(r, &[routes, d], -20.0, 20.0),
+                    HostValue::i32([routes], &slots),
+                    uniform(r, &[n, TOP_K], 0.0, 0.5),
+                    uniform(r, &[n, d], -5.0, 5.0),
                     p[0].clone(),
                     uniform(r, &[n, hc], 0.0, 2.0),
                     uniform(r, &[n, hc, hc], 0.0, 1.0),

@@ -2,11 +2,11 @@
 
 use rayon::prelude::*;
 
-use super::{HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreNorm, StreamMean};
+use super::{HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreNorm, HcRoutedPostPreNorm, StreamMean};
 use crate::cpu::matmul;
 use crate::norm::rms_norm_rows;
 use crate::op::check_host;
-use crate::tensor::{DType, HostTensor, HostTensorMut};
+use crate::tensor::{AlignedBuf, DType, HostTensor, HostTensorMut};
 use crate::{Op, OpError};
 
 pub(super) fn sigmoid(z: f32) -> f32 {
@@ -268,6 +268,28 @@ impl HcPostPreNorm {
             .chain(inputs[4..].iter().cloned())
             .collect();
         self.pre_norm.cpu(&pre_inputs, rest)
+    }
+}
+
+impl HcRoutedPostPreNorm {
+    /// The chain it replaces: the top-k sum into a buffer, then the boundary over it.
+    pub(super) fn cpu_ref(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let metas: Vec<_> = inputs[..4].iter().map(|t| t.meta).collect();
+        let y_meta = self.sum.infer(&metas)?.remove(0);
+        let mut y = AlignedBuf::zeroed(y_meta.bytes().unwrap_or(0));
+        self.sum.cpu(
+            &inputs[..4],
+            &mut [HostTensorMut::new(&y_meta, y.bytes_mut())],
+        )?;
+        let boundary: Vec<HostTensor<'_>> = std::iter::once(HostTensor::new(&y_meta, y.bytes()))
+            .chain(inputs[4..].iter().cloned())
+            .collect();
+        self.boundary.cpu(&boundary, outputs)
     }
 }
 

@@ -1,8 +1,8 @@
 //! CUDA launches of the hyper-connection ops.
 
 use super::{
-    HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, ROWS_CHUNKS_PER_WARP_LIMIT,
-    StreamMean, pre_dims, pre_segment,
+    HcExpand, HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, HcRoutedPostPreNorm,
+    ROWS_CHUNKS_PER_WARP_LIMIT, StreamMean, pre_dims, pre_segment, routed_y_offset,
 };
 use crate::check::{as_i32, unlowered};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch, blocks_for, dev_err};
@@ -11,7 +11,8 @@ use crate::op::check_device;
 use crate::tensor::{DType, TensorMeta};
 use crate::{Op, OpError};
 
-pub(crate) const HC_CU: &str = include_str!("hc.cu");
+/// hc.cu after the MoE's routed-sum element (the routed hc boundary forms the sum in place).
+pub(crate) const HC_CU: &str = concat!(include_str!("../moe/topk.cuh"), include_str!("hc.cu"));
 
 /// Suffix of the kernels specialised on the stream count (loops over streams unrolled,
 /// so a thread's stream loads are in flight together); 0 is the run-time-hc variant.
@@ -93,6 +94,93 @@ impl HcPre {
     }
 }
 
+/// hc_post's inputs for a fused boundary: y, H, post, comb, and optionally y formed in place
+/// from the MoE's routes instead of read (y's pointer then unused).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PostInputs {
+    pub ptrs: [u64; 4],
+    pub routed: Option<RoutedY>,
+}
+
+/// The top-k sum's inputs (`topk_sum`'s order): route rows, route_slot, weights, addend (0 for
+/// none), the route count and top_k.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RoutedY {
+    pub rows: u64,
+    pub route_slot: u64,
+    pub weights: u64,
+    pub addend: u64,
+    pub n_routes: usize,
+    pub top_k: usize,
+}
+
+/// How `HcPre::enqueue` runs its partial pass for a step.
+struct PassChoice {
+    /// Tokens a pair block takes.
+    tb: usize,
+    seg: usize,
+    /// Whole aligned groups of 8 columns (16-byte loads).
+    vec: bool,
+    /// The tensor-core rows pass.
+    rows: bool,
+    /// The pair kernel (else the plain partial kernel), and its shared memory without and
+    /// with hc_post's segment of H' (and a routed y's route table).
+    pairs: bool,
+    pair_smem: usize,
+    fused_smem: usize,
+}
+
+impl HcPre {
+    fn pass_choice(
+        &self,
+        n: usize,
+        w: usize,
+        k: usize,
+        h: u64,
+        f: &DeviceTensor<'_>,
+        routed_top_k: usize,
+    ) -> PassChoice {
+        let tb = if n >= 8 { 8 } else { 1 };
+        let vec = w.is_multiple_of(8) && f.ptr.is_multiple_of(16) && h.is_multiple_of(16);
+        let seg = pre_segment(w);
+        let pair_smem = tb * (k + 1) * (seg / 8) * 4;
+        let fused_smem = pair_smem.next_multiple_of(16) + tb * seg * 4 + tb * routed_top_k * 4;
+        let cpw = match self.kernel {
+            HcPreKernel::Rows { chunks_per_warp } => {
+                chunks_per_warp.clamp(1, ROWS_CHUNKS_PER_WARP_LIMIT)
+            }
+            _ => 0,
+        };
+        let rows = cpw > 0
+            && self.rows_supports(w / self.hc, f.meta.dtype)
+            && [h, f.ptr].iter().all(|p| p.is_multiple_of(16));
+        PassChoice {
+            tb,
+            seg,
+            vec,
+            rows,
+            pairs: vec && fused_smem <= 48 << 10,
+            pair_smem,
+            fused_smem,
+        }
+    }
+
+    /// Whether hc_post with a routed y fuses into this step's partial pass (the pair kernel):
+    /// otherwise the caller forms y first.
+    pub(super) fn routed_post_fuses(
+        &self,
+        inputs: &[DeviceTensor<'_>],
+        routed_top_k: usize,
+    ) -> bool {
+        let metas: Vec<&TensorMeta> = inputs.iter().take(4).map(|t| t.meta).collect();
+        let Some((n, w, k, _)) = pre_dims(self, &metas) else {
+            return false;
+        };
+        let c = self.pass_choice(n, w, k, inputs[0].ptr, &inputs[1], routed_top_k);
+        !c.rows && c.pairs
+    }
+}
+
 impl HcPre {
     /// The two launches of `hc_pre` over `inputs` (H, fn, base, scale), writing x, post and
     /// comb at `outs`. With `norm = Some((w, eps))` the collapse block also applies the
@@ -108,7 +196,7 @@ impl HcPre {
         outs: [u64; 3],
         scratch: Scratch,
         norm: Option<(u64, f32)>,
-        post: Option<[u64; 4]>,
+        post: Option<PostInputs>,
     ) -> Result<(), OpError> {
         let op = self.name();
         let metas: Vec<&TensorMeta> = inputs.iter().take(4).map(|t| t.meta).collect();
@@ -121,25 +209,18 @@ impl HcPre {
         scratch.require("hc_pre", need)?;
         let (h, f) = (&inputs[0], &inputs[1]);
         let d = w / self.hc;
-        let tb = if n >= 8 { 8 } else { 1 };
-        let groups = n.div_ceil(tb);
-        if groups > 65535 {
-            return Err(OpError::shape(op, format!("{n} tokens in one launch")));
-        }
-        let vec = w.is_multiple_of(8) && f.ptr.is_multiple_of(16) && h.ptr.is_multiple_of(16);
-        let seg = pre_segment(w);
-        let fn_ty = if f.meta.dtype == DType::BF16 {
-            "bf16"
-        } else {
-            "f32"
-        };
+        let routed = post.and_then(|p| p.routed);
         // The pair kernel keeps every (mix, 8-column) product of its tokens in shared memory;
         // fused with hc_post, also the segment of H' it forms.
-        let pair_smem = tb * (k + 1) * (seg / 8) * 4;
-        let fused_smem = pair_smem.next_multiple_of(16) + tb * seg * 4;
-        let pairs = vec && fused_smem <= 48 << 10;
-        let part = scratch.ptr;
-        let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
+        let PassChoice {
+            tb,
+            seg,
+            vec,
+            rows,
+            pairs,
+            pair_smem,
+            fused_smem,
+        } = self.pass_choice(n, w, k, h.ptr, f, routed.map_or(0, |r| r.top_k));
         let cpw = match self.kernel {
             HcPreKernel::Unlowered => return Err(unlowered(op)),
             HcPreKernel::SplitK => 0,
@@ -147,19 +228,33 @@ impl HcPre {
                 chunks_per_warp.clamp(1, ROWS_CHUNKS_PER_WARP_LIMIT)
             }
         };
-        let rows = cpw > 0
-            && self.rows_supports(d, f.meta.dtype)
-            && [h.ptr, f.ptr].iter().all(|p| p.is_multiple_of(16));
+        let groups = n.div_ceil(tb);
+        if groups > 65535 {
+            return Err(OpError::shape(op, format!("{n} tokens in one launch")));
+        }
+        let fn_ty = if f.meta.dtype == DType::BF16 {
+            "bf16"
+        } else {
+            "f32"
+        };
+        let part = scratch.ptr;
+        let (wi, ki) = (as_i32(op, "hc·D", w)?, as_i32(op, "mixes", k)?);
+        if routed.is_some() && (rows || !pairs) {
+            return Err(OpError::shape(
+                op,
+                "a routed y fuses only into the pair kernel (the caller forms it otherwise)",
+            ));
+        }
         let mut post = post;
         if let Some(p) = post {
             let fuses = if rows {
-                p[..2].iter().all(|a| a.is_multiple_of(16))
+                p.ptrs[..2].iter().all(|a| a.is_multiple_of(16))
             } else {
                 pairs
             };
             if !fuses {
                 // SAFETY: the caller's hc_post inputs and H' (inputs[0]) are n×… as checked.
-                unsafe { launch_hc_post(ctx, self.hc, p, h.ptr, n, d)? };
+                unsafe { launch_hc_post(ctx, self.hc, p.ptrs, h.ptr, n, d)? };
                 post = None;
             }
         }
@@ -179,7 +274,7 @@ impl HcPre {
             // W = 4·D f32 and fn (24×W bf16), write H' (with hc_post) and part[n][25][splits],
             // splits ≤ pre_dims' count, inside the scratch checked above.
             unsafe {
-                if let Some(p) = post {
+                if let Some(PostInputs { ptrs: p, .. }) = post {
                     let kp = ctx.kernel("hc.cu", HC_CU, "hc_post_pre_rows")?;
                     ctx.device
                         .launch(&kp)
@@ -215,7 +310,46 @@ impl HcPre {
                 return self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits);
             }
         }
-        if let Some(p) = post {
+        if let (Some(p), Some(r)) = (post, routed) {
+            let kp = ctx.kernel(
+                "hc.cu",
+                HC_CU,
+                &format!("hc_post_pre_pairs_routed_{fn_ty}_{tb}"),
+            )?;
+            // SAFETY: as the plain fused kernel below, with y formed from the caller's route
+            // rows (R×D), route_slot (R, range-checked in the kernel), weights (n×top_k) and
+            // addend (n×D or null); the route table of a block's slots is in shared memory.
+            unsafe {
+                ctx.device
+                    .launch(&kp)
+                    .grid((splits as u32, groups as u32))
+                    .block(256)
+                    .shared_mem(fused_smem as u32)
+                    .arg(r.rows)
+                    .arg(r.route_slot)
+                    .arg(r.weights)
+                    .arg(r.addend)
+                    .arg(as_i32(op, "routes", r.n_routes)?)
+                    .arg(as_i32(op, "top_k", r.top_k)?)
+                    .arg(p.ptrs[1])
+                    .arg(p.ptrs[2])
+                    .arg(p.ptrs[3])
+                    .arg(h.ptr)
+                    .arg(f.ptr)
+                    .arg(part)
+                    .arg(as_i32(op, "n", n)?)
+                    .arg(wi)
+                    .arg(ki)
+                    .arg(as_i32(op, "segment", seg)?)
+                    .arg(as_i32(op, "hc", self.hc)?)
+                    .arg(as_i32(op, "D", d)?)
+                    .enqueue()
+                    .map_err(dev_err)?;
+            }
+            // SAFETY: as for the partial kernel below.
+            return unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits) };
+        }
+        if let Some(PostInputs { ptrs: p, .. }) = post {
             let kp = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_pre_pairs_{fn_ty}_{tb}"))?;
             // SAFETY: the fused partial kernel reads y, H, post, comb (the caller's hc_post
             // inputs), writes H' (n×W) at inputs[0] and part[n][K+1][splits] in scratch.
@@ -380,7 +514,7 @@ impl HcPreNorm {
         inputs: &[DeviceTensor<'_>],
         [x, post, comb]: [u64; 3],
         scratch: Scratch,
-        hc_post: Option<[u64; 4]>,
+        hc_post: Option<PostInputs>,
     ) -> Result<(), OpError> {
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[2]);
         if n == 0 {
@@ -449,7 +583,109 @@ impl HcPostPreNorm {
                 &pre_inputs,
                 [x.ptr, post.ptr, comb.ptr],
                 scratch,
-                Some(hc_post),
+                Some(PostInputs {
+                    ptrs: hc_post,
+                    routed: None,
+                }),
+            )
+        }
+    }
+}
+
+impl HcRoutedPostPreNorm {
+    /// One launch fewer than the top-k sum and the boundary: the pair kernel forms y itself.
+    /// Where the step takes another pass, the top-k sum writes y into scratch first.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let [streams, x, post, comb] = outputs else {
+            return Err(OpError::shape(op, "expects 4 outputs"));
+        };
+        let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
+        let y_meta = self.sum.infer(&metas[..4])?.remove(0);
+        // The boundary's partial pass reads H' (the streams output) and fn, base, scale, norm.
+        let pre_inputs: Vec<DeviceTensor<'_>> = std::iter::once(DeviceTensor {
+            meta: streams.meta,
+            ptr: streams.ptr,
+            bytes: streams.bytes,
+        })
+        .chain(inputs[7..].iter().map(|t| DeviceTensor {
+            meta: t.meta,
+            ptr: t.ptr,
+            bytes: t.bytes,
+        }))
+        .collect();
+        let (h, post_w, comb_w) = (inputs[4].ptr, inputs[5].ptr, inputs[6].ptr);
+        let pre_norm = &self.boundary.pre_norm;
+        let outs = [x.ptr, post.ptr, comb.ptr];
+        if pre_norm
+            .pre
+            .routed_post_fuses(&pre_inputs[..4], self.sum.top_k)
+        {
+            let routed = RoutedY {
+                rows: inputs[0].ptr,
+                route_slot: inputs[1].ptr,
+                weights: inputs[2].ptr,
+                addend: inputs[3].ptr,
+                n_routes: inputs[0].meta.shape[0],
+                top_k: self.sum.top_k,
+            };
+            // SAFETY: check_device checked all eleven inputs and four outputs; y is formed in
+            // the kernel from the routes, so its pointer is not read.
+            return unsafe {
+                pre_norm.enqueue(
+                    ctx,
+                    &pre_inputs,
+                    outs,
+                    scratch,
+                    Some(PostInputs {
+                        ptrs: [0, h, post_w, comb_w],
+                        routed: Some(routed),
+                    }),
+                )
+            };
+        }
+        let mut boundary_metas = vec![&y_meta];
+        boundary_metas.extend_from_slice(&metas[4..]);
+        let at = routed_y_offset(&self.boundary, &boundary_metas);
+        let y_bytes = y_meta.bytes().unwrap_or(0);
+        let need = self.cuda_scratch_bytes(&metas);
+        scratch.require(op, need)?;
+        let y = DeviceTensor {
+            meta: &y_meta,
+            ptr: scratch.ptr + at as u64,
+            bytes: y_bytes,
+        };
+        let past_y = at + y_bytes.next_multiple_of(256);
+        self.sum.cuda(
+            ctx,
+            &inputs[..4],
+            &[y],
+            Scratch {
+                ptr: scratch.ptr + past_y as u64,
+                bytes: need - past_y,
+            },
+        )?;
+        // SAFETY: as above, with y (n×D f32) in the scratch past the boundary's own.
+        unsafe {
+            pre_norm.enqueue(
+                ctx,
+                &pre_inputs,
+                outs,
+                Scratch {
+                    ptr: scratch.ptr,
+                    bytes: at,
+                },
+                Some(PostInputs {
+                    ptrs: [y.ptr, h, post_w, comb_w],
+                    routed: None,
+                }),
             )
         }
     }

@@ -219,12 +219,23 @@ __device__ __forceinline__ float4 ld4(const float4* p) {
     else return *p;
 }
 
-template <bool BF, int TB, bool POST>
+// ROUTED (with POST): y is not read but formed, each element as the MoE's top-k sum forms it
+// (topk_routed_elem, the routes of the block's tokens found by one scan of route_slot into
+// shared memory after H'), so the top-k sum has no launch of its own either.
+struct PairsRouted {
+    const float* rows;       // [R][D] the routes' outputs
+    const int* route_slot;   // [R]
+    const float* weights;    // [n][top_k]
+    const float* addend;     // [n][D] or null
+    int n_routes, top_k;
+};
+
+template <bool BF, int TB, bool POST, bool ROUTED = false>
 __device__ __forceinline__ void pre_pairs(float* __restrict__ h, const void* __restrict__ fn,
                                           float* __restrict__ part, int n, int W, int K, int L,
                                           const float* __restrict__ y, const float* __restrict__ hin,
                                           const float* __restrict__ post, const float* __restrict__ comb,
-                                          int hc, int D) {
+                                          int hc, int D, PairsRouted rt = PairsRouted{}) {
     extern __shared__ float pair_smem[];
     const int sp = blockIdx.x, splits = gridDim.x, t0 = blockIdx.y * TB;
     const int s0 = sp * L, U = (min(W, s0 + L) - s0) >> 3;
@@ -233,12 +244,30 @@ __device__ __forceinline__ void pre_pairs(float* __restrict__ h, const void* __r
     // POST: [TB][8U], this segment of H', 16-byte aligned for its float4 reads.
     float* hs = pair_smem + ((TB * (K + 1) * U + 3) & ~3);
     if constexpr (POST) {
+        // ROUTED: [TB][top_k] the route of each of the block's slots (-1: none), after H'.
+        int* inv = reinterpret_cast<int*>(hs + TB * 8 * U);
+        if constexpr (ROUTED) {
+            for (int j = threadIdx.x; j < TB * rt.top_k; j += blockDim.x) inv[j] = -1;
+            __syncthreads();
+            const long long lo = (long long)t0 * rt.top_k, hi = lo + (long long)TB * rt.top_k;
+            for (int r = threadIdx.x; r < rt.n_routes; r += blockDim.x) {
+                const long long sl = rt.route_slot[r];
+                if (sl >= lo && sl < hi) inv[sl - lo] = r;
+            }
+            __syncthreads();
+        }
         for (int p = threadIdx.x; p < TB * 8 * U; p += blockDim.x) {
             const int t = p / (8 * U), c = p - t * 8 * U;
             if (t0 + t >= n) continue;
             const long long tt = t0 + t;
             const int col = s0 + c, d = col / D, i = col - d * D;
-            const float o = hc_post_elem(post[tt * hc + d], y[tt * D + i], comb + tt * hc * hc + d * hc,
+            float yv;
+            if constexpr (ROUTED)
+                yv = topk_routed_elem(rt.rows, inv + t * rt.top_k, rt.weights + tt * rt.top_k,
+                                      rt.addend ? rt.addend + tt * D : nullptr, rt.top_k, i, D);
+            else
+                yv = y[tt * D + i];
+            const float o = hc_post_elem(post[tt * hc + d], yv, comb + tt * hc * hc + d * hc,
                                          hin + tt * W + i, hc, D);
             hs[p] = o;
             h[tt * W + col] = o;
@@ -313,6 +342,15 @@ __device__ __forceinline__ void pre_pairs(float* __restrict__ h, const void* __r
         const void* fn, float* part, int n, int W, int K, int L, int hc, int D) {                 \
         PDL_ENTER();                                                                              \
         pre_pairs<BF, TB, true>(h, fn, part, n, W, K, L, y, hin, post, comb, hc, D);              \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) hc_post_pre_pairs_routed_##NAME(            \
+        const float* rows, const int* route_slot, const float* weights, const float* addend,      \
+        int n_routes, int top_k, const float* hin, const float* post, const float* comb,          \
+        float* h, const void* fn, float* part, int n, int W, int K, int L, int hc, int D) {       \
+        PDL_ENTER();                                                                              \
+        pre_pairs<BF, TB, true, true>(h, fn, part, n, W, K, L, nullptr, hin, post, comb, hc, D,   \
+                                      PairsRouted{rows, route_slot, weights, addend, n_routes,    \
+                                                  top_k});                                        \
     }
 PRE_PAIRS(bf16_1, true, 1)
 PRE_PAIRS(bf16_8, true, 8)

@@ -17,6 +17,7 @@ mod tests;
 
 use crate::check::{arity, want_dtype};
 use crate::gpu::{DeviceTensor, GpuCtx, Scratch};
+use crate::moe::TopKSum;
 use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 
@@ -393,6 +394,87 @@ impl Op for HcPostPreNorm {
     ) -> Result<(), OpError> {
         self.cuda_launch(ctx, inputs, outputs, scratch)
     }
+}
+
+/// The MoE's routed sum ([`TopKSum`] with the shared expert's addend) as the y of the
+/// [`HcPostPreNorm`] after it: on the GPU the fused pair kernel forms each element of y as the
+/// top-k sum does (same roundings, same bits) where it needs it, so a decode step's top-k sum
+/// has no launch of its own. Where the step takes another pass (the tensor-core rows pass), y
+/// is formed into scratch first, as two launches did before.
+///
+/// Inputs: route_out, route_slot, weights, addend (as [`TopKSum`]), then H, post, comb (as
+/// [`HcPost`]), then fn, base, scale and the norm weight. Outputs: as [`HcPostPreNorm`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct HcRoutedPostPreNorm {
+    pub sum: TopKSum,
+    pub boundary: HcPostPreNorm,
+}
+
+impl HcRoutedPostPreNorm {
+    /// y's shape, and the boundary's inputs with y in front.
+    fn boundary_metas<'a>(
+        &self,
+        y: &'a TensorMeta,
+        inputs: &[&'a TensorMeta],
+    ) -> Vec<&'a TensorMeta> {
+        std::iter::once(y)
+            .chain(inputs[4..].iter().copied())
+            .collect()
+    }
+
+    fn y_meta(&self, inputs: &[&TensorMeta]) -> Result<TensorMeta, OpError> {
+        arity(self.name(), inputs, 11)?;
+        Ok(self.sum.infer(&inputs[..4])?.remove(0))
+    }
+}
+
+impl Op for HcRoutedPostPreNorm {
+    fn name(&self) -> &'static str {
+        "hc_routed_post_pre_norm"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        let y = self.y_meta(inputs)?;
+        self.boundary.infer(&self.boundary_metas(&y, inputs))
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} into {}", self.sum.describe(), self.boundary.describe())
+    }
+
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        let Ok(y) = self.y_meta(inputs) else {
+            return 0;
+        };
+        // The boundary's own scratch, then (another pass than the pair kernel) y and the top-k
+        // sum's scratch.
+        routed_y_offset(&self.boundary, &self.boundary_metas(&y, inputs))
+            + y.bytes().unwrap_or(0).next_multiple_of(256)
+            + self.sum.cuda_scratch_bytes(&inputs[..4])
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+}
+
+/// Where y goes in the routed boundary's scratch: past the boundary's own.
+fn routed_y_offset(boundary: &HcPostPreNorm, metas: &[&TensorMeta]) -> usize {
+    boundary.cuda_scratch_bytes(metas).next_multiple_of(256)
 }
 
 /// The hyper-connection's exit (spec §3.6).

@@ -11,6 +11,7 @@ use crate::op::check_device;
 
 pub(crate) const MOE_CU: &str = concat!(
     include_str!("../dequant/dequant.cuh"),
+    include_str!("topk.cuh"),
     include_str!("moe.cu")
 );
 

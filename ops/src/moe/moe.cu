@@ -609,15 +609,7 @@ topk_sum(const float* __restrict__ route_out, const int* __restrict__ route_slot
         }
     }
     __syncthreads();
-    for (int c = blockIdx.y * blockDim.x + tid; c < d; c += gridDim.y * blockDim.x) {
-        float o = 0.0f;
-        for (int j = 0; j < top_k; ++j) {
-            const int r = ts_inv[j];
-            const float x = r >= 0 ? route_out[(long long)r * d + c] : 0.0f;
-            const float wx = __fmul_rn(weights[s0 + j], x);
-            o = j == 0 ? wx : __fadd_rn(o, wx);
-        }
-        if (addend) o = __fadd_rn(o, addend[(long long)t * d + c]);
-        out[(long long)t * d + c] = o;
-    }
+    const float* add = addend ? addend + (long long)t * d : nullptr;
+    for (int c = blockIdx.y * blockDim.x + tid; c < d; c += gridDim.y * blockDim.x)
+        out[(long long)t * d + c] = topk_routed_elem(route_out, ts_inv, weights + s0, add, top_k, c, d);
 }
