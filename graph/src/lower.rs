@@ -5,7 +5,8 @@
 //!   BF16 GEMV after it, two products of one input as a pair, a dense SwiGLU's gate, up and
 //!   combination as one op, the cache row formed at its position, the shared expert's add as
 //!   the top-k sum's last step, the top-k sum formed inside the hc boundary after it, a few
-//!   tokens' router and route plan as one launch;
+//!   tokens' router and route plan as one launch, the cache rows written beside the absorbed
+//!   query's GEMV;
 //! * **the kernel variant of every node** — GEMV or tensor-core tiles, split-K or the rows
 //!   pass, the router's and top-k sum's kernels, the attention kernel, from the rows the step
 //!   shape gives each node.
@@ -25,7 +26,7 @@ use ops::hc::{HcPost, HcPostPreNorm, HcPre, HcPreKernel, HcPreNorm, HcRoutedPost
 use ops::linear::{GEMV_ROWS_LIMIT, Linear, LinearKernel, LinearPair, NormLinear};
 use ops::mla::{
     AttentionPath, HEAD_GEMV_ROWS_LIMIT, HeadKernel, KvCacheWrite, MlaAttention, MlaKv,
-    MlaKvCacheWrite, MlaQuery, MlaValueOut,
+    MlaKvCacheWrite, MlaQuery, MlaQueryKv, MlaValueOut,
 };
 use ops::moe::{
     ExpertDown, ExpertKernel, ExpertSwiGlu, GEMV_ROUTES_LIMIT, GateUpSwiGlu, RoutePlan, Router,
@@ -79,6 +80,9 @@ pub struct LoweringOptions {
     /// The MoE's top-k sum (with the shared expert folded in) formed inside the hc boundary
     /// that reads it, where that boundary runs its pair kernel (one launch fewer a MoE layer).
     pub fuse_routed_hc: bool,
+    /// The step's cache rows (the fused kv_row + kv_to_cache) and the absorbed query as one
+    /// node: one launch where the query takes the per-head GEMV.
+    pub fuse_query_kv: bool,
     /// Rows up to which products (and their fusions) take the weight-streaming GEMV; more
     /// take the tensor cores. At most [`GEMV_ROWS_LIMIT`].
     pub gemv_max_rows: usize,
@@ -151,6 +155,7 @@ impl Default for LoweringOptions {
             fuse_kv_cache_write: true,
             fold_shared_add: true,
             fuse_routed_hc: true,
+            fuse_query_kv: true,
             gemv_max_rows: 1,
             other_gemv_max_rows: 1,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
@@ -184,7 +189,7 @@ impl fmt::Display for LoweringOptions {
         let on = |b: bool| if b { "on" } else { "off" };
         write!(
             f,
-            "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={}; \
+            "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes; \
              router tiled>={} router+routes<={} topk inverse>={} \
@@ -196,6 +201,7 @@ impl fmt::Display for LoweringOptions {
             on(self.fuse_kv_cache_write),
             on(self.fold_shared_add),
             on(self.fuse_routed_hc),
+            on(self.fuse_query_kv),
             self.gemv_max_rows,
             self.other_gemv_max_rows,
             self.head_gemv_max_rows,
@@ -377,6 +383,9 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
     if opts.fuse_routed_hc && opts.fuse_hc && opts.fold_shared_add {
         f.routed_boundaries();
     }
+    if opts.fuse_query_kv && opts.fuse_kv_cache_write {
+        f.query_kv();
+    }
     f.router_routes(opts.router_routes_max_rows);
     let mut g = f.finish();
     for n in 0..g.nodes.len() {
@@ -476,6 +485,11 @@ fn choose_kernel(
             kernel: o.head(rows(g, node, 2), meta(g, node, 1)),
             ..op.clone()
         }));
+    }
+    if let Some(op) = op_as::<MlaQueryKv>(node) {
+        let mut op = op.clone();
+        op.query.kernel = o.head(rows(g, node, 3), meta(g, node, 6));
+        return Some(Arc::new(op));
     }
     if let Some(op) = op_as::<MlaValueOut>(node) {
         return Some(Arc::new(MlaValueOut {
@@ -924,6 +938,43 @@ impl Fusions {
             inputs.extend_from_slice(&qn.inputs[1..]);
             let op = HcRoutedPostPreNorm { sum, boundary };
             self.fuse(q, &[t, q], op, inputs, qn.outputs.clone());
+        }
+    }
+
+    /// The `mla_query` and `mla_kv_cache_write` an attention node reads (its query and its
+    /// cache), over the same positions, the query read by nothing else, as one `mla_query_kv`.
+    fn query_kv(&mut self) {
+        let u = self.uses();
+        for a in 0..self.nodes.len() {
+            if self.as_op::<MlaAttention>(a).is_none() {
+                continue;
+            }
+            let an = self.nodes[a].clone().expect("live");
+            let (Some(q), Some(w)) = (u.producer[an.inputs[0].0], u.producer[an.inputs[1].0])
+            else {
+                continue;
+            };
+            let (Some(query), Some(write)) = (
+                self.as_op::<MlaQuery>(q).cloned(),
+                self.as_op::<MlaKvCacheWrite>(w).cloned(),
+            ) else {
+                continue;
+            };
+            let (qn, wn) = (
+                self.nodes[q].clone().expect("live"),
+                self.nodes[w].clone().expect("live"),
+            );
+            if qn.inputs[2] != wn.inputs[3] || u.sole_reader(an.inputs[0]) != Some(a) {
+                continue;
+            }
+            let mut inputs = wn.inputs.clone();
+            inputs.extend_from_slice(&qn.inputs[..2]);
+            let outputs = vec![wn.outputs[0], qn.outputs[0]];
+            let op = MlaQueryKv {
+                query,
+                kv: write.kv,
+            };
+            self.fuse(q.max(w), &[q, w], op, inputs, outputs);
         }
     }
 

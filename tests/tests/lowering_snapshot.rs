@@ -138,6 +138,7 @@ fn every_fusion_can_be_turned_off_and_then_the_declaration_stays() {
         fuse_kv_cache_write: false,
         fold_shared_add: false,
         fuse_routed_hc: false,
+        fuse_query_kv: false,
         router_routes_max_rows: 0,
         ..LoweringOptions::default()
     };

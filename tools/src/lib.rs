@@ -17,6 +17,10 @@ pub struct LoweringArgs {
     /// Run the MoE's top-k sum as its own kernel instead of inside the hc boundary after it.
     #[arg(long)]
     pub no_routed_hc_fusion: bool,
+    /// Write the step's cache rows in a launch of their own instead of beside the absorbed
+    /// query's per-head GEMV.
+    #[arg(long)]
+    pub no_query_kv_fusion: bool,
     /// 32-column chunks a warp of the hc boundaries' tensor-core rows pass takes in prefill
     /// chunks, 1..=64; 0 turns the rows pass off (also `XING4_HC_ROWS=N`; default 1).
     #[arg(long, value_name = "N")]
@@ -108,6 +112,7 @@ impl LoweringArgs {
         let opts = LoweringOptions {
             fuse_hc: !(self.no_hc_fusion || off("XING4_HC_FUSION")),
             fuse_routed_hc: !self.no_routed_hc_fusion,
+            fuse_query_kv: !self.no_query_kv_fusion,
             hc_rows_chunks_per_warp: hc_rows,
             pdl_weights_first: !(self.no_weights_first || off("XING4_PDL_WEIGHTS_FIRST")),
             hc_rows_min_rows: self.hc_rows_min_rows.unwrap_or(d.hc_rows_min_rows),

@@ -15,7 +15,8 @@
 use half::bf16;
 
 use super::{
-    AttentionPath, HeadKernel, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut,
+    AttentionPath, HeadKernel, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaQueryKv,
+    MlaValueOut,
 };
 use crate::parity::{
     HostValue, NMSE_F32, ParityCase, Rng, nmse_bound, nmse_f32_dot, uniform, weight,
@@ -301,6 +302,44 @@ pub fn cases() -> Vec<ParityCase> {
             )
             .moving(bytes),
         );
+    }
+    // The cache rows beside the query: one token, more tokens than heads (each cache block
+    // takes several in turn; 4 heads), and 64 tokens (the tiles: two launches).
+    for (n, nh) in [(1usize, NH), (7, 4), (64, NH)] {
+        let kernel = head_kernel(n);
+        let ctx = 1024;
+        v.push(ParityCase::new(
+            format!("mla_query_kv/{} n={n} heads={nh}", head_label(kernel)),
+            MlaQueryKv {
+                query: MlaQuery {
+                    n_head: nh,
+                    qk_nope: NOPE,
+                    qk_rope: ROT,
+                    kv_lora: LORA,
+                    rope: rope(ROT),
+                    kernel,
+                },
+                kv: MlaKv {
+                    kv_lora: LORA,
+                    qk_rope: ROT,
+                    eps: 1e-6,
+                    rope: rope(ROT),
+                },
+            },
+            0x9e7 + n as u64,
+            head_bound(kernel, NOPE),
+            move |r| {
+                let cache = uniform(r, &[ctx, W], -1.0, 1.0);
+                let kv = uniform(r, &[n, W], -3.0, 3.0);
+                let g = uniform(r, &[LORA], 0.5, 1.5);
+                let pos: Vec<i32> = (0..n).map(|_| r.below(ctx) as i32).collect();
+                let slots: Vec<i32> = pos.iter().map(|&p| (ctx as i32 - 1 - p) ^ 1).collect();
+                let q = uniform(r, &[n, nh * (NOPE + ROT)], -1.0, 1.0);
+                let kb = bf16_weight(r, [nh, LORA, NOPE]);
+                let (pos, slots) = (HostValue::i32([n], &pos), HostValue::i32([n], &slots));
+                vec![cache, kv, g, pos, slots, q, kb]
+            },
+        ));
     }
     let split = |name: &str, ctx: usize, pos: Vec<i32>, kernel: AttentionPath| {
         let n = pos.len();

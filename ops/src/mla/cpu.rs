@@ -2,13 +2,15 @@
 
 use rayon::prelude::*;
 
-use super::{KvCacheWrite, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaValueOut};
-use crate::OpError;
+use super::{
+    KvCacheWrite, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaQueryKv, MlaValueOut,
+};
 use crate::check::weight_bytes;
 use crate::cpu::{dot, matmul};
 use crate::op::check_host;
 use crate::rope::rope_norm_cached;
 use crate::tensor::{DType, HostTensor, HostTensorMut};
+use crate::{Op, OpError};
 
 pub(super) fn check_positions(
     op: &'static str,
@@ -208,6 +210,24 @@ impl MlaKvCacheWrite {
             .compute(inputs[1].f32()?, inputs[2].f32()?, pos, &mut rows)?;
         let w = outputs[0].meta.inner();
         KvCacheWrite::compute(outputs[0].f32_mut()?, w, &rows, inputs[4].i32()?)
+    }
+}
+
+impl MlaQueryKv {
+    /// The two ops it replaces: the cache rows, then the query.
+    pub(super) fn cpu_ref(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        check_host(self, inputs, outputs)?;
+        let (cache, q_abs) = outputs.split_at_mut(1);
+        MlaKvCacheWrite {
+            kv: self.kv.clone(),
+        }
+        .cpu_ref(&inputs[..5], cache)?;
+        let query = [inputs[5], inputs[6], inputs[3]];
+        self.query.cpu(&query, q_abs)
     }
 }
 

@@ -22,7 +22,26 @@ impl MlaQuery {
         _scratch: Scratch,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
-        let n = inputs[2].meta.shape[0];
+        self.launch(
+            ctx,
+            self.name(),
+            [&inputs[0], &inputs[1], &inputs[2]],
+            outputs[0].ptr,
+            None,
+        )
+    }
+
+    /// The head product over `[q, k_b, positions]` into `q_abs`, with the cache-row job when
+    /// `kv` is given (the GEMV kernel only).
+    fn launch(
+        &self,
+        ctx: &GpuCtx,
+        op: &'static str,
+        [q, k_b, positions]: [&DeviceTensor<'_>; 3],
+        q_abs: u64,
+        kv: Option<KvJob>,
+    ) -> Result<(), OpError> {
+        let n = positions.meta.shape[0];
         let (qk, w, nh) = (
             self.qk_nope + self.qk_rope,
             self.kv_lora + self.qk_rope,
@@ -30,29 +49,73 @@ impl MlaQuery {
         );
         head_gemv(
             ctx,
-            self.name(),
+            op,
             self.kernel,
             &HeadGemv {
-                w: &inputs[1],
+                w: k_b,
                 n_head: nh,
                 n_out: self.kv_lora,
                 n_in: self.qk_nope,
-                x: inputs[0].ptr,
+                x: q.ptr,
                 x_tok: nh * qk,
                 x_head: qk,
-                y: outputs[0].ptr,
+                y: q_abs,
                 y_tok: nh * w,
                 y_head: w,
                 n_tok: n,
                 rope: Some(HeadRope {
-                    positions: inputs[2].ptr,
+                    positions: positions.ptr,
                     n_rot: self.qk_rope,
                     src: self.qk_nope,
                     dst: self.kv_lora,
                     k: self.rope.consts(),
                 }),
+                kv,
             },
         )
+    }
+}
+
+impl MlaQueryKv {
+    /// One launch where the query takes the per-head GEMV (its blocks and the cache rows'
+    /// column side by side); otherwise the query's launch, then `mla_kv`'s into the cache.
+    pub(super) fn cuda_launch(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        _scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let n = inputs[3].meta.shape[0];
+        if n == 0 {
+            return Ok(());
+        }
+        let [_cache, kv, norm_w, positions, slots, q, k_b] = inputs else {
+            return Err(OpError::shape(op, "expects 7 inputs"));
+        };
+        let rows = outputs[0].meta.shape[0];
+        if self.query.kernel == HeadKernel::Gemv && self.query.rope == self.kv.rope {
+            let job = KvJob {
+                kv: kv.ptr,
+                norm_w: norm_w.ptr,
+                slots: slots.ptr,
+                cache: outputs[0].ptr,
+                cache_rows: rows,
+                kv_lora: self.kv.kv_lora,
+                qk_rope: self.kv.qk_rope,
+                eps: self.kv.eps,
+            };
+            return self
+                .query
+                .launch(ctx, op, [q, k_b, positions], outputs[1].ptr, Some(job));
+        }
+        self.query
+            .launch(ctx, op, [q, k_b, positions], outputs[1].ptr, None)?;
+        let ins = [kv.ptr, norm_w.ptr, positions.ptr, slots.ptr];
+        // SAFETY: check_device verified the token inputs and the rows×W cache.
+        unsafe { self.kv.launch(ctx, op, ins, outputs[0].ptr, n, Some(rows)) }
     }
 }
 
@@ -106,6 +169,20 @@ pub(super) struct HeadGemv<'a> {
     y_head: usize,
     n_tok: usize,
     rope: Option<HeadRope>,
+    /// The step's cache rows written by an extra column of blocks (the GEMV kernel only).
+    kv: Option<KvJob>,
+}
+
+/// The cache-row job of a fused query launch ([`MlaQueryKv`]): `mla_kv`'s inputs and the cache.
+pub(super) struct KvJob {
+    kv: u64,
+    norm_w: u64,
+    slots: u64,
+    cache: u64,
+    cache_rows: usize,
+    kv_lora: usize,
+    qk_rope: usize,
+    eps: f32,
 }
 
 /// A head-product launch's rope arguments (positions, width, source and destination offsets,
@@ -185,6 +262,12 @@ pub(super) fn head_gemv(
 ) -> Result<(), OpError> {
     if a.n_tok == 0 {
         return Ok(());
+    }
+    if a.kv.is_some() && (kernel != HeadKernel::Gemv || a.rope.is_none()) {
+        return Err(OpError::shape(
+            op,
+            "the cache-row job runs beside the roped per-head GEMV only",
+        ));
     }
     let tiles = match kernel {
         HeadKernel::Unlowered => return Err(unlowered(op)),
@@ -298,12 +381,19 @@ pub(super) fn head_gemv(
     let passes = 1;
     let row_blocks = a.n_out.div_ceil(passes * 8 * groups);
     let tok_tile = (8192 / a.n_in).clamp(1, a.n_tok);
-    let grid_x = row_blocks + rope_col;
-    let kern = ctx.kernel("mla.cu", MLA_CU, "head_gemv_bf16")?;
-    // SAFETY: argument list matches head_gemv_bf16; the shape rule (checked by the caller)
-    // makes every strided access fall inside the views, whose sizes check_device verified.
+    let grid_x = row_blocks + rope_col + usize::from(a.kv.is_some());
+    let name = if a.kv.is_some() {
+        "head_gemv_bf16_kv"
+    } else {
+        "head_gemv_bf16"
+    };
+    let kern = ctx.kernel("mla.cu", MLA_CU, name)?;
+    // SAFETY: argument list matches head_gemv_bf16 (and, with the cache-row job,
+    // head_gemv_bf16_kv's trailing arguments); the shape rule (checked by the caller) makes
+    // every strided access fall inside the views, whose sizes check_device verified, and the
+    // cache job writes only rows in [0, cache_rows).
     unsafe {
-        rope.args(
+        let l = rope.args(
             op,
             a.io_args(
                 op,
@@ -317,7 +407,19 @@ pub(super) fn head_gemv(
             .arg(passes as i32)
             .arg(row_blocks as i32)
             .arg(tok_tile as i32),
-        )?
+        )?;
+        match &a.kv {
+            Some(j) => l
+                .arg(j.kv)
+                .arg(j.norm_w)
+                .arg(j.slots)
+                .arg(j.cache)
+                .arg(i("kv_lora", j.kv_lora)?)
+                .arg(i("qk_rope", j.qk_rope)?)
+                .arg(j.eps)
+                .arg(i("cache rows", j.cache_rows)?),
+            None => l,
+        }
         .enqueue()
         .map_err(dev_err)
     }
@@ -858,6 +960,7 @@ impl MlaValueOut {
                 y_head: vh,
                 n_tok: inputs[0].meta.shape[0],
                 rope: None,
+                kv: None,
             },
         )
     }

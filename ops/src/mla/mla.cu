@@ -112,14 +112,53 @@ head_generic(const unsigned char* __restrict__ W, const float* __restrict__ x, l
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-head_gemv_bf16(const unsigned short* __restrict__ W, const float* __restrict__ x,
-               long long x_tok, long long x_head, float* __restrict__ y, long long y_tok,
-               long long y_head, int n_tok, int n_out, int n_in, int lpr_log2, int passes,
-               int row_blocks, int tok_tile, const int* __restrict__ positions, int rope_n,
-               int rope_src, int rope_dst, float theta_scale, float freq_scale,
-               float ext_factor, float corr_low, float corr_high, float mscale) {
+#define HEAD_GEMV_BF16_PARAMS                                                                    \
+    const unsigned short *__restrict__ W, const float *__restrict__ x, long long x_tok,          \
+        long long x_head, float *__restrict__ y, long long y_tok, long long y_head, int n_tok,   \
+        int n_out, int n_in, int lpr_log2, int passes, int row_blocks, int tok_tile,             \
+        const int *__restrict__ positions, int rope_n, int rope_src, int rope_dst,               \
+        float theta_scale, float freq_scale, float ext_factor, float corr_low, float corr_high,  \
+        float mscale
+#define HEAD_GEMV_BF16_ARGS                                                                      \
+    W, x, x_tok, x_head, y, y_tok, y_head, n_tok, n_out, n_in, lpr_log2, passes, row_blocks,     \
+        tok_tile, positions, rope_n, rope_src, rope_dst, theta_scale, freq_scale, ext_factor,    \
+        corr_low, corr_high, mscale
+
+__device__ __forceinline__ void head_gemv_bf16_body(HEAD_GEMV_BF16_PARAMS);
+__device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
+                                           const float* __restrict__ norm_w,
+                                           const int* __restrict__ positions,
+                                           const int* __restrict__ slots, float* __restrict__ out,
+                                           int kv_lora, int qk_rope, float eps,
+                                           float theta_scale, float freq_scale, float ext_factor,
+                                           float corr_low, float corr_high, float mscale,
+                                           int to_cache, int n, int ctx, int t);
+
+extern "C" __global__ void __launch_bounds__(256) head_gemv_bf16(HEAD_GEMV_BF16_PARAMS) {
     PDL_ENTER();
+    head_gemv_bf16_body(HEAD_GEMV_BF16_ARGS);
+}
+
+// The query's product with the step's cache rows beside it (MlaQueryKv): the column of blocks
+// after the rope's (blockIdx.x == row_blocks + 1) writes token t's cache row for t =
+// blockIdx.y, blockIdx.y + n_head, ... with mla_kv's arithmetic and the rope's constants (the
+// query and the shared key rotate alike), so the cache write has no launch of its own.
+extern "C" __global__ void __launch_bounds__(256)
+head_gemv_bf16_kv(HEAD_GEMV_BF16_PARAMS, const float* __restrict__ kv,
+                  const float* __restrict__ norm_w, const int* __restrict__ slots,
+                  float* __restrict__ cache, int kv_lora, int qk_rope, float eps, int cache_rows) {
+    PDL_ENTER();
+    if ((int)blockIdx.x == row_blocks + 1) {
+        for (int t = blockIdx.y; t < n_tok; t += gridDim.y)
+            mla_kv_row(kv, norm_w, positions, slots, cache, kv_lora, qk_rope, eps, theta_scale,
+                       freq_scale, ext_factor, corr_low, corr_high, mscale, 1, n_tok,
+                       cache_rows, t);
+        return;
+    }
+    head_gemv_bf16_body(HEAD_GEMV_BF16_ARGS);
+}
+
+__device__ __forceinline__ void head_gemv_bf16_body(HEAD_GEMV_BF16_PARAMS) {
     extern __shared__ float4 hg_smem4[];
     float* xs = reinterpret_cast<float*>(hg_smem4);
     const int h = blockIdx.y;
@@ -511,16 +550,20 @@ HEAD_MMA_KERNEL(head_mma_bf16_64x128, 64, 128, 2, 4, 2)
 
 // ---- MlaKv: rms(latent)*w || rope(k_pe) ------------------------------------------------
 
-extern "C" __global__ void __launch_bounds__(256)
-mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
-       const int* __restrict__ positions, const int* __restrict__ slots,
-       float* __restrict__ out, int kv_lora, int qk_rope, float eps, float theta_scale,
-       float freq_scale, float ext_factor, float corr_low, float corr_high, float mscale,
-       int to_cache, int n, int ctx) {
-    PDL_ENTER();
+// Token t's cache row: rms(latent)·w ‖ rope(k_pe), to out[t], or (to_cache) to the cache row
+// of its slot. A whole block, every thread (its barriers are block-wide; every early return
+// is block-uniform).
+__device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
+                                           const float* __restrict__ norm_w,
+                                           const int* __restrict__ positions,
+                                           const int* __restrict__ slots, float* __restrict__ out,
+                                           int kv_lora, int qk_rope, float eps,
+                                           float theta_scale, float freq_scale, float ext_factor,
+                                           float corr_low, float corr_high, float mscale,
+                                           int to_cache, int n, int ctx, int t) {
     __shared__ double red[8];
     __shared__ float scale_s;
-    const int t = blockIdx.x, tid = threadIdx.x;
+    const int tid = threadIdx.x;
     const int w = kv_lora + qk_rope;
     const float* src = kv + (long long)t * w;
     // to_cache: `out` is the cache pool and the row goes to the token's slot, as
@@ -557,6 +600,17 @@ mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
         dst[i] = __fmul_rn(__fmul_rn(src[i], scale), norm_w[i]);
     rope_pairs(src + kv_lora, dst + kv_lora, positions[t], qk_rope, tid, blockDim.x,
                theta_scale, freq_scale, ext_factor, corr_low, corr_high, mscale);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
+       const int* __restrict__ positions, const int* __restrict__ slots,
+       float* __restrict__ out, int kv_lora, int qk_rope, float eps, float theta_scale,
+       float freq_scale, float ext_factor, float corr_low, float corr_high, float mscale,
+       int to_cache, int n, int ctx) {
+    PDL_ENTER();
+    mla_kv_row(kv, norm_w, positions, slots, out, kv_lora, qk_rope, eps, theta_scale, freq_scale,
+               ext_factor, corr_low, corr_high, mscale, to_cache, n, ctx, blockIdx.x);
 }
 
 // ---- KvCacheWrite ----------------------------------------------------------------------

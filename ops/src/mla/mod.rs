@@ -270,6 +270,67 @@ impl Op for MlaKvCacheWrite {
     }
 }
 
+// ---- MlaQueryKv ----------------------------------------------------------------------
+
+/// [`MlaKvCacheWrite`] and [`MlaQuery`] of one step as one node: where the query takes the
+/// per-head GEMV (a decode step's few tokens), the cache rows are written by a column of blocks
+/// of that launch, one launch fewer a layer. Same rows, same bits as the two ops.
+///
+/// Inputs: cache, kv, norm_w, positions, slots (as [`MlaKvCacheWrite`]), then q and k_b (as
+/// [`MlaQuery`], which reads the same positions). Outputs: the cache (aliasing input 0), then
+/// the absorbed query.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaQueryKv {
+    pub query: MlaQuery,
+    pub kv: MlaKv,
+}
+
+impl Op for MlaQueryKv {
+    fn name(&self) -> &'static str {
+        "mla_query_kv"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        expect_inputs(self.name(), inputs, 7)?;
+        let mut out = MlaKvCacheWrite {
+            kv: self.kv.clone(),
+        }
+        .infer(&inputs[..5])?;
+        out.extend(self.query.infer(&[inputs[5], inputs[6], inputs[3]])?);
+        Ok(out)
+    }
+
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.cpu_ref(inputs, outputs)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} beside {} into the cache",
+            self.query.describe(),
+            self.kv.describe()
+        )
+    }
+
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.cuda_launch(ctx, inputs, outputs, scratch)
+    }
+
+    fn aliases(&self) -> &'static [(usize, usize)] {
+        &[(0, 0)]
+    }
+}
+
 // ---- KvCacheWrite --------------------------------------------------------------------
 
 /// Writes `cache[slots[i]] = k[i]` in place: `slots[i]` is the pool row of token `i`'s
