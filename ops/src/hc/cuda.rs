@@ -310,59 +310,38 @@ impl HcPre {
                 return self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits);
             }
         }
-        if let (Some(p), Some(r)) = (post, routed) {
-            let kp = ctx.kernel(
-                "hc.cu",
-                HC_CU,
-                &format!("hc_post_pre_pairs_routed_{fn_ty}_{tb}"),
-            )?;
-            // SAFETY: as the plain fused kernel below, with y formed from the caller's route
-            // rows (R×D), route_slot (R, range-checked in the kernel), weights (n×top_k) and
-            // addend (n×D or null); the route table of a block's slots is in shared memory.
+        if let Some(p) = post {
+            // A routed y's kernel opens with the top-k sum's inputs instead of y.
+            let name = if routed.is_some() {
+                format!("hc_post_pre_pairs_routed_{fn_ty}_{tb}")
+            } else {
+                format!("hc_post_pre_pairs_{fn_ty}_{tb}")
+            };
+            let kp = ctx.kernel("hc.cu", HC_CU, &name)?;
+            // SAFETY: the fused partial kernel reads y (or, routed, forms it from the caller's
+            // route rows R×D, route_slot (range-checked in the kernel), weights n×top_k and
+            // addend n×D or null), H, post, comb (the caller's hc_post inputs), writes H' (n×W)
+            // at inputs[0] and part[n][K+1][splits] in scratch.
             unsafe {
-                ctx.device
+                let l = ctx
+                    .device
                     .launch(&kp)
                     .grid((splits as u32, groups as u32))
                     .block(256)
-                    .shared_mem(fused_smem as u32)
-                    .arg(r.rows)
-                    .arg(r.route_slot)
-                    .arg(r.weights)
-                    .arg(r.addend)
-                    .arg(as_i32(op, "routes", r.n_routes)?)
-                    .arg(as_i32(op, "top_k", r.top_k)?)
-                    .arg(p.ptrs[1])
+                    .shared_mem(fused_smem as u32);
+                let l = match routed {
+                    Some(r) => l
+                        .arg(r.rows)
+                        .arg(r.route_slot)
+                        .arg(r.weights)
+                        .arg(r.addend)
+                        .arg(as_i32(op, "routes", r.n_routes)?)
+                        .arg(as_i32(op, "top_k", r.top_k)?),
+                    None => l.arg(p.ptrs[0]),
+                };
+                l.arg(p.ptrs[1])
                     .arg(p.ptrs[2])
                     .arg(p.ptrs[3])
-                    .arg(h.ptr)
-                    .arg(f.ptr)
-                    .arg(part)
-                    .arg(as_i32(op, "n", n)?)
-                    .arg(wi)
-                    .arg(ki)
-                    .arg(as_i32(op, "segment", seg)?)
-                    .arg(as_i32(op, "hc", self.hc)?)
-                    .arg(as_i32(op, "D", d)?)
-                    .enqueue()
-                    .map_err(dev_err)?;
-            }
-            // SAFETY: as for the partial kernel below.
-            return unsafe { self.enqueue_finish(ctx, inputs, outs, scratch, norm, splits) };
-        }
-        if let Some(PostInputs { ptrs: p, .. }) = post {
-            let kp = ctx.kernel("hc.cu", HC_CU, &format!("hc_post_pre_pairs_{fn_ty}_{tb}"))?;
-            // SAFETY: the fused partial kernel reads y, H, post, comb (the caller's hc_post
-            // inputs), writes H' (n×W) at inputs[0] and part[n][K+1][splits] in scratch.
-            unsafe {
-                ctx.device
-                    .launch(&kp)
-                    .grid((splits as u32, groups as u32))
-                    .block(256)
-                    .shared_mem(fused_smem as u32)
-                    .arg(p[0])
-                    .arg(p[1])
-                    .arg(p[2])
-                    .arg(p[3])
                     .arg(h.ptr)
                     .arg(f.ptr)
                     .arg(part)
