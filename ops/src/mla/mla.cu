@@ -48,6 +48,61 @@ __device__ __forceinline__ void rope_pairs(const float* src, float* dst, int pos
     }
 }
 
+// ---- MlaKv's row (the mla_kv kernel and the fused query launch) ---------------------
+
+// Token t's cache row: rms(latent)·w ‖ rope(k_pe), to out[t], or (to_cache) to the cache row
+// of its slot. A whole block, every thread (its barriers are block-wide; every early return
+// is block-uniform).
+__device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
+                                           const float* __restrict__ norm_w,
+                                           const int* __restrict__ positions,
+                                           const int* __restrict__ slots, float* __restrict__ out,
+                                           int kv_lora, int qk_rope, float eps,
+                                           float theta_scale, float freq_scale, float ext_factor,
+                                           float corr_low, float corr_high, float mscale,
+                                           int to_cache, int n, int ctx, int t) {
+    __shared__ double red[8];
+    __shared__ float scale_s;
+    const int tid = threadIdx.x;
+    const int w = kv_lora + qk_rope;
+    const float* src = kv + (long long)t * w;
+    // to_cache: `out` is the cache pool and the row goes to the token's slot, as
+    // kv_cache_write would put it (skipped for a padding row's negative slot, outside the
+    // pool, or when a later token of the step names the same slot).
+    long long row = t;
+    if (to_cache) {
+        const int p = slots[t];
+        if (p < 0 || p >= ctx) return;
+        int later = 0;
+        for (int j = t + 1 + tid; j < n; j += blockDim.x) later |= slots[j] == p;
+        if (__syncthreads_or(later)) return;
+        row = p;
+    }
+    float* dst = out + row * w;
+    // As ggml's rms_norm: squares in f32, their sum in f64, the scale in f32.
+    double ss = 0.0;
+    for (int i = tid; i < kv_lora; i += blockDim.x) {
+        const float v = src[i];
+        ss += (double)__fmul_rn(v, v);
+    }
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((tid & 31) == 0) red[tid >> 5] = ss;
+    __syncthreads();
+    if (tid == 0) {
+        double sum = 0.0;
+        for (int k = 0; k < (int)(blockDim.x >> 5); ++k) sum += red[k];
+        const float mean = (float)(sum / (double)kv_lora);
+        scale_s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    }
+    __syncthreads();
+    const float scale = scale_s;
+    for (int i = tid; i < kv_lora; i += blockDim.x)
+        dst[i] = __fmul_rn(__fmul_rn(src[i], scale), norm_w[i]);
+    rope_pairs(src + kv_lora, dst + kv_lora, positions[t], qk_rope, tid, blockDim.x,
+               theta_scale, freq_scale, ext_factor, corr_low, corr_high, mscale);
+}
+
+
 // ---- per-head BF16 matrix times f32 vectors (MlaQuery's Kb, MlaValueOut's Vb) ----------
 //
 // y[t][h][o] = sum_i W[h][o][i] * x[t][h][i]. A group of LPR = 1 << lpr_log2 lanes owns one
@@ -125,14 +180,6 @@ head_generic(const unsigned char* __restrict__ W, const float* __restrict__ x, l
         corr_low, corr_high, mscale
 
 __device__ __forceinline__ void head_gemv_bf16_body(HEAD_GEMV_BF16_PARAMS);
-__device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
-                                           const float* __restrict__ norm_w,
-                                           const int* __restrict__ positions,
-                                           const int* __restrict__ slots, float* __restrict__ out,
-                                           int kv_lora, int qk_rope, float eps,
-                                           float theta_scale, float freq_scale, float ext_factor,
-                                           float corr_low, float corr_high, float mscale,
-                                           int to_cache, int n, int ctx, int t);
 
 extern "C" __global__ void __launch_bounds__(256) head_gemv_bf16(HEAD_GEMV_BF16_PARAMS) {
     PDL_ENTER();
@@ -549,58 +596,6 @@ HEAD_MMA_KERNEL(head_mma_bf16_128x128, 128, 128, 4, 2, 2)
 HEAD_MMA_KERNEL(head_mma_bf16_64x128, 64, 128, 2, 4, 2)
 
 // ---- MlaKv: rms(latent)*w || rope(k_pe) ------------------------------------------------
-
-// Token t's cache row: rms(latent)·w ‖ rope(k_pe), to out[t], or (to_cache) to the cache row
-// of its slot. A whole block, every thread (its barriers are block-wide; every early return
-// is block-uniform).
-__device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
-                                           const float* __restrict__ norm_w,
-                                           const int* __restrict__ positions,
-                                           const int* __restrict__ slots, float* __restrict__ out,
-                                           int kv_lora, int qk_rope, float eps,
-                                           float theta_scale, float freq_scale, float ext_factor,
-                                           float corr_low, float corr_high, float mscale,
-                                           int to_cache, int n, int ctx, int t) {
-    __shared__ double red[8];
-    __shared__ float scale_s;
-    const int tid = threadIdx.x;
-    const int w = kv_lora + qk_rope;
-    const float* src = kv + (long long)t * w;
-    // to_cache: `out` is the cache pool and the row goes to the token's slot, as
-    // kv_cache_write would put it (skipped for a padding row's negative slot, outside the
-    // pool, or when a later token of the step names the same slot).
-    long long row = t;
-    if (to_cache) {
-        const int p = slots[t];
-        if (p < 0 || p >= ctx) return;
-        int later = 0;
-        for (int j = t + 1 + tid; j < n; j += blockDim.x) later |= slots[j] == p;
-        if (__syncthreads_or(later)) return;
-        row = p;
-    }
-    float* dst = out + row * w;
-    // As ggml's rms_norm: squares in f32, their sum in f64, the scale in f32.
-    double ss = 0.0;
-    for (int i = tid; i < kv_lora; i += blockDim.x) {
-        const float v = src[i];
-        ss += (double)__fmul_rn(v, v);
-    }
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((tid & 31) == 0) red[tid >> 5] = ss;
-    __syncthreads();
-    if (tid == 0) {
-        double sum = 0.0;
-        for (int k = 0; k < (int)(blockDim.x >> 5); ++k) sum += red[k];
-        const float mean = (float)(sum / (double)kv_lora);
-        scale_s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-    }
-    __syncthreads();
-    const float scale = scale_s;
-    for (int i = tid; i < kv_lora; i += blockDim.x)
-        dst[i] = __fmul_rn(__fmul_rn(src[i], scale), norm_w[i]);
-    rope_pairs(src + kv_lora, dst + kv_lora, positions[t], qk_rope, tid, blockDim.x,
-               theta_scale, freq_scale, ext_factor, corr_low, corr_high, mscale);
-}
 
 extern "C" __global__ void __launch_bounds__(256)
 mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
