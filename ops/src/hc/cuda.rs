@@ -543,17 +543,9 @@ impl HcPostPreNorm {
         let [streams, x, post, comb] = outputs else {
             return Err(OpError::shape(self.name(), "expects 4 outputs"));
         };
-        let pre_inputs: Vec<DeviceTensor<'_>> = std::iter::once(DeviceTensor {
-            meta: streams.meta,
-            ptr: streams.ptr,
-            bytes: streams.bytes,
-        })
-        .chain(inputs[4..].iter().map(|t| DeviceTensor {
-            meta: t.meta,
-            ptr: t.ptr,
-            bytes: t.bytes,
-        }))
-        .collect();
+        let pre_inputs: Vec<DeviceTensor<'_>> = std::iter::once(*streams)
+            .chain(inputs[4..].iter().copied())
+            .collect();
         let hc_post = [inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, inputs[3].ptr];
         // SAFETY: check_device checked all eight inputs and four outputs; H' is an output.
         unsafe {
@@ -589,17 +581,9 @@ impl HcRoutedPostPreNorm {
         let metas: Vec<&TensorMeta> = inputs.iter().map(|t| t.meta).collect();
         let y_meta = self.sum.infer(&metas[..4])?.remove(0);
         // The boundary's partial pass reads H' (the streams output) and fn, base, scale, norm.
-        let pre_inputs: Vec<DeviceTensor<'_>> = std::iter::once(DeviceTensor {
-            meta: streams.meta,
-            ptr: streams.ptr,
-            bytes: streams.bytes,
-        })
-        .chain(inputs[7..].iter().map(|t| DeviceTensor {
-            meta: t.meta,
-            ptr: t.ptr,
-            bytes: t.bytes,
-        }))
-        .collect();
+        let pre_inputs: Vec<DeviceTensor<'_>> = std::iter::once(*streams)
+            .chain(inputs[7..].iter().copied())
+            .collect();
         let (h, post_w, comb_w) = (inputs[4].ptr, inputs[5].ptr, inputs[6].ptr);
         let pre_norm = &self.boundary.pre_norm;
         let outs = [x.ptr, post.ptr, comb.ptr];
