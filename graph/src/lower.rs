@@ -7,6 +7,8 @@
 //!   the top-k sum's last step, the top-k sum formed inside the hc boundary after it, a few
 //!   tokens' router and route plan as one launch, the cache rows written beside the absorbed
 //!   query's GEMV;
+//! * **the latent cache's storage type** — F16 where every attention kernel the options allow
+//!   rounds keys and values to f16 as it reads them (the same values, half the bytes);
 //! * **the kernel variant of every node** — GEMV or tensor-core tiles, split-K or the rows
 //!   pass, the router's and top-k sum's kernels, the attention kernel, from the rows the step
 //!   shape gives each node.
@@ -141,6 +143,11 @@ pub struct LoweringOptions {
     /// sums, as the flash kernel does, rather than f32-class split operands (3 tensor
     /// instructions a product, which bound long-context decode on the H200).
     pub attention_f16_split: bool,
+    /// With `attention_f16_split`, the latent cache is stored as F16 (what those kernels and
+    /// the flash kernel round every key and value to as they read them): half the bytes a
+    /// decode step reads, twice the positions a pool holds. Every plan of an engine shares the
+    /// cache, so this follows the options alone, never a step's shape.
+    pub f16_latent_cache: bool,
     /// The one-token BF16 GEMVs issue their weight loads before waiting for their predecessor.
     pub pdl_weights_first: bool,
 }
@@ -172,6 +179,7 @@ impl Default for LoweringOptions {
             attention_flash_min_rows: 256,
             attention_flash_deep_min_rows: 16,
             attention_f16_split: true,
+            f16_latent_cache: true,
             pdl_weights_first: true,
         }
     }
@@ -193,7 +201,7 @@ impl fmt::Display for LoweringOptions {
              gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes; \
              router tiled>={} router+routes<={} topk inverse>={} \
-             hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}; weights first={}",
+             hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={} cache={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
             on(self.pair_linears),
@@ -223,12 +231,23 @@ impl fmt::Display for LoweringOptions {
             } else {
                 "f32"
             },
+            if self.latent_cache_is_f16() {
+                "f16"
+            } else {
+                "f32"
+            },
             on(self.pdl_weights_first)
         )
     }
 }
 
 impl LoweringOptions {
+    /// Whether a GPU plan stores the latent cache as F16: only where every attention kernel
+    /// the options allow reads f16 operands.
+    pub fn latent_cache_is_f16(&self) -> bool {
+        self.f16_latent_cache && self.attention_f16_split
+    }
+
     /// Refuses thresholds past what the kernels take, naming the field.
     pub fn validate(&self) -> Result<(), String> {
         let limits = [
@@ -388,6 +407,9 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
     }
     f.router_routes(opts.router_routes_max_rows);
     let mut g = f.finish();
+    if opts.latent_cache_is_f16() {
+        narrow_latent_caches(&mut g);
+    }
     for n in 0..g.nodes.len() {
         if let Some(op) = choose_kernel(&g, &g.nodes[n], target, opts) {
             g.nodes[n].op = op;
@@ -395,6 +417,32 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
         refuse_unsupported(&g, &g.nodes[n])?;
     }
     Ok(g)
+}
+
+/// Every state an attention node reads as its cache, and every write's view of it, stored as
+/// F16 (the writers round and saturate as the f16 kernels did on read).
+fn narrow_latent_caches(g: &mut Graph) {
+    let root = |g: &Graph, mut v: ValueId| {
+        while let Some(a) = g.values[v.0].alias_of {
+            v = a;
+        }
+        v
+    };
+    let caches: Vec<ValueId> = g
+        .nodes
+        .iter()
+        .filter(|n| op_as::<MlaAttention>(n).is_some())
+        .filter_map(|n| n.inputs.get(1).copied())
+        .map(|v| root(g, v))
+        .filter(|v| {
+            g.values[v.0].kind == ValueKind::State && g.values[v.0].meta.dtype == DType::F32
+        })
+        .collect();
+    for i in 0..g.values.len() {
+        if caches.contains(&root(g, ValueId(i))) {
+            g.values[i].meta.dtype = DType::F16;
+        }
+    }
 }
 
 /// Shapes no CUDA kernel of the node covers, refused when the plan is made (at load) with the

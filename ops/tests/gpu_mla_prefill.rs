@@ -23,7 +23,7 @@ use ops::mla::{
 use ops::mla_prefill::{launch_mla_prefill, mla_prefill_scratch_bytes};
 use ops::parity::{HostValue, Rng, Tolerance, check, compare, run_cpu, run_gpu, test_gpu};
 use ops::tensor::{HostTensor, HostTensorMut};
-use ops::{Op, OpError, TensorMeta};
+use ops::{DType, Op, OpError, TensorMeta};
 use proptest::prelude::*;
 
 mod support;
@@ -191,6 +191,7 @@ impl Op for Prefill {
                 ctx,
                 inputs[0].ptr,
                 inputs[1].ptr,
+                inputs[1].meta.dtype,
                 inputs[2].ptr,
                 pages,
                 outputs[0].ptr,
@@ -513,6 +514,7 @@ fn time_chunk(gpu: &GpuCtx, first: usize, bucket: usize) {
                 gpu,
                 q.device_ptr(),
                 caches[i % copies].device_ptr(),
+                DType::F32,
                 pb.device_ptr(),
                 pages,
                 out.device_ptr(),

@@ -189,9 +189,16 @@ fn a_penalised_choice_lowers_to_the_penalty_then_the_draw() {
 }
 
 /// Runs `tokens` at positions `0..n` then one decode token on the CPU executor, through the
-/// plans built for `target`; returns every prefill row's logits and the decode step's.
-fn run_on_cpu(m: &Model, target: Target, tokens: &[u32], next: u32) -> (Vec<f32>, Vec<f32>) {
-    let opts = LoweringOptions::default();
+/// plans built for `target` with `opts`; returns every prefill row's logits and the decode
+/// step's.
+fn run_on_cpu(
+    m: &Model,
+    target: Target,
+    opts: &LoweringOptions,
+    tokens: &[u32],
+    next: u32,
+) -> (Vec<f32>, Vec<f32>) {
+    let opts = opts.clone();
     let n = tokens.len();
     let prefill = StepShape::single(Bucket::Prefill { chunk: n, kv: 64 }, LogitRows::All);
     let decode = StepShape::single(Bucket::Decode { batch: 1, kv: 64 }, LogitRows::Last);
@@ -235,16 +242,72 @@ fn run_on_cpu(m: &Model, target: Target, tokens: &[u32], next: u32) -> (Vec<f32>
 }
 
 #[test]
+fn the_latent_cache_is_f16_only_where_every_attention_kernel_reads_f16() {
+    let m = tiny();
+    let shape = StepShape::single(DECODE, LogitRows::Last);
+    let caches = |o: &LoweringOptions, target: Target| -> Vec<ops::DType> {
+        let p = build_plan(&m, shape, None, target, o).unwrap();
+        let types: Vec<ops::DType> = p
+            .graph
+            .of_kind(graph::ValueKind::State)
+            .map(|(_, v)| v.meta.dtype)
+            .collect();
+        assert!(!types.is_empty());
+        types
+    };
+    let d = LoweringOptions::default();
+    let all = |v: Vec<ops::DType>, t: ops::DType| v.iter().all(|&x| x == t);
+    assert!(all(caches(&d, HOPPER), ops::DType::F16));
+    let f32_products = LoweringOptions {
+        attention_f16_split: false,
+        ..d.clone()
+    };
+    assert!(all(caches(&f32_products, HOPPER), ops::DType::F32));
+    let kept = LoweringOptions {
+        f16_latent_cache: false,
+        ..d.clone()
+    };
+    assert!(all(caches(&kept, HOPPER), ops::DType::F32));
+    assert!(all(caches(&d, Target::Cpu), ops::DType::F32));
+}
+
+#[test]
 fn the_cuda_lowered_graph_computes_the_declared_one_on_the_cpu() {
     let m = tiny();
     let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 512).collect();
-    let (declared_rows, declared_next) = run_on_cpu(&m, Target::Cpu, &tokens, 77);
-    let (lowered_rows, lowered_next) = run_on_cpu(&m, HOPPER, &tokens, 77);
+    let d = LoweringOptions::default();
+    let (declared_rows, declared_next) = run_on_cpu(&m, Target::Cpu, &d, &tokens, 77);
+    // The fusions alone (the cache kept F32): each fused op's reference is the chain it
+    // replaces, in the same order, so the same bits.
+    let f32_cache = LoweringOptions {
+        f16_latent_cache: false,
+        ..d.clone()
+    };
+    let (lowered_rows, lowered_next) = run_on_cpu(&m, HOPPER, &f32_cache, &tokens, 77);
     assert_eq!(declared_rows.len(), 12 * m.decl.n_vocab());
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    // Each fused op's reference is the chain it replaces, in the same order: the same bits.
     assert_eq!(bits(&declared_rows), bits(&lowered_rows));
     assert_eq!(bits(&declared_next), bits(&lowered_next));
+    // The default plan stores the cache as F16: the references then read keys and values
+    // rounded to f16 (11 significant bits), which moves the logits by about that much.
+    let (f16_rows, f16_next) = run_on_cpu(&m, HOPPER, &d, &tokens, 77);
+    let rel = |a: &[f32], b: &[f32]| {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+        let den: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
+        (num / den).sqrt()
+    };
+    let (r_rows, r_next) = (
+        rel(&declared_rows, &f16_rows),
+        rel(&declared_next, &f16_next),
+    );
+    assert!(
+        r_rows > 0.0,
+        "an F16 cache changed nothing: was it narrowed?"
+    );
+    assert!(
+        r_rows < 1e-2 && r_next < 1e-2,
+        "rows {r_rows:.3e}, next {r_next:.3e}"
+    );
 }
 
 /// The tiny xing4_0 checkpoint of `dims` (seed 11), loaded; its directory is removed after.

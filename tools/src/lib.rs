@@ -86,6 +86,10 @@ pub struct LoweringArgs {
     /// `XING4_ATTENTION_F32=1`).
     #[arg(long)]
     pub attention_f32: bool,
+    /// Keep the latent cache in F32 on the GPU even where attention reads f16 operands (by
+    /// default it is stored as F16 there: the same values, half the bytes).
+    #[arg(long)]
+    pub latent_cache_f32: bool,
 }
 
 impl LoweringArgs {
@@ -125,6 +129,7 @@ impl LoweringArgs {
             router_routes_max_rows: self
                 .router_routes_max_rows
                 .unwrap_or(d.router_routes_max_rows),
+            f16_latent_cache: !self.latent_cache_f32,
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self

@@ -15,14 +15,35 @@
 use half::bf16;
 
 use super::{
-    AttentionPath, HeadKernel, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery, MlaQueryKv,
-    MlaValueOut,
+    AttentionPath, HeadKernel, KvCacheWrite, MlaAttention, MlaKv, MlaKvCacheWrite, MlaQuery,
+    MlaQueryKv, MlaValueOut, f16_saturated,
 };
 use crate::parity::{
     HostValue, NMSE_F32, ParityCase, Rng, nmse_bound, nmse_f32_dot, uniform, weight,
 };
 use crate::rope::{RopeParams, Yarn};
 use crate::tensor::{DType, TensorMeta};
+
+/// `v` (an f32 cache) as the F16 cache the lowering stores: each value rounded and saturated
+/// as the writers store it.
+fn f16_cache(v: HostValue) -> HostValue {
+    let bytes: Vec<u8> = v
+        .data
+        .bytes()
+        .chunks_exact(4)
+        .flat_map(|b| f16_saturated(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes())
+        .collect();
+    HostValue::from_bytes(TensorMeta::new(v.meta.shape.clone(), DType::F16), &bytes)
+}
+
+/// Input 1 of `ins` (the cache) narrowed to F16 when `f16` is set.
+fn with_cache(mut ins: Vec<HostValue>, at: usize, f16: bool) -> Vec<HostValue> {
+    if f16 {
+        let c = ins[at].clone();
+        ins[at] = f16_cache(c);
+    }
+    ins
+}
 
 const NH: usize = 32;
 const NOPE: usize = 128;
@@ -269,7 +290,12 @@ pub fn cases() -> Vec<ParityCase> {
             },
         ));
     }
-    for (n, ctx) in [(1usize, 4096usize), (64, 1024)] {
+    for (n, ctx, f16) in [
+        (1usize, 4096usize, false),
+        (64, 1024, false),
+        (1, 4096, true),
+        (64, 1024, true),
+    ] {
         let kv = MlaKv {
             kv_lora: LORA,
             qk_rope: ROT,
@@ -280,7 +306,10 @@ pub fn cases() -> Vec<ParityCase> {
         let bytes = 2 * n * W * 4 + LORA * 4 + n * 4;
         v.push(
             ParityCase::new(
-                format!("mla_kv_cache_write/n={n} ctx={ctx}"),
+                format!(
+                    "mla_kv_cache_write/n={n} ctx={ctx}{}",
+                    if f16 { " f16 cache" } else { "" }
+                ),
                 MlaKvCacheWrite { kv },
                 0xcace + n as u64,
                 NMSE_F32,
@@ -297,19 +326,50 @@ pub fn cases() -> Vec<ParityCase> {
                         slots[n - 1] = -1;
                     }
                     let (pos, slots) = (HostValue::i32([n], &pos), HostValue::i32([n], &slots));
-                    vec![cache, kv, g, pos, slots]
+                    with_cache(vec![cache, kv, g, pos, slots], 0, f16)
                 },
             )
             .moving(bytes),
         );
     }
+    // The plain row copy into an F32 and an F16 cache (the fusions off).
+    for f16 in [false, true] {
+        let (n, ctx) = (5usize, 256usize);
+        v.push(ParityCase::new(
+            format!(
+                "kv_cache_write/n={n}{}",
+                if f16 { " f16 cache" } else { "" }
+            ),
+            KvCacheWrite,
+            0xc0de + u64::from(f16),
+            NMSE_F32,
+            move |r| {
+                let cache = uniform(r, &[ctx, W], -1.0, 1.0);
+                // Values past f16's range: the F16 cache saturates them.
+                let k = uniform(r, &[n, W], -7e4, 7e4);
+                let slots: Vec<i32> = vec![3, 200, -1, 3, 17];
+                with_cache(vec![cache, k, HostValue::i32([n], &slots)], 0, f16)
+            },
+        ));
+    }
     // The cache rows beside the query: one token, more tokens than heads (each cache block
     // takes several in turn; 4 heads), and 64 tokens (the tiles: two launches).
-    for (n, nh) in [(1usize, NH), (7, 4), (64, NH)] {
+    for (n, nh, f16) in [
+        (1usize, NH, false),
+        (7, 4, false),
+        (64, NH, false),
+        (1, NH, true),
+        (7, 4, true),
+        (64, NH, true),
+    ] {
         let kernel = head_kernel(n);
         let ctx = 1024;
         v.push(ParityCase::new(
-            format!("mla_query_kv/{} n={n} heads={nh}", head_label(kernel)),
+            format!(
+                "mla_query_kv/{} n={n} heads={nh}{}",
+                head_label(kernel),
+                if f16 { " f16 cache" } else { "" }
+            ),
             MlaQueryKv {
                 query: MlaQuery {
                     n_head: nh,
@@ -337,11 +397,11 @@ pub fn cases() -> Vec<ParityCase> {
                 let q = uniform(r, &[n, nh * (NOPE + ROT)], -1.0, 1.0);
                 let kb = bf16_weight(r, [nh, LORA, NOPE]);
                 let (pos, slots) = (HostValue::i32([n], &pos), HostValue::i32([n], &slots));
-                vec![cache, kv, g, pos, slots, q, kb]
+                with_cache(vec![cache, kv, g, pos, slots, q, kb], 0, f16)
             },
         ));
     }
-    let split = |name: &str, ctx: usize, pos: Vec<i32>, kernel: AttentionPath| {
+    let split = |name: &str, ctx: usize, pos: Vec<i32>, kernel: AttentionPath, f16: bool| {
         let n = pos.len();
         let rows = pos.iter().copied().max().unwrap_or(0) as usize + 1;
         let bound = attention_path_bound(kernel, rows);
@@ -349,7 +409,10 @@ pub fn cases() -> Vec<ParityCase> {
         // Q, the rows up to the last position, the output.
         let bytes = n * NH * W * 4 + rows * W * 4 + n * NH * LORA * 4;
         ParityCase::new(
-            format!("mla_attention/{path} {name} n={n} ctx={ctx}"),
+            format!(
+                "mla_attention/{path} {name} n={n} ctx={ctx}{}",
+                if f16 { " f16 cache" } else { "" }
+            ),
             MlaAttention {
                 n_head: NH,
                 kv_lora: LORA,
@@ -359,51 +422,59 @@ pub fn cases() -> Vec<ParityCase> {
             },
             pos[0] as u64 + 1,
             bound,
-            move |r| attention_inputs(r, ctx, &pos),
+            move |r| with_cache(attention_inputs(r, ctx, &pos), 1, f16),
         )
         .moving(bytes)
     };
     // Several sequences in one step over shuffled blocks: a decode batch (one row each, one
     // of them a padding row at position 0 of a sequence of its own) and a mixed step (decode
     // rows, then a chunk of a third sequence).
-    let paged = |name: &str, rows: Vec<(i32, i32)>, width: usize, kernel: AttentionPath| {
-        let n = rows.len();
-        let reach = rows.iter().map(|&(_, p)| p).max().unwrap_or(0) as usize + 1;
-        let bytes: usize = n * NH * W * 4
-            + rows
-                .iter()
-                .map(|&(_, p)| (p as usize + 1) * W * 4)
-                .sum::<usize>()
-                / n.max(1)
-            + n * NH * LORA * 4;
-        ParityCase::new(
-            format!(
-                "mla_attention/{} paged {name} n={n}",
-                attention_path_name(kernel)
-            ),
-            MlaAttention {
-                n_head: NH,
-                kv_lora: LORA,
-                kq_scale: KQ_SCALE,
-                block_size: BLOCK,
-                kernel,
-            },
-            0x9a6e + n as u64,
-            attention_path_bound(kernel, reach),
-            move |r| paged_attention_inputs(r, &rows, width),
-        )
-        .moving(bytes)
-    };
-    for kernel in [AttentionPath::SplitK, AttentionPath::SplitKF16] {
+    let paged =
+        |name: &str, rows: Vec<(i32, i32)>, width: usize, kernel: AttentionPath, f16: bool| {
+            let n = rows.len();
+            let reach = rows.iter().map(|&(_, p)| p).max().unwrap_or(0) as usize + 1;
+            let bytes: usize = n * NH * W * 4
+                + rows
+                    .iter()
+                    .map(|&(_, p)| (p as usize + 1) * W * 4)
+                    .sum::<usize>()
+                    / n.max(1)
+                + n * NH * LORA * 4;
+            ParityCase::new(
+                format!(
+                    "mla_attention/{} paged {name} n={n}{}",
+                    attention_path_name(kernel),
+                    if f16 { " f16 cache" } else { "" }
+                ),
+                MlaAttention {
+                    n_head: NH,
+                    kv_lora: LORA,
+                    kq_scale: KQ_SCALE,
+                    block_size: BLOCK,
+                    kernel,
+                },
+                0x9a6e + n as u64,
+                attention_path_bound(kernel, reach),
+                move |r| with_cache(paged_attention_inputs(r, &rows, width), 1, f16),
+            )
+            .moving(bytes)
+        };
+    // The f16 kernels over the F32 cache, and over the F16 cache the lowering stores for them.
+    for (kernel, fc) in [
+        (AttentionPath::SplitK, false),
+        (AttentionPath::SplitKF16, false),
+        (AttentionPath::SplitKF16, true),
+    ] {
         v.push(paged(
             "decode batch",
             vec![(0, 700), (1, 63), (2, 64), (3, 2999), (4, 0)],
             64,
             kernel,
+            fc,
         ));
         let mut mixed = vec![(0, 130), (1, 1100)];
         mixed.extend((200..232).map(|p| (2, p)));
-        v.push(paged("mixed step", mixed, 32, kernel));
+        v.push(paged("mixed step", mixed, 32, kernel, fc));
         // A mixed step as the engine lays it out: a 300-token chunk of the table's first
         // sequence, then one decode row of each of four others (one at position 0).
         let mut mixed: Vec<(i32, i32)> = (700..1000).map(|p| (0, p)).collect();
@@ -414,6 +485,7 @@ pub fn cases() -> Vec<ParityCase> {
             mixed,
             64,
             AttentionPath::FlashThenSplit { lead: 300, f16 },
+            fc,
         ));
         // A short chunk deep in its sequence beside decode rows: the flash launch splits the
         // chunk's keys over the chip (40 tokens × 32 heads: 20 blocks, 6 splits).
@@ -424,46 +496,92 @@ pub fn cases() -> Vec<ParityCase> {
             mixed,
             64,
             AttentionPath::FlashThenSplit { lead: 40, f16 },
+            fc,
         ));
         // 24 sequences over tables of 512 positions: 5 chunks a token, merged by the
         // few-chunk combine.
         let batch: Vec<(i32, i32)> = (0..24).map(|s| (s, 40 + 19 * s)).collect();
-        v.push(paged("decode batch of 24", batch, 8, kernel));
+        v.push(paged("decode batch of 24", batch, 8, kernel, fc));
     }
     let chunk: Vec<i32> = (960..1024).collect();
-    v.push(split("decode", 8192, vec![3000], AttentionPath::SplitK));
+    v.push(split(
+        "decode",
+        8192,
+        vec![3000],
+        AttentionPath::SplitK,
+        false,
+    ));
     v.push(split(
         "decode at row 0",
         8192,
         vec![0],
         AttentionPath::SplitK,
+        false,
     ));
     v.push(split(
         "few tokens",
         4096,
         vec![4000, 17, 2048, 4095],
         AttentionPath::SplitK,
+        false,
     ));
-    v.push(split("chunk", 1024, chunk.clone(), AttentionPath::SplitK));
-    v.push(split("decode", 8192, vec![3000], AttentionPath::SplitKF16));
+    v.push(split(
+        "chunk",
+        1024,
+        chunk.clone(),
+        AttentionPath::SplitK,
+        false,
+    ));
+    v.push(split(
+        "decode",
+        8192,
+        vec![3000],
+        AttentionPath::SplitKF16,
+        false,
+    ));
     v.push(split(
         "decode at row 0",
         8192,
         vec![0],
         AttentionPath::SplitKF16,
+        false,
     ));
     v.push(split(
         "few tokens",
         4096,
         vec![4000, 17, 2048, 4095],
         AttentionPath::SplitKF16,
+        false,
     ));
-    v.push(split("chunk", 1024, chunk, AttentionPath::Flash));
+    v.push(split("chunk", 1024, chunk, AttentionPath::Flash, false));
     v.push(split(
         "chunk at the start",
         1024,
         (0..64).collect(),
         AttentionPath::Flash,
+        false,
+    ));
+    // Over the F16 cache: decode, a few tokens at once, a flash chunk.
+    v.push(split(
+        "decode",
+        8192,
+        vec![3000],
+        AttentionPath::SplitKF16,
+        true,
+    ));
+    v.push(split(
+        "few tokens",
+        4096,
+        vec![4000, 17, 2048, 4095],
+        AttentionPath::SplitKF16,
+        true,
+    ));
+    v.push(split(
+        "chunk",
+        1024,
+        (960..1024).collect(),
+        AttentionPath::Flash,
+        true,
     ));
     v
 }

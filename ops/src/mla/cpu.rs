@@ -1,5 +1,8 @@
 //! CPU references of the MLA ops.
 
+use std::borrow::Cow;
+
+use half::f16;
 use rayon::prelude::*;
 
 use super::{
@@ -208,8 +211,7 @@ impl MlaKvCacheWrite {
         let mut rows = vec![0f32; pos.len() * (self.kv.kv_lora + self.kv.qk_rope)];
         self.kv
             .compute(inputs[1].f32()?, inputs[2].f32()?, pos, &mut rows)?;
-        let w = outputs[0].meta.inner();
-        KvCacheWrite::compute(outputs[0].f32_mut()?, w, &rows, inputs[4].i32()?)
+        write_cache_rows(&mut outputs[0], &rows, inputs[4].i32()?)
     }
 }
 
@@ -270,10 +272,62 @@ impl KvCacheWrite {
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
         check_host(self, inputs, outputs)?;
-        let w = outputs[0].meta.inner();
-        let k = inputs[1].f32()?;
-        let pos = inputs[2].i32()?;
-        Self::compute(outputs[0].f32_mut()?, w, k, pos)
+        write_cache_rows(&mut outputs[0], inputs[1].f32()?, inputs[2].i32()?)
+    }
+}
+
+/// [`KvCacheWrite::compute`] into a cache of either [`super::LATENT_CACHE_TYPES`]: an F16
+/// cache gets each value rounded to nearest and saturated to ±65504 (a NaN stays NaN).
+pub(super) fn write_cache_rows(
+    cache: &mut HostTensorMut<'_>,
+    k: &[f32],
+    slots: &[i32],
+) -> Result<(), OpError> {
+    let w = cache.meta.inner();
+    if cache.meta.dtype == DType::F32 {
+        return KvCacheWrite::compute(cache.f32_mut()?, w, k, slots);
+    }
+    let rows = cache.meta.shape[0];
+    let mut staged = vec![0f32; rows * w];
+    // Only the slots' rows are staged and written back: the rest of the pool is untouched.
+    let touched: Vec<usize> = slots
+        .iter()
+        .filter(|&&s| s >= 0 && (s as usize) < rows)
+        .map(|&s| s as usize)
+        .collect();
+    KvCacheWrite::compute(&mut staged, w, k, slots)?;
+    let bytes = &mut *cache.data;
+    for r in touched {
+        for c in 0..w {
+            let h = f16_saturated(staged[r * w + c]);
+            let at = 2 * (r * w + c);
+            bytes[at..at + 2].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    Ok(())
+}
+
+/// x rounded to the nearest f16 and saturated to ±65504, a NaN kept NaN (PTX's
+/// `cvt.rn.satfinite.f16.f32`, which the f16 kernels narrow with).
+pub fn f16_saturated(x: f32) -> f16 {
+    if x.is_nan() {
+        f16::NAN
+    } else {
+        f16::from_f32(x.clamp(-65504.0, 65504.0))
+    }
+}
+
+/// The cache's rows as f32: an F32 cache borrowed, an F16 one widened.
+pub(super) fn cache_as_f32<'a>(cache: &HostTensor<'a>) -> Result<Cow<'a, [f32]>, OpError> {
+    match cache.meta.dtype {
+        DType::F16 => Ok(Cow::Owned(
+            cache
+                .data
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        )),
+        _ => Ok(Cow::Borrowed(cache.f32()?)),
     }
 }
 
@@ -440,7 +494,7 @@ impl MlaAttention {
         check_host(self, inputs, outputs)?;
         let w = inputs[1].meta.inner();
         let q = inputs[0].f32()?;
-        let cache = inputs[1].f32()?;
+        let cache = cache_as_f32(&inputs[1])?;
         let pos = inputs[2].i32()?;
         let pages = Pages {
             block_table: inputs[3].i32()?,
@@ -448,7 +502,7 @@ impl MlaAttention {
             row_seq: inputs[4].i32()?,
             block_size: self.block_size,
         };
-        self.compute(q, cache, w, pos, pages, outputs[0].f32_mut()?)
+        self.compute(q, &cache, w, pos, pages, outputs[0].f32_mut()?)
     }
 }
 

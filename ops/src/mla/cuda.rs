@@ -96,13 +96,16 @@ impl MlaQueryKv {
             return Err(OpError::shape(op, "expects 7 inputs"));
         };
         let rows = outputs[0].meta.shape[0];
-        if self.query.kernel == HeadKernel::Gemv && self.query.rope == self.kv.rope {
+        let pairs = self.kv.kv_lora.is_multiple_of(2) && self.kv.qk_rope.is_multiple_of(2);
+        let f16_ok = outputs[0].meta.dtype != DType::F16 || pairs;
+        if self.query.kernel == HeadKernel::Gemv && self.query.rope == self.kv.rope && f16_ok {
             let job = KvJob {
                 kv: kv.ptr,
                 norm_w: norm_w.ptr,
                 slots: slots.ptr,
                 cache: outputs[0].ptr,
                 cache_rows: rows,
+                cache_f16: outputs[0].meta.dtype == DType::F16,
                 kv_lora: self.kv.kv_lora,
                 qk_rope: self.kv.qk_rope,
                 eps: self.kv.eps,
@@ -114,8 +117,9 @@ impl MlaQueryKv {
         self.query
             .launch(ctx, op, [q, k_b, positions], outputs[1].ptr, None)?;
         let ins = [kv.ptr, norm_w.ptr, positions.ptr, slots.ptr];
+        let cache = Some((rows, outputs[0].meta.dtype));
         // SAFETY: check_device verified the token inputs and the rows×W cache.
-        unsafe { self.kv.launch(ctx, op, ins, outputs[0].ptr, n, Some(rows)) }
+        unsafe { self.kv.launch(ctx, op, ins, outputs[0].ptr, n, cache) }
     }
 }
 
@@ -180,6 +184,7 @@ pub(super) struct KvJob {
     slots: u64,
     cache: u64,
     cache_rows: usize,
+    cache_f16: bool,
     kv_lora: usize,
     qk_rope: usize,
     eps: f32,
@@ -417,7 +422,8 @@ pub(super) fn head_gemv(
                 .arg(i("kv_lora", j.kv_lora)?)
                 .arg(i("qk_rope", j.qk_rope)?)
                 .arg(j.eps)
-                .arg(i("cache rows", j.cache_rows)?),
+                .arg(i("cache rows", j.cache_rows)?)
+                .arg(i32::from(j.cache_f16)),
             None => l,
         }
         .enqueue()
@@ -497,8 +503,8 @@ impl MlaKv {
 
 impl MlaKv {
     /// The `mla_kv` kernel over `[kv, norm_w, positions]` of n tokens: rows to `out[t]`, or with
-    /// `cache_rows` to `out[slots[t]]` of a cache of that many rows (skipping slots
-    /// outside it and all but the last token naming a row).
+    /// `cache` (its rows and type) to `out[slots[t]]` of that cache (skipping slots outside it
+    /// and all but the last token naming a row).
     ///
     /// # Safety
     /// The buffers hold what [`MlaKv::infer`] describes for n tokens; `out` holds n rows, or
@@ -510,9 +516,19 @@ impl MlaKv {
         [kv, norm_w, positions, slots]: [u64; 4],
         out: u64,
         n: usize,
-        cache_rows: Option<usize>,
+        cache: Option<(usize, DType)>,
     ) -> Result<(), OpError> {
         let k = self.rope.consts();
+        let cache_f16 = matches!(cache, Some((_, DType::F16)));
+        if cache_f16 && !(self.kv_lora.is_multiple_of(2) && self.qk_rope.is_multiple_of(2)) {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "an F16 cache takes rows of whole pairs, found kv_lora {} and rope {}",
+                    self.kv_lora, self.qk_rope
+                ),
+            ));
+        }
         let kern = ctx.kernel("mla.cu", MLA_CU, "mla_kv")?;
         // SAFETY: argument list matches mla_kv; the caller vouches for the buffers.
         unsafe {
@@ -534,9 +550,10 @@ impl MlaKv {
                 .arg(k.corr[0])
                 .arg(k.corr[1])
                 .arg(k.mscale)
-                .arg(i32::from(cache_rows.is_some()))
+                .arg(i32::from(cache.is_some()))
                 .arg(n as i32)
-                .arg(dim_i32(op, "cache rows", cache_rows.unwrap_or(0))?)
+                .arg(dim_i32(op, "cache rows", cache.map_or(0, |c| c.0))?)
+                .arg(i32::from(cache_f16))
                 .enqueue()
                 .map_err(dev_err)
         }
@@ -559,10 +576,10 @@ impl MlaKvCacheWrite {
         if n == 0 {
             return Ok(());
         }
-        let rows = outputs[0].meta.shape[0];
+        let cache = (outputs[0].meta.shape[0], outputs[0].meta.dtype);
         let ins = [inputs[1].ptr, inputs[2].ptr, inputs[3].ptr, inputs[4].ptr];
         // SAFETY: check_device verified the token inputs and the rows×W cache.
-        unsafe { self.kv.launch(ctx, op, ins, outputs[0].ptr, n, Some(rows)) }
+        unsafe { self.kv.launch(ctx, op, ins, outputs[0].ptr, n, Some(cache)) }
     }
 }
 
@@ -583,6 +600,13 @@ impl KvCacheWrite {
             return Ok(());
         }
         let (rows, w) = (outputs[0].meta.shape[0], outputs[0].meta.shape[1]);
+        let cache_f16 = outputs[0].meta.dtype == DType::F16;
+        if cache_f16 && !w.is_multiple_of(2) {
+            return Err(OpError::shape(
+                op,
+                format!("an F16 cache takes rows of whole pairs, found rows of {w}"),
+            ));
+        }
         let kern = ctx.kernel("mla.cu", MLA_CU, "kv_cache_write")?;
         // SAFETY: argument list matches kv_cache_write; the kernel writes only rows in [0, rows).
         unsafe {
@@ -596,6 +620,7 @@ impl KvCacheWrite {
                 .arg(n as i32)
                 .arg(dim_i32(op, "W", w)?)
                 .arg(dim_i32(op, "cache rows", rows)?)
+                .arg(i32::from(cache_f16))
                 .enqueue()
                 .map_err(dev_err)
         }
@@ -651,6 +676,7 @@ impl MlaAttention {
                     ctx,
                     inputs[0].ptr,
                     inputs[1].ptr,
+                    inputs[1].meta.dtype,
                     inputs[2].ptr,
                     self.pages(inputs),
                     outputs[0].ptr,
@@ -710,6 +736,7 @@ impl MlaAttention {
                     ctx,
                     q.ptr,
                     cache.ptr,
+                    cache.meta.dtype,
                     pos.ptr,
                     self.pages(inputs),
                     out.ptr,
@@ -835,7 +862,22 @@ impl MlaAttention {
                 format!("the CUDA kernel has tiles of 16 or 32 rows, not {tile}"),
             ));
         }
-        let name = format!("mla_attn_split_t{tile}{}", kernel.products.suffix());
+        // An F16 cache holds what the f16-operand kernel rounds to: only it reads one (`_hc`).
+        let cache_f16 = cache.meta.dtype == DType::F16;
+        if cache_f16 && (kernel.products != SplitProducts::F16 || !w.is_multiple_of(8)) {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "an F16 cache takes the f16-operand split kernel over rows of a multiple                      of 8 values, found {:?} over rows of {w}",
+                    kernel.products
+                ),
+            ));
+        }
+        let name = format!(
+            "mla_attn_split_t{tile}{}{}",
+            kernel.products.suffix(),
+            if cache_f16 { "c" } else { "" }
+        );
         for (what, t) in [("Q", q), ("cache", cache), ("o_lat", out)] {
             aligned16(op, what, t)?;
         }
@@ -871,7 +913,7 @@ impl MlaAttention {
                 .launch(&split)
                 .grid((chunks as u32, n as u32, groups as u32))
                 .block(256)
-                .shared_mem(attention_smem(tile) as u32)
+                .shared_mem(attention_smem(tile, cache.meta.dtype) as u32)
                 .arg(q.ptr)
                 .arg(cache.ptr)
                 .arg(pos.ptr)

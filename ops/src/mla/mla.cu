@@ -33,8 +33,19 @@ __device__ __forceinline__ void rope_cos_sin(int pos, int pair, float theta_scal
     *s = __fmul_rn(sinf(theta), mscale);
 }
 
-// Rotates (src[2i], src[2i+1]) into dst for pairs i < n_rot/2, one thread a pair.
-__device__ __forceinline__ void rope_pairs(const float* src, float* dst, int pos, int n_rot,
+// (lo, hi) as an f16 pair, lo in the low half, rounded to nearest and saturated to ±65504 (a
+// NaN stays NaN): how an F16 latent cache stores its values, and how the f16 attention kernels
+// narrow f32 ones (a weight of 0 times a clamped value stays 0, where inf would give NaN).
+__device__ __forceinline__ unsigned att_pack_f16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Rotates (src[2i], src[2i+1]) into dst for pairs i < n_rot/2, one thread a pair; HALF: dst
+// is an f16 row (att_pack_f16 of the same f32 results).
+template <bool HALF = false>
+__device__ __forceinline__ void rope_pairs(const float* src, void* dst, int pos, int n_rot,
                                            int tid, int nthreads, float theta_scale,
                                            float freq_scale, float ext_factor, float corr_low,
                                            float corr_high, float mscale) {
@@ -43,8 +54,14 @@ __device__ __forceinline__ void rope_pairs(const float* src, float* dst, int pos
         rope_cos_sin(pos, i, theta_scale, freq_scale, ext_factor, corr_low, corr_high, mscale,
                      &c, &s);
         const float x0 = src[2 * i], x1 = src[2 * i + 1];
-        dst[2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-        dst[2 * i + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+        const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        const float y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+        if (HALF) {
+            reinterpret_cast<unsigned*>(dst)[i] = att_pack_f16(y0, y1);
+        } else {
+            reinterpret_cast<float*>(dst)[2 * i] = y0;
+            reinterpret_cast<float*>(dst)[2 * i + 1] = y1;
+        }
     }
 }
 
@@ -60,7 +77,7 @@ __device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
                                            int kv_lora, int qk_rope, float eps,
                                            float theta_scale, float freq_scale, float ext_factor,
                                            float corr_low, float corr_high, float mscale,
-                                           int to_cache, int n, int ctx, int t) {
+                                           int to_cache, int cache_f16, int n, int ctx, int t) {
     __shared__ double red[8];
     __shared__ float scale_s;
     const int tid = threadIdx.x;
@@ -78,7 +95,9 @@ __device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
         if (__syncthreads_or(later)) return;
         row = p;
     }
+    // cache_f16 (with to_cache): the row is stored as f16 pairs (W even).
     float* dst = out + row * w;
+    unsigned* dst2 = reinterpret_cast<unsigned*>(reinterpret_cast<unsigned short*>(out) + row * w);
     // As ggml's rms_norm: squares in f32, their sum in f64, the scale in f32.
     double ss = 0.0;
     for (int i = tid; i < kv_lora; i += blockDim.x) {
@@ -96,6 +115,15 @@ __device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
     }
     __syncthreads();
     const float scale = scale_s;
+    if (to_cache && cache_f16) {
+        for (int i = tid; i < kv_lora / 2; i += blockDim.x)
+            dst2[i] = att_pack_f16(__fmul_rn(__fmul_rn(src[2 * i], scale), norm_w[2 * i]),
+                                   __fmul_rn(__fmul_rn(src[2 * i + 1], scale), norm_w[2 * i + 1]));
+        rope_pairs<true>(src + kv_lora, dst2 + kv_lora / 2, positions[t], qk_rope, tid,
+                         blockDim.x, theta_scale, freq_scale, ext_factor, corr_low, corr_high,
+                         mscale);
+        return;
+    }
     for (int i = tid; i < kv_lora; i += blockDim.x)
         dst[i] = __fmul_rn(__fmul_rn(src[i], scale), norm_w[i]);
     rope_pairs(src + kv_lora, dst + kv_lora, positions[t], qk_rope, tid, blockDim.x,
@@ -193,12 +221,13 @@ extern "C" __global__ void __launch_bounds__(256) head_gemv_bf16(HEAD_GEMV_BF16_
 extern "C" __global__ void __launch_bounds__(256)
 head_gemv_bf16_kv(HEAD_GEMV_BF16_PARAMS, const float* __restrict__ kv,
                   const float* __restrict__ norm_w, const int* __restrict__ slots,
-                  float* __restrict__ cache, int kv_lora, int qk_rope, float eps, int cache_rows) {
+                  float* __restrict__ cache, int kv_lora, int qk_rope, float eps, int cache_rows,
+                  int cache_f16) {
     PDL_ENTER();
     if ((int)blockIdx.x == row_blocks + 1) {
         for (int t = blockIdx.y; t < n_tok; t += gridDim.y)
             mla_kv_row(kv, norm_w, positions, slots, cache, kv_lora, qk_rope, eps, theta_scale,
-                       freq_scale, ext_factor, corr_low, corr_high, mscale, 1, n_tok,
+                       freq_scale, ext_factor, corr_low, corr_high, mscale, 1, cache_f16, n_tok,
                        cache_rows, t);
         return;
     }
@@ -602,10 +631,10 @@ mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
        const int* __restrict__ positions, const int* __restrict__ slots,
        float* __restrict__ out, int kv_lora, int qk_rope, float eps, float theta_scale,
        float freq_scale, float ext_factor, float corr_low, float corr_high, float mscale,
-       int to_cache, int n, int ctx) {
+       int to_cache, int n, int ctx, int cache_f16) {
     PDL_ENTER();
     mla_kv_row(kv, norm_w, positions, slots, out, kv_lora, qk_rope, eps, theta_scale, freq_scale,
-               ext_factor, corr_low, corr_high, mscale, to_cache, n, ctx, blockIdx.x);
+               ext_factor, corr_low, corr_high, mscale, to_cache, cache_f16, n, ctx, blockIdx.x);
 }
 
 // ---- KvCacheWrite ----------------------------------------------------------------------
@@ -615,7 +644,7 @@ mla_kv(const float* __restrict__ kv, const float* __restrict__ norm_w,
 // row the later one writes it, as the CPU's loop.
 extern "C" __global__ void __launch_bounds__(256)
 kv_cache_write(float* __restrict__ cache, const float* __restrict__ k,
-               const int* __restrict__ slots, int n, int w, int ctx) {
+               const int* __restrict__ slots, int n, int w, int ctx, int cache_f16) {
     PDL_ENTER();
     const int i = blockIdx.x;
     const int p = slots[i];
@@ -626,6 +655,14 @@ kv_cache_write(float* __restrict__ cache, const float* __restrict__ k,
     for (int j = i + 1 + threadIdx.x; j < n; j += blockDim.x) later |= slots[j] == p;
     if (__syncthreads_or(later)) return;
     const float* src = k + (long long)i * w;
+    if (cache_f16) {
+        // f16 pairs (W even), rounded and saturated as the f16 attention kernels narrow.
+        unsigned* dst2 =
+            reinterpret_cast<unsigned*>(reinterpret_cast<unsigned short*>(cache) + (long long)p * w);
+        for (int c = threadIdx.x; c < w / 2; c += blockDim.x)
+            dst2[c] = att_pack_f16(src[2 * c], src[2 * c + 1]);
+        return;
+    }
     float* dst = cache + (long long)p * w;
     for (int c = threadIdx.x; c < w; c += blockDim.x) dst[c] = src[c];
 }

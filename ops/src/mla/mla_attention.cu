@@ -12,6 +12,12 @@
 // way. mma.sync TF32 runs at ~1/4 of an SM's wgmma rate on the H200 (measured: ~0.25 m16n8k8
 // a clock an SM), so the instruction count is what those kernels' time follows.
 //
+// MODE 3 (the `_hc` kernels): MODE 2 over an F16 cache. The rows are staged as they are stored
+// (ATT_WSH = 584 halves a row), so a tile is half the bytes; the values are the ones MODE 2
+// narrows to on read (the cache holds them rounded and saturated the same way). Score pairs are
+// one 4-byte load (words 4g + tq: distinct banks); a value lane's four columns one 8-byte load,
+// two rows' halves paired by a byte permute.
+//
 // MODE 2 (the `_h` kernels): f16 operands, one m16n8k16 mma for two of the k8 steps above,
 // f32 accumulators: the numerics of the prefill flash kernel (mla_prefill.cu), a quarter of
 // MODE 1's tensor instructions and no operand splitting. Q is narrowed once, times kq_scale
@@ -38,6 +44,7 @@
 
 #define ATT_W 576
 #define ATT_WS 584
+#define ATT_WSH 584
 #define ATT_LORA 512
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, int src_bytes) {
@@ -121,14 +128,7 @@ __device__ __forceinline__ long long att_pool_row(const int* __restrict__ tbl, i
     return ((long long)tbl[r >> bshift] << bshift) | (r & ((1 << bshift) - 1));
 }
 
-// (lo, hi) as an f16 pair, lo in the low half, rounded to nearest and saturated to ±65504 (as
-// the flash kernel narrows: a weight of 0 times a clamped value stays 0, where inf would give
-// NaN).
-__device__ __forceinline__ unsigned att_pack_f16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
+// att_pack_f16 (narrowing an f32 pair to f16) is in mla.cu, which the cache writers share.
 __device__ __forceinline__ void mma_f16_k16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
                                             unsigned b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -145,7 +145,7 @@ __device__ __forceinline__ void mma_f16_k8(float (&d)[4], unsigned a0, unsigned 
 
 template <int T, int NBUF, int MODE>
 __device__ __forceinline__ void attn_split(const float* __restrict__ q,
-                                           const float* __restrict__ cache,
+                                           const void* __restrict__ cache_v,
                                            const int* __restrict__ positions,
                                            const int* __restrict__ block_table,
                                            const int* __restrict__ row_seq, int table_width,
@@ -156,8 +156,14 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     constexpr int MT = T / 16;  // m16 row tiles of the score product
     constexpr int KS = T / 8;   // k8 row steps of the value product
     extern __shared__ float4 att_smem4[];
+    // MODE 3 stages f16 rows: a buffer is T rows of ATT_WSH halves.
+    constexpr bool CACHE_H = MODE == 3;
+    constexpr int ROW_BYTES = CACHE_H ? ATT_WSH * 2 : ATT_WS * 4;
     float* kbuf = reinterpret_cast<float*>(att_smem4);           // [NBUF][T][ATT_WS]
-    float4* sp = att_smem4 + NBUF * T * ATT_WS / 4;              // [8 warps][MT*4][32 lanes]
+    unsigned short* kbh = reinterpret_cast<unsigned short*>(att_smem4);  // [NBUF][T][ATT_WSH]
+    float4* sp = att_smem4 + NBUF * T * ROW_BYTES / 16;          // [8 warps][MT*4][32 lanes]
+    const float* cache = reinterpret_cast<const float*>(cache_v);
+    const unsigned short* cache_h = reinterpret_cast<const unsigned short*>(cache_v);
     float4* pbig = sp + 8 * MT * 4 * 32;                         // [KS][2][32] A fragments
     float4* psmall = pbig + KS * 2 * 32;                         // [KS][2][32] corrections
     float* corr_s = reinterpret_cast<float*>(psmall + KS * 2 * 32);  // [32]
@@ -182,34 +188,45 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
         return;
     }
 
-    const int w4 = w >> 2;
     const int ntiles = (r1 - r0 + T - 1) / T;
     // One commit group per call, empty past the last tile, so the wait counts stay fixed.
-    // Thread tid copies 16-byte chunks tid, tid+256, ... of the tile's T x 144; (j, c) is
+    // Thread tid copies 16-byte chunks tid, tid+256, ... of the tile's T x CPR; (j, c) is
     // stepped rather than divided, and the loop kept rolled, so no per-chunk addresses stay
     // live across the tile loop.
-    const int cj0 = tid / (ATT_W / 4), cc0 = tid - cj0 * (ATT_W / 4);
+    // 16-byte chunks a row: 144 of f32, 72 of f16.
+    constexpr int CPR = CACHE_H ? ATT_W / 8 : ATT_W / 4;
+    const int wc = CACHE_H ? w >> 3 : w >> 2;
+    const int cj0 = tid / CPR, cc0 = tid - cj0 * CPR;
     auto issue = [&](int it) {
         if (it < ntiles) {
             const int jr = r0 + it * T;
             float* dst = kbuf + (it % NBUF) * T * ATT_WS;
+            unsigned short* dsth = kbh + (it % NBUF) * T * ATT_WSH;
             // A tile starts at a multiple of T; when a block holds whole tiles (the engine's
             // 64 positions), the tile is one run of pool rows: one table read for all of it.
             const bool one_run = (1 << bshift) >= T;
             const long long run0 = one_run ? att_pool_row(tbl, jr, bshift) : 0;
             int j = cj0, c = cc0;
 #pragma unroll 1
-            for (int k = 0; k < T * (ATT_W / 4) / 256; ++k) {
-                const bool v = jr + j < r1 && c < w4;
-                // Rows past the chunk are not looked up: their table entries may not exist.
-                const long long row =
-                    !v ? 0 : (one_run ? run0 + j : att_pool_row(tbl, jr + j, bshift));
-                const float* src = v ? cache + row * w + 4 * c : cache;
-                cp_async16_zfill(dst + j * ATT_WS + 4 * c, src, v ? 16 : 0);
-                j += 256 / (ATT_W / 4);
-                c += 256 % (ATT_W / 4);
-                if (c >= ATT_W / 4) {
-                    c -= ATT_W / 4;
+            for (int k = 0; k < (T * CPR + 255) / 256; ++k) {
+                // T·72 is not a multiple of 256 at T = 16: the last round's tail is past T.
+                if (j < T) {
+                    const bool v = jr + j < r1 && c < wc;
+                    // Rows past the chunk are not looked up: their table entries may not exist.
+                    const long long row =
+                        !v ? 0 : (one_run ? run0 + j : att_pool_row(tbl, jr + j, bshift));
+                    if (CACHE_H) {
+                        const unsigned short* src = v ? cache_h + row * w + 8 * c : cache_h;
+                        cp_async16_zfill(dsth + j * ATT_WSH + 8 * c, src, v ? 16 : 0);
+                    } else {
+                        const float* src = v ? cache + row * w + 4 * c : cache;
+                        cp_async16_zfill(dst + j * ATT_WS + 4 * c, src, v ? 16 : 0);
+                    }
+                }
+                j += 256 / CPR;
+                c += 256 % CPR;
+                if (c >= CPR) {
+                    c -= CPR;
                     ++j;
                 }
             }
@@ -225,7 +242,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     // This lane's B fragments of Q: head 8nt+g, dims 72·warp + 8k + 2tq + {0, 1} (MODE 2:
     // one f16 pair of Q·kq_scale, qr unused).
     constexpr bool BF16 = MODE == 1;
-    constexpr bool HALF = MODE == 2;
+    constexpr bool HALF = MODE >= 2;
     float qr[4][9][2];
     unsigned qh2[4][9];
 #pragma unroll
@@ -278,6 +295,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
             issue(it + NBUF - 1);
         }
         const float* kt = kbuf + (it % NBUF) * T * ATT_WS;
+        const unsigned short* kth = kbh + (it % NBUF) * T * ATT_WSH;
         const int jn = min(T, r1 - (r0 + it * T));
 
         {
@@ -299,6 +317,13 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                         for (int s2 = 0; s2 < 2; ++s2) {
                             if (j == 4 && s2 == 1) continue;
                             const int d = warp * 72 + 8 * (2 * j + s2) + 2 * tq;
+                            if (CACHE_H) {
+                                a[mt][2 * s2] = *reinterpret_cast<const unsigned*>(
+                                    kth + (16 * mt + g) * ATT_WSH + d);
+                                a[mt][2 * s2 + 1] = *reinterpret_cast<const unsigned*>(
+                                    kth + (16 * mt + g + 8) * ATT_WSH + d);
+                                continue;
+                            }
                             const float2 lo = *reinterpret_cast<const float2*>(kt + (16 * mt + g) * ATT_WS + d);
                             const float2 hi =
                                 *reinterpret_cast<const float2*>(kt + (16 * mt + g + 8) * ATT_WS + d);
@@ -469,15 +494,38 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                     }
 #pragma unroll
                     for (int G = 0; G < 2; ++G) {
-                        const float* vp = kt + (16 * j + tq) * ATT_WS + 64 * warp + 32 * G + 4 * g;
-                        const float4 v0 = *reinterpret_cast<const float4*>(vp);
-                        const float4 v1 = *reinterpret_cast<const float4*>(vp + 4 * ATT_WS);
-                        const float4 v2 = *reinterpret_cast<const float4*>(vp + 8 * ATT_WS);
-                        const float4 v3 = *reinterpret_cast<const float4*>(vp + 12 * ATT_WS);
-                        const unsigned b0[4] = {att_pack_f16(v0.x, v1.x), att_pack_f16(v0.y, v1.y),
-                                                att_pack_f16(v0.z, v1.z), att_pack_f16(v0.w, v1.w)};
-                        const unsigned b1[4] = {att_pack_f16(v2.x, v3.x), att_pack_f16(v2.y, v3.y),
-                                                att_pack_f16(v2.z, v3.z), att_pack_f16(v2.w, v3.w)};
+                        unsigned b0[4], b1[4];
+                        if (CACHE_H) {
+                            // Four columns of a row in one 8-byte load; rows r and r+4 paired.
+                            const unsigned short* vp =
+                                kth + (16 * j + tq) * ATT_WSH + 64 * warp + 32 * G + 4 * g;
+                            const uint2 v0 = *reinterpret_cast<const uint2*>(vp);
+                            const uint2 v1 = *reinterpret_cast<const uint2*>(vp + 4 * ATT_WSH);
+                            const uint2 v2 = *reinterpret_cast<const uint2*>(vp + 8 * ATT_WSH);
+                            const uint2 v3 = *reinterpret_cast<const uint2*>(vp + 12 * ATT_WSH);
+                            b0[0] = __byte_perm(v0.x, v1.x, 0x5410);
+                            b0[1] = __byte_perm(v0.x, v1.x, 0x7632);
+                            b0[2] = __byte_perm(v0.y, v1.y, 0x5410);
+                            b0[3] = __byte_perm(v0.y, v1.y, 0x7632);
+                            b1[0] = __byte_perm(v2.x, v3.x, 0x5410);
+                            b1[1] = __byte_perm(v2.x, v3.x, 0x7632);
+                            b1[2] = __byte_perm(v2.y, v3.y, 0x5410);
+                            b1[3] = __byte_perm(v2.y, v3.y, 0x7632);
+                        } else {
+                            const float* vp = kt + (16 * j + tq) * ATT_WS + 64 * warp + 32 * G + 4 * g;
+                            const float4 v0 = *reinterpret_cast<const float4*>(vp);
+                            const float4 v1 = *reinterpret_cast<const float4*>(vp + 4 * ATT_WS);
+                            const float4 v2 = *reinterpret_cast<const float4*>(vp + 8 * ATT_WS);
+                            const float4 v3 = *reinterpret_cast<const float4*>(vp + 12 * ATT_WS);
+                            b0[0] = att_pack_f16(v0.x, v1.x);
+                            b0[1] = att_pack_f16(v0.y, v1.y);
+                            b0[2] = att_pack_f16(v0.z, v1.z);
+                            b0[3] = att_pack_f16(v0.w, v1.w);
+                            b1[0] = att_pack_f16(v2.x, v3.x);
+                            b1[1] = att_pack_f16(v2.y, v3.y);
+                            b1[2] = att_pack_f16(v2.z, v3.z);
+                            b1[3] = att_pack_f16(v2.w, v3.w);
+                        }
 #pragma unroll
                         for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
@@ -594,7 +642,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
 // corrections in two TF32 or one BF16 mma (`_bf`), or f16 operands and no corrections (`_h`).
 #define ATT_SPLIT_KERNEL(NAME, T, NBUF, MODE)                                                  \
     extern "C" __global__ void __launch_bounds__(256, 1)                                       \
-        NAME(const float* __restrict__ q, const float* __restrict__ cache,                     \
+        NAME(const float* __restrict__ q, const void* __restrict__ cache,                      \
              const int* __restrict__ positions, const int* __restrict__ block_table,           \
              const int* __restrict__ row_seq, int table_width, int bshift,                     \
              float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, \
@@ -610,6 +658,8 @@ ATT_SPLIT_KERNEL(mla_attn_split_t32_bf, 32, 2, 1)
 ATT_SPLIT_KERNEL(mla_attn_split_t16_bf, 16, 4, 1)
 ATT_SPLIT_KERNEL(mla_attn_split_t32_h, 32, 2, 2)
 ATT_SPLIT_KERNEL(mla_attn_split_t16_h, 16, 4, 2)
+ATT_SPLIT_KERNEL(mla_attn_split_t32_hc, 32, 2, 3)
+ATT_SPLIT_KERNEL(mla_attn_split_t16_hc, 16, 4, 3)
 
 // Merges the chunk partials of one (token, head, 128 columns): every sum in a fixed order
 // (chunk c to warp c % 8, lanes then warps), so the result is the same on every run. `tile`

@@ -97,12 +97,16 @@ __device__ __forceinline__ float mlap_sat(float x) {
 // kh[r] = f16(cache[pool row of position r]) for positions r below (largest valid position
 // + 1) of the chunk's sequence (row_seq[0]'s block table, blocks of 1 << bshift positions); 16
 // rows a block. Rows past it are left alone: the attention zero-fills instead of reading them.
-extern "C" __global__ void __launch_bounds__(256)
-mla_prefill_convert(const float* __restrict__ cache, const int* __restrict__ positions,
-                    const int* __restrict__ block_table, const int* __restrict__ row_seq,
-                    int table_width, int bshift, unsigned short* __restrict__ kh, int n_tok,
-                    int w, int ctx) {
-    PDL_ENTER();
+// CACHE_H: the cache is F16 already (rounded and saturated as this narrowing does, a NaN kept):
+// the rows are gathered, and a NaN still becomes finite as it does from f32.
+template <bool CACHE_H>
+__device__ __forceinline__ void prefill_convert(const void* __restrict__ cache_v,
+                                                const int* __restrict__ positions,
+                                                const int* __restrict__ block_table,
+                                                const int* __restrict__ row_seq,
+                                                int table_width, int bshift,
+                                                unsigned short* __restrict__ kh, int n_tok,
+                                                int w, int ctx) {
     __shared__ int red[8];
     const int tid = threadIdx.x;
     int mx = -1;
@@ -125,12 +129,41 @@ mla_prefill_convert(const float* __restrict__ cache, const int* __restrict__ pos
         const long long off = (long long)r * w + 4 * c;
         const long long prow =
             ((long long)tbl[r >> bshift] << bshift) | (r & ((1 << bshift) - 1));
-        const float4 v = *reinterpret_cast<const float4*>(cache + prow * w + 4 * c);
+        float4 v;
+        if (CACHE_H) {
+            const uint2 u = *reinterpret_cast<const uint2*>(
+                reinterpret_cast<const unsigned short*>(cache_v) + prow * w + 4 * c);
+            const float2 a = mlap_unpack(u.x), b = mlap_unpack(u.y);
+            v = make_float4(a.x, a.y, b.x, b.y);
+        } else {
+            v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(cache_v) +
+                                                 prow * w + 4 * c);
+        }
         uint2 h;
         h.x = mlap_pack(mlap_sat(v.x), mlap_sat(v.y));
         h.y = mlap_pack(mlap_sat(v.z), mlap_sat(v.w));
         *reinterpret_cast<uint2*>(kh + off) = h;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+mla_prefill_convert(const float* __restrict__ cache, const int* __restrict__ positions,
+                    const int* __restrict__ block_table, const int* __restrict__ row_seq,
+                    int table_width, int bshift, unsigned short* __restrict__ kh, int n_tok,
+                    int w, int ctx) {
+    PDL_ENTER();
+    prefill_convert<false>(cache, positions, block_table, row_seq, table_width, bshift, kh,
+                           n_tok, w, ctx);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+mla_prefill_convert_h(const unsigned short* __restrict__ cache, const int* __restrict__ positions,
+                      const int* __restrict__ block_table, const int* __restrict__ row_seq,
+                      int table_width, int bshift, unsigned short* __restrict__ kh, int n_tok,
+                      int w, int ctx) {
+    PDL_ENTER();
+    prefill_convert<true>(cache, positions, block_table, row_seq, table_width, bshift, kh,
+                          n_tok, w, ctx);
 }
 
 // Dynamic smem: Q [64][576] f16, K [2][64][576] f16, P [64][64] f16, then the tile max of each

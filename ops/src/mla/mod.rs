@@ -20,7 +20,7 @@ use crate::tensor::{DType, HostTensor, HostTensorMut, TensorMeta};
 use crate::{Op, OpError};
 use prefill::mla_prefill_scratch_bound;
 
-pub use cpu::{ContiguousPages, Pages};
+pub use cpu::{ContiguousPages, Pages, f16_saturated};
 pub(crate) use cuda::MLA_CU;
 
 // ---- MlaQuery ------------------------------------------------------------------------
@@ -224,7 +224,7 @@ impl Op for MlaKv {
 /// for it. Same rows, same bits, same rules (a later token wins a shared slot, a negative
 /// slot is a padding row and writes nothing).
 ///
-/// Inputs: cache F32 `[pool rows, W]` (aliased by output 0), then kv, norm_w, positions as
+/// Inputs: cache F32 or F16 `[pool rows, W]` (aliased by output 0), then kv, norm_w, positions as
 /// [`MlaKv`], then slots I32 `[n]` as [`KvCacheWrite`]. Output: the cache.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MlaKvCacheWrite {
@@ -331,12 +331,18 @@ impl Op for MlaQueryKv {
     }
 }
 
+/// Storage types of the latent cache: F32 as models declare it, or F16 where the lowering
+/// narrows it (every reader rounds keys and values to f16 anyway). An F16 row holds each value
+/// rounded to nearest and saturated to ±65504 (a NaN stays NaN), as the f16 attention kernels
+/// rounded them on read.
+pub const LATENT_CACHE_TYPES: [DType; 2] = [DType::F32, DType::F16];
+
 // ---- KvCacheWrite --------------------------------------------------------------------
 
 /// Writes `cache[slots[i]] = k[i]` in place: `slots[i]` is the pool row of token `i`'s
 /// position (its sequence's block for that position, and the offset in it).
 ///
-/// Inputs: cache F32 `[pool rows, W]` (persistent; aliased by output 0), k F32 `[n, W]`,
+/// Inputs: cache F32 or F16 `[pool rows, W]` (persistent; aliased by output 0), k F32 `[n, W]`,
 /// slots I32 `[n]`. Output: the cache. A negative slot is a padding row of a batch bucket
 /// and writes nothing; a slot at or past the pool's end is an `OpError::Data` and nothing
 /// is written.
@@ -352,10 +358,13 @@ impl Op for KvCacheWrite {
         let op = self.name();
         expect_inputs(op, inputs, 3)?;
         let cache = inputs[0];
-        if cache.dtype != DType::F32 || cache.shape.len() != 2 || cache.shape[1] == 0 {
+        if !LATENT_CACHE_TYPES.contains(&cache.dtype)
+            || cache.shape.len() != 2
+            || cache.shape[1] == 0
+        {
             return Err(OpError::shape(
                 op,
-                format!("cache must be F32[ctx, W] with W > 0, found {cache}"),
+                format!("cache must be F32 or F16 [ctx, W] with W > 0, found {cache}"),
             ));
         }
         let w = cache.shape[1];
@@ -396,7 +405,7 @@ impl Op for KvCacheWrite {
 
 /// Causal attention of every head over its own sequence's part of the paged latent cache.
 ///
-/// Inputs: Q F32 `[n, n_head, W]`, cache F32 `[pool rows, W]` (blocks of `block_size` rows),
+/// Inputs: Q F32 `[n, n_head, W]`, cache F32 or F16 `[pool rows, W]` (blocks of `block_size` rows),
 /// positions I32 `[n]`, block_table I32 `[seqs, blocks a sequence]`, row_seq I32 `[n]`.
 /// Output: o_lat F32 `[n, n_head, kv_lora]`. Query `i` belongs to sequence `s = row_seq[i]`
 /// and reads that sequence's positions `0..=positions[i]`, position `p` at pool row
@@ -467,11 +476,14 @@ impl Op for MlaAttention {
         )?;
         expect_inputs(op, inputs, 5)?;
         let cache = inputs[1];
-        if cache.dtype != DType::F32 || cache.shape.len() != 2 || cache.shape[1] < self.kv_lora {
+        if !LATENT_CACHE_TYPES.contains(&cache.dtype)
+            || cache.shape.len() != 2
+            || cache.shape[1] < self.kv_lora
+        {
             return Err(OpError::shape(
                 op,
                 format!(
-                    "cache must be F32[ctx, W] with W >= kv_lora {}, found {cache}",
+                    "cache must be F32 or F16 [ctx, W] with W >= kv_lora {}, found {cache}",
                     self.kv_lora
                 ),
             ));
@@ -653,12 +665,14 @@ pub fn attention_tile(n: usize, rows: usize, n_head: usize) -> usize {
     if per_chunk >= 48 { 32 } else { 16 }
 }
 
-/// Dynamic shared memory of `mla_attn_split_t{tile}`: the key buffers (four of 16 rows or two
+/// Dynamic shared memory of `mla_attn_split_t{tile}` over a `cache` of that type: the key buffers (four of 16 rows or two
 /// of 32), the 8 warps' score partials, the weights' A fragments (big and small) and the
 /// per-head correction, max and sum.
-fn attention_smem(tile: usize) -> usize {
+fn attention_smem(tile: usize, cache: DType) -> usize {
     let bufs = if tile == 16 { 4 } else { 2 };
-    (bufs * tile * ATT_WS + 8 * tile * 32 + 2 * tile * 32 + 3 * 32) * 4
+    // A staged row is ATT_WS values of the cache's type (`ATT_WSH` halves for an F16 cache).
+    let row_bytes = ATT_WS * if cache == DType::F16 { 2 } else { 4 };
+    bufs * tile * row_bytes + (8 * tile * 32 + 2 * tile * 32 + 3 * 32) * 4
 }
 
 /// Scratch for the chunk partials: `o[kv_lora]` then `(m, l)` per (token, chunk, head).

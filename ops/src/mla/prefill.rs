@@ -11,8 +11,8 @@
 //! scale (see the parity tests for the bound used).
 
 use super::DevicePages;
-use crate::OpError;
 use crate::gpu::{GpuCtx, Scratch, dev_err};
+use crate::{DType, OpError};
 
 pub(crate) const MLA_PREFILL_CU: &str = include_str!("mla_prefill.cu");
 
@@ -162,7 +162,8 @@ fn check_shapes(
 ///
 /// # Safety
 /// Every address must be a live device allocation on `ctx`'s device, unchanged until the
-/// kernels have run: `q` F32 `[n_tok, n_head, w]`, `cache` F32 `[pool rows, w]` holding every
+/// kernels have run: `q` F32 `[n_tok, n_head, w]`, `cache` of `cache_dtype` (F32 or F16)
+/// `[pool rows, w]` holding every
 /// block `pages` names, `positions` I32 `[n_tok]`, `out` F32 `[n_tok, n_head, kv_lora]`, `scratch` as above. `out` and `scratch`
 /// must not overlap each other or any input.
 #[allow(clippy::too_many_arguments)]
@@ -170,6 +171,7 @@ pub unsafe fn launch_mla_prefill(
     ctx: &GpuCtx,
     q: u64,
     cache: u64,
+    cache_dtype: DType,
     positions: u64,
     pages: DevicePages,
     out: u64,
@@ -212,8 +214,18 @@ pub unsafe fn launch_mla_prefill(
         kv_lora as i32,
         ctx_rows as i32,
     );
+    let convert_name = match cache_dtype {
+        DType::F32 => "mla_prefill_convert",
+        DType::F16 => "mla_prefill_convert_h",
+        other => {
+            return Err(OpError::shape(
+                OP,
+                format!("the latent cache is F32 or F16, found {other}"),
+            ));
+        }
+    };
     if ctx_rows > 0 {
-        let convert = ctx.kernel("mla_prefill.cu", MLA_PREFILL_CU, "mla_prefill_convert")?;
+        let convert = ctx.kernel("mla_prefill.cu", MLA_PREFILL_CU, convert_name)?;
         // SAFETY: argument list matches mla_prefill_convert; it reads rows below the largest
         // position in [0, ctx_rows) of `cache` and writes the same rows of the scratch, whose
         // size was checked above; the caller guarantees the allocations.

@@ -132,6 +132,20 @@ pub fn nmse(meta: &TensorMeta, cpu: &[u8], gpu: &[u8]) -> Result<f64, String> {
             gpu.len()
         ));
     }
+    if meta.dtype == DType::F16 {
+        // An F16 output (the latent cache): the same measure over the widened values.
+        let (mut err, mut norm) = (0f64, 0f64);
+        for (c, g) in cpu.chunks_exact(2).zip(gpu.chunks_exact(2)) {
+            let c = f64::from(half::f16::from_le_bytes([c[0], c[1]]).to_f32());
+            let g = f64::from(half::f16::from_le_bytes([g[0], g[1]]).to_f32());
+            if c.is_nan() || g.is_nan() {
+                return Ok(f64::NAN);
+            }
+            err += (g - c) * (g - c);
+            norm += c * c;
+        }
+        return Ok(if err == 0.0 { 0.0 } else { err / norm });
+    }
     let words = cpu.chunks_exact(4).zip(gpu.chunks_exact(4));
     match meta.dtype {
         DType::I32 => {
