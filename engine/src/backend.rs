@@ -624,7 +624,23 @@ pub(crate) fn pool_blocks(
     if config.kv_blocks > 0 {
         return Ok(config.kv_blocks.max(per_seq));
     }
-    let block_bytes = (model.decl.state_bytes_per_position() * config.block_size).max(1);
+    // A position's bytes as the plans store them (the lowering may narrow the cache to F16),
+    // else as the model declares them.
+    let planned: usize = probe
+        .graph
+        .of_kind(ValueKind::State)
+        .filter(|(_, v)| v.alias_of.is_none())
+        .filter_map(|(_, v)| {
+            let rows = *v.meta.shape.first()?;
+            v.meta.bytes().map(|b| b / rows.max(1))
+        })
+        .sum();
+    let per_position = if planned > 0 {
+        planned
+    } else {
+        model.decl.state_bytes_per_position()
+    };
+    let block_bytes = (per_position * config.block_size).max(1);
     let wanted = per_seq.saturating_mul(config.max_num_seqs);
     let Some(ctx) = ctx else {
         return Ok(wanted.min(CPU_POOL_BYTES / block_bytes).max(per_seq));
