@@ -420,7 +420,8 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
 }
 
 /// Every state an attention node reads as its cache, and every write's view of it, stored as
-/// F16 (the writers round and saturate as the f16 kernels did on read).
+/// F16 (the writers round and saturate as the f16 kernels did on read); rows of a width the
+/// f16 split kernel does not stage (not whole groups of 8) stay F32.
 fn narrow_latent_caches(g: &mut Graph) {
     let root = |g: &Graph, mut v: ValueId| {
         while let Some(a) = g.values[v.0].alias_of {
@@ -435,7 +436,11 @@ fn narrow_latent_caches(g: &mut Graph) {
         .filter_map(|n| n.inputs.get(1).copied())
         .map(|v| root(g, v))
         .filter(|v| {
-            g.values[v.0].kind == ValueKind::State && g.values[v.0].meta.dtype == DType::F32
+            let m = &g.values[v.0].meta;
+            // The f16 split kernel stages rows in 16-byte chunks: whole groups of 8 values.
+            g.values[v.0].kind == ValueKind::State
+                && m.dtype == DType::F32
+                && m.shape.get(1).is_some_and(|w| w.is_multiple_of(8))
         })
         .collect();
     for i in 0..g.values.len() {

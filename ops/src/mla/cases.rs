@@ -36,7 +36,7 @@ fn f16_cache(v: HostValue) -> HostValue {
     HostValue::from_bytes(TensorMeta::new(v.meta.shape.clone(), DType::F16), &bytes)
 }
 
-/// Input 1 of `ins` (the cache) narrowed to F16 when `f16` is set.
+/// Input `at` of `ins` (the cache) narrowed to F16 when `f16` is set.
 fn with_cache(mut ins: Vec<HostValue>, at: usize, f16: bool) -> Vec<HostValue> {
     if f16 {
         let c = ins[at].clone();

@@ -868,7 +868,7 @@ impl MlaAttention {
             return Err(OpError::shape(
                 op,
                 format!(
-                    "an F16 cache takes the f16-operand split kernel over rows of a multiple                      of 8 values, found {:?} over rows of {w}",
+                    "an F16 cache takes the f16-operand split kernel over rows of a multiple of 8 values, found {:?} over rows of {w}",
                     kernel.products
                 ),
             ));
