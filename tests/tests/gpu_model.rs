@@ -228,6 +228,35 @@ fn two_gpu_runs_give_identical_bits_and_eager_equals_replayed_decode() {
     assert_eq!(g1, g2, "graph vs eager greedy ids");
 }
 
+/// The F16 cache's writers round as the attention kernels rounded an F32 cache's rows on
+/// read, so narrowing the cache changes the bytes read, not one bit of the logits.
+#[test]
+fn the_f16_latent_cache_gives_the_f32_caches_bits() {
+    if !gpu_present() {
+        return;
+    }
+    let f32_cache = graph::LoweringOptions {
+        f16_latent_cache: false,
+        ..graph::LoweringOptions::default()
+    };
+    assert!(graph::LoweringOptions::default().latent_cache_is_f16());
+    let p = prompt();
+    let mut narrow = engine(Device::Cuda(0), true);
+    let mut wide = engine_with(Device::Cuda(0), true, 16, f32_cache);
+    let a = narrow.forward(&p, LogitRows::All).unwrap();
+    let b = wide.forward(&p, LogitRows::All).unwrap();
+    assert_eq!(bits(&a), bits(&b), "prefill logits, F16 vs F32 cache");
+    for t in [7u32, 300, 4095, 11, 11, 2048] {
+        let a = narrow.forward(&[t], LogitRows::Last).unwrap();
+        let b = wide.forward(&[t], LogitRows::Last).unwrap();
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "decode after token {t}, F16 vs F32 cache"
+        );
+    }
+}
+
 #[test]
 fn gpu_logits_stay_close_to_the_cpu_reference() {
     if !gpu_present() {
@@ -315,18 +344,20 @@ fn a_max_model_len_beyond_the_card_is_refused_at_load_with_the_numbers() {
         return;
     }
     let config = EngineConfig {
-        max_model_len: 1 << 26,
+        // 2^28 positions: an F16 latent cache of the small model's six layers is ~480 GiB
+        // (2^26 positions, ~120 GiB, fit on a 141 GB card).
+        max_model_len: 1 << 28,
         device: Device::Cuda(0),
         ..EngineConfig::default()
     };
     let e = match Engine::new(small(), config) {
         Err(e) => e,
-        Ok(_) => panic!("a 2^26-position cache was accepted"),
+        Ok(_) => panic!("a 2^28-position cache was accepted"),
     };
     assert!(matches!(e, EngineError::DeviceMemory { .. }), "{e}");
     let msg = e.to_string();
     assert!(
-        msg.contains("--max-model-len 67108864") && msg.contains("free of"),
+        msg.contains("--max-model-len 268435456") && msg.contains("free of"),
         "{msg}"
     );
 }
