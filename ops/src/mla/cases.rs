@@ -131,6 +131,17 @@ fn attention_path_name(kernel: AttentionPath) -> &'static str {
     }
 }
 
+/// The attention op the cases run, over [`BLOCK`]-position blocks.
+fn attention_op(kernel: AttentionPath) -> MlaAttention {
+    MlaAttention {
+        n_head: NH,
+        kv_lora: LORA,
+        kq_scale: KQ_SCALE,
+        block_size: BLOCK,
+        kernel,
+    }
+}
+
 /// Q, a cache of U(−1, 1) whose rows past every position are NaN (a read past a position
 /// shows), the positions.
 /// Positions of a cache block in these cases (the engine's).
@@ -413,13 +424,7 @@ pub fn cases() -> Vec<ParityCase> {
                 "mla_attention/{path} {name} n={n} ctx={ctx}{}",
                 if f16 { " f16 cache" } else { "" }
             ),
-            MlaAttention {
-                n_head: NH,
-                kv_lora: LORA,
-                kq_scale: KQ_SCALE,
-                block_size: BLOCK,
-                kernel,
-            },
+            attention_op(kernel),
             pos[0] as u64 + 1,
             bound,
             move |r| with_cache(attention_inputs(r, ctx, &pos), 1, f16),
@@ -446,13 +451,7 @@ pub fn cases() -> Vec<ParityCase> {
                     attention_path_name(kernel),
                     if f16 { " f16 cache" } else { "" }
                 ),
-                MlaAttention {
-                    n_head: NH,
-                    kv_lora: LORA,
-                    kq_scale: KQ_SCALE,
-                    block_size: BLOCK,
-                    kernel,
-                },
+                attention_op(kernel),
                 0x9a6e + n as u64,
                 attention_path_bound(kernel, reach),
                 move |r| with_cache(paged_attention_inputs(r, &rows, width), 1, f16),
