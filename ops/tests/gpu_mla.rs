@@ -843,14 +843,30 @@ fn line(what: &str, us: f64, bytes: f64) {
 /// Per call one of enough caches of `bucket` rows that the rows read exceed the 60 MB L2, the
 /// op on the lowering's kernel and every split kernel; `first_pos` is the first token's
 /// position.
-fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
+/// Times the attention of `n` tokens from `first_pos` over one sequence's `bucket` positions,
+/// the cache stored as `cache` (F32, or F16 as the lowering stores it for the f16 kernels:
+/// only those kernels then run).
+fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize, cache: DType) {
     let w = 576;
-    let op = real_attention_for(n, w);
+    let cache_f16 = cache == DType::F16;
+    let mut op = real_attention_for(n, w);
+    if cache_f16 && op.kernel == AttentionPath::SplitK {
+        // The lowering pairs an F16 cache with the f16-operand split kernel.
+        op.kernel = AttentionPath::SplitKF16;
+    }
     let rows = first_pos + n;
-    let layers = (150usize << 20).div_ceil(rows * w * 4).clamp(2, 64);
+    let row_bytes = w * if cache_f16 { 2 } else { 4 };
+    let layers = (150usize << 20).div_ceil(rows * row_bytes).clamp(2, 64);
     let mut r = Rng::new(77);
     let layer = r.vec(bucket * w, -1.0, 1.0);
-    let lb: Vec<u8> = layer.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let lb: Vec<u8> = if cache_f16 {
+        layer
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect()
+    } else {
+        layer.iter().flat_map(|v| v.to_le_bytes()).collect()
+    };
     let caches: Vec<_> = (0..layers).map(|_| upload(gpu, &lb)).collect();
     let qv: Vec<u8> = r
         .vec(n * 32 * w, -1.0, 1.0)
@@ -870,7 +886,7 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
     let out = upload(gpu, &vec![0u8; n * 32 * 512 * 4]);
     let (qm, cm, pm, tm, rm, om) = (
         TensorMeta::f32([n, 32, w]),
-        TensorMeta::f32([bucket, w]),
+        TensorMeta::new([bucket, w], cache),
         TensorMeta::i32([n]),
         TensorMeta::i32([1, blocks]),
         TensorMeta::i32([n]),
@@ -879,7 +895,10 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
     let sbytes = op.cuda_scratch_bytes(&[&qm, &cm, &pm, &tm, &rm]);
     let scratch = upload(gpu, &vec![0u8; sbytes.max(16)]);
     let default = attention_tile(n, bucket, 32);
-    for kernel in std::iter::once(None).chain(KERNELS.map(Some)) {
+    let kernels = KERNELS
+        .into_iter()
+        .filter(|k| !cache_f16 || k.products == SplitProducts::F16);
+    for kernel in std::iter::once(None).chain(kernels.map(Some)) {
         let call = |i: usize| {
             let ins = [
                 view(&qm, &q),
@@ -901,7 +920,7 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
         let us = time_us(gpu, 4 * layers, &call);
         // Rows read: the union over the tokens (each token's rows are read by its own blocks,
         // from L2 after the first); Q, the output and the partials written and read back.
-        let bytes = (rows * w * 4 + n * 32 * w * 4 + n * 32 * 512 * 4 + 2 * sbytes) as f64;
+        let bytes = (rows * row_bytes + n * 32 * w * 4 + n * 32 * 512 * 4 + 2 * sbytes) as f64;
         let flops: f64 = (0..n)
             .map(|i| 2.0 * 32.0 * (first_pos + i + 1) as f64 * (576.0 + 512.0))
             .sum();
@@ -912,7 +931,7 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize) {
         };
         line(
             &format!(
-                "mla_attention n={n} rows={rows} bucket={bucket} {which} ({} chunks)",
+                "mla_attention n={n} rows={rows} bucket={bucket} {cache:?} cache {which} ({} chunks)",
                 attention_chunks(n, bucket, 32)
             ),
             us,
@@ -1363,14 +1382,17 @@ fn mla_timings_at_the_real_shapes() {
         time_kv(&gpu, n);
     }
     // Decode at the buckets' sizes: rows = pos + 1, the bucket the next power of two.
-    for rows in [512usize, 4224, 16448, 32832, 65600, 131072] {
-        time_attention(&gpu, 1, rows - 1, rows.next_power_of_two());
+    // Over the F16 cache the lowering stores by default, then over an F32 one.
+    for cache in [DType::F16, DType::F32] {
+        for rows in [512usize, 4224, 16448, 32832, 65600, 131072] {
+            time_attention(&gpu, 1, rows - 1, rows.next_power_of_two(), cache);
+        }
+        // A batched decode step's shape: 32 tokens at ~544 positions each.
+        time_attention(&gpu, 32, 512, 1024, cache);
     }
-    // A batched decode step's shape: 32 tokens at ~544 positions each.
-    time_attention(&gpu, 32, 512, 1024);
     // Prefill chunks of 512 tokens (one chunk a token, no combine).
-    time_attention(&gpu, 512, 0, 4096);
-    time_attention(&gpu, 512, 3584, 4096);
+    time_attention(&gpu, 512, 0, 4096, DType::F32);
+    time_attention(&gpu, 512, 3584, 4096, DType::F32);
 }
 
 fn time_us(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {
