@@ -116,6 +116,37 @@ impl Graph {
         total - untouched.min(total)
     }
 
+    /// The cache rows an attention node reads in a step ([`ops::Op::cache_reads`]), from the
+    /// step's `inputs` (name, bytes) holding its positions and row map; 0 for other nodes, or
+    /// where those are not step inputs.
+    pub fn node_cache_bytes(&self, node: &Node, inputs: &[(&str, &[u8])]) -> u64 {
+        let Some(cr) = node.op.cache_reads() else {
+            return 0;
+        };
+        let step_input = |i: usize| -> Option<Vec<i32>> {
+            let v = self.value(*node.inputs.get(i)?);
+            if v.kind != ValueKind::Input {
+                return None;
+            }
+            let (_, data) = inputs.iter().find(|(n, _)| *n == v.name)?;
+            Some(
+                data.chunks_exact(4)
+                    .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            )
+        };
+        let (Some(positions), Some(row_seq)) = (step_input(cr.positions), step_input(cr.row_seq))
+        else {
+            return 0;
+        };
+        let Some(cache) = node.inputs.get(cr.cache).map(|&c| &self.value(c).meta) else {
+            return 0;
+        };
+        let rows = cache.shape.first().copied().unwrap_or(0).max(1);
+        let row_bytes = cache.bytes().unwrap_or(0) / rows;
+        ops::CacheReads::bytes(&positions, &row_seq, row_bytes)
+    }
+
     pub fn find(&self, name: &str) -> Option<ValueId> {
         self.values.iter().position(|v| v.name == name).map(ValueId)
     }

@@ -202,7 +202,8 @@ pub struct NodeTime {
     pub op: String,
     pub ms: f64,
     /// What the node must move at the least ([`crate::Graph::node_bytes`]; a routed expert
-    /// product's stacks for the experts the step touched, [`crate::Graph::node_bytes_touched`]).
+    /// product's stacks for the experts the step touched, [`crate::Graph::node_bytes_touched`];
+    /// an attention's cache rows, [`crate::Graph::node_cache_bytes`]).
     pub bytes: u64,
 }
 
@@ -771,7 +772,7 @@ impl CudaExecutor {
                         )
                     }
                     None => plan.graph.node_bytes(node),
-                };
+                } + plan.graph.node_cache_bytes(node, inputs);
                 NodeTime {
                     node: node.name.clone(),
                     op: node.op.name().to_string(),

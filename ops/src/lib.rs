@@ -25,7 +25,7 @@ pub mod tensor;
 #[cfg(test)]
 mod testkit;
 
-pub use op::{Op, OpError, RoutedWeights};
+pub use op::{CacheReads, Op, OpError, RoutedWeights};
 pub use tensor::{AlignedBuf, DType, HostTensor, HostTensorMut, TensorMeta};
 
 /// Every CUDA source the ops compile, under the name each is compiled with, so a machine with

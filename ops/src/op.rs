@@ -111,6 +111,46 @@ pub trait Op: fmt::Debug + Send + Sync + std::any::Any {
     fn routed_weights(&self) -> Option<RoutedWeights> {
         None
     }
+
+    /// For an attention over cache rows, which inputs are the cache state, the tokens'
+    /// positions and their sequences: a profile counts the rows the step reads (each
+    /// sequence's positions up to its furthest token's, once). None for most ops.
+    fn cache_reads(&self) -> Option<CacheReads> {
+        None
+    }
+}
+
+/// Inputs of an attention over cache rows ([`Op::cache_reads`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheReads {
+    /// The cache state, `[rows, width]`.
+    pub cache: usize,
+    /// i32 `[n]`: each token's position.
+    pub positions: usize,
+    /// i32 `[n]`: each token's sequence.
+    pub row_seq: usize,
+}
+
+impl CacheReads {
+    /// Bytes of the cache rows tokens at `positions` of sequences `row_seq` attend, each
+    /// sequence's rows once (its furthest token reads them all), at `row_bytes` a row.
+    /// Negative positions (padding rows) read nothing.
+    pub fn bytes(positions: &[i32], row_seq: &[i32], row_bytes: usize) -> u64 {
+        let mut furthest: Vec<(i32, i32)> = Vec::new();
+        for (&p, &s) in positions.iter().zip(row_seq) {
+            if p < 0 {
+                continue;
+            }
+            match furthest.iter_mut().find(|f| f.0 == s) {
+                Some(f) => f.1 = f.1.max(p),
+                None => furthest.push((s, p)),
+            }
+        }
+        furthest
+            .iter()
+            .map(|&(_, p)| (p as u64 + 1) * row_bytes as u64)
+            .sum()
+    }
 }
 
 /// Inputs of a routed expert product ([`Op::routed_weights`]).

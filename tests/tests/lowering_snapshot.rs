@@ -271,6 +271,45 @@ fn the_latent_cache_is_f16_only_where_every_attention_kernel_reads_f16() {
     assert!(all(caches(&d, Target::Cpu), ops::DType::F32));
 }
 
+/// A profile's attention bytes are the cache rows the step reads: each sequence's positions up
+/// to its furthest token's, once, whatever the kernel (16 decode rows of 3 sequences here).
+#[test]
+fn a_profile_counts_the_cache_rows_each_sequence_attends_once() {
+    let m = tiny();
+    let p = plan(&m, BATCH_16, HOPPER);
+    let positions: Vec<i32> = (0..16)
+        .map(|i| [40, 7, 100][i % 3] - (i as i32 / 3))
+        .collect();
+    let row_seq: Vec<i32> = (0..16i32).map(|i| i % 3).collect();
+    let bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (pb, sb) = (bytes(&positions), bytes(&row_seq));
+    let inputs: [(&str, &[u8]); 2] = [("positions", &pb), ("row_seq", &sb)];
+    let mut attention = 0;
+    for node in &p.graph.nodes {
+        let got = p.graph.node_cache_bytes(node, &inputs);
+        if node.op.name() != "mla_attention" {
+            assert_eq!(got, 0, "{}", node.name);
+            continue;
+        }
+        attention += 1;
+        let cache = &p.graph.value(node.inputs[1]).meta;
+        let row = cache.bytes().unwrap() / cache.shape[0];
+        // Furthest positions 40, 7, 100: 41 + 8 + 101 rows.
+        assert_eq!(got, (150 * row) as u64, "{}", node.name);
+    }
+    assert!(attention > 0);
+    // Without the step's inputs nothing is counted.
+    let node = p
+        .graph
+        .nodes
+        .iter()
+        .find(|n| n.op.name() == "mla_attention")
+        .unwrap();
+    assert_eq!(p.graph.node_cache_bytes(node, &[]), 0);
+    // A padding row (position -1) reads nothing; two tokens of one sequence read its rows once.
+    assert_eq!(ops::CacheReads::bytes(&[-1, 3, 5], &[0, 1, 1], 10), 60);
+}
+
 #[test]
 fn the_cuda_lowered_graph_computes_the_declared_one_on_the_cpu() {
     let m = tiny();

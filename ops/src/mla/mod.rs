@@ -464,6 +464,14 @@ impl Op for MlaAttention {
         "mla_attention"
     }
 
+    fn cache_reads(&self) -> Option<crate::CacheReads> {
+        Some(crate::CacheReads {
+            cache: 1,
+            positions: 2,
+            row_seq: 4,
+        })
+    }
+
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         let op = self.name();
         nonzero(

@@ -152,7 +152,8 @@ fn print_profile(label: &str, nodes: &[engine::NodeTime]) {
     );
     println!(
         "(MB: weights, of the routed experts those the step touched, and activations in and \
-         out; the KV cache not counted; the route plan's time carries a copy of its table; \
+         out, and the cache rows an attention reads, each sequence's once; the cache writes \
+         not counted; the route plan's time carries a copy of its table; \
          ceiling {COPY_CEILING_GBS:.0} GB/s)"
     );
     println!("| node | op | count | µs/step | µs each | share | MB/step | GB/s | of ceiling |");
