@@ -34,6 +34,8 @@ TIME_LIMIT=${TIME_LIMIT:-120}
 SEED=${SEED:-0}
 SERVE_ARGS=${SERVE_ARGS:-}
 LOAD_TEST_ARGS=${LOAD_TEST_ARGS:-}
+# Prompts of this many token ids through /v1/completions (0: chat prompts of 1 to 20 sentences).
+PROMPT_TOKENS=${PROMPT_TOKENS:-0}
 # The full checkpoint takes a while to page in and upload.
 READY_TIMEOUT=${READY_TIMEOUT:-600}
 
@@ -84,7 +86,7 @@ rc=0
 # shellcheck disable=SC2086
 "$bin/load-test" --url "http://$addr" --clients "$CLIENTS" --max-tokens "$MAX_TOKENS" \
     --cancel-fraction "$CANCEL" --slow-fraction "$SLOW" --slow-read-ms "$SLOW_READ_MS" \
-    --seed "$SEED" "${bound[@]}" $LOAD_TEST_ARGS || rc=$?
+    --prompt-tokens "$PROMPT_TOKENS" --seed "$SEED" "${bound[@]}" $LOAD_TEST_ARGS || rc=$?
 kill "$sampler" 2>/dev/null || true
 # The sample nearest 60 s after start (or the first) against the last, in KiB.
 rss_line=$(awk -v lim="$RSS_GROWTH_MAX" '

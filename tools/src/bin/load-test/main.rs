@@ -3,7 +3,8 @@
 //! long. A seeded fraction of the requests is cancelled midway by closing the connection, and
 //! another is read slowly.
 //! Reports requests/s, generated tokens/s, the p50/p99 time to first token and inter-token
-//! latency, then checks on `/metrics` that the server went idle with every cache block back;
+//! latency (of the requests read at full speed: a slow reader's gaps are its own pauses, reported
+//! apart), then checks on `/metrics` that the server went idle with every cache block back;
 //! fails on any failed request or leaked block. Starts no server itself (bench/soak.sh and
 //! bench/load-test.sh do).
 
@@ -49,6 +50,14 @@ struct Args {
     slow_fraction: f64,
     #[arg(long, default_value_t = 50)]
     slow_read_ms: u64,
+    /// Prompts of exactly this many token ids (seeded, distinct a request, below
+    /// --prompt-vocab) through /v1/completions; 0 (default): chat prompts of 1 to 20
+    /// sentences through /v1/chat/completions.
+    #[arg(long, default_value_t = 0)]
+    prompt_tokens: usize,
+    /// The token ids of --prompt-tokens are drawn from 1..this.
+    #[arg(long, default_value_t = 1000)]
+    prompt_vocab: u32,
     /// Seeds the choice of cancelled requests and the sampling seeds of all of them.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -71,6 +80,8 @@ struct Plan {
     read_pause: Option<Duration>,
     seed: u64,
     timeout: Duration,
+    /// Token ids of the prompt (--prompt-tokens), or empty for a chat prompt.
+    prompt_ids: Vec<u32>,
 }
 
 fn splitmix64(mut x: u64) -> u64 {
@@ -90,6 +101,14 @@ impl Plan {
             .then(|| 1 + (splitmix64(r) % args.max_tokens.max(1) as u64) as usize);
         let v = (splitmix64(r ^ 0x51_0e) >> 11) as f64 / (1u64 << 53) as f64;
         let read_pause = (v < args.slow_fraction).then(|| Duration::from_millis(args.slow_read_ms));
+        let range = u64::from(args.prompt_vocab.max(2) - 1);
+        let mut s = splitmix64(r ^ 0x1d5);
+        let prompt_ids = (0..args.prompt_tokens)
+            .map(|_| {
+                s = splitmix64(s);
+                1 + (s % range) as u32
+            })
+            .collect();
         Plan {
             index,
             max_tokens: args.max_tokens,
@@ -98,6 +117,7 @@ impl Plan {
             // The API takes an i64; the mask keeps it positive.
             seed: splitmix64(r ^ 0x5eed) & (i64::MAX as u64),
             timeout: Duration::from_secs(args.request_timeout),
+            prompt_ids,
         }
     }
 
@@ -115,6 +135,8 @@ impl Plan {
 #[derive(Default)]
 struct Outcome {
     cancelled: bool,
+    /// Read slowly (--slow-fraction): its gaps are the reader's pauses.
+    slow: bool,
     ttft: Option<Duration>,
     /// Arrival of each content chunk, from the request's start.
     chunks: Vec<Duration>,
@@ -132,28 +154,31 @@ fn is_content(choice: &Value) -> bool {
 
 /// One streaming chat, timing each content chunk as it arrives.
 fn one(addr: &str, auth: &[(&str, &str)], plan: &Plan) -> Result<Outcome> {
-    let body = json!({
-        "messages": [{"role": "user", "content": plan.prompt()}],
+    let mut body = json!({
         "max_tokens": plan.max_tokens,
         "temperature": 0.8,
         "seed": plan.seed,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    let path = if plan.prompt_ids.is_empty() {
+        body["messages"] = json!([{"role": "user", "content": plan.prompt()}]);
+        "/v1/chat/completions"
+    } else {
+        body["prompt"] = json!(plan.prompt_ids);
+        "/v1/completions"
+    };
     let start = Instant::now();
-    let conn = client::send(
-        addr,
-        "POST",
-        "/v1/chat/completions",
-        auth,
-        body.to_string().as_bytes(),
-    )?;
+    let conn = client::send(addr, "POST", path, auth, body.to_string().as_bytes())?;
     if conn.status != 200 {
         let r = conn.read_all()?;
         bail!("HTTP {}: {}", r.status, r.text());
     }
     let mut events = conn.events();
-    let mut out = Outcome::default();
+    let mut out = Outcome {
+        slow: plan.read_pause.is_some(),
+        ..Outcome::default()
+    };
     let mut usage = None;
     let mut finished = false;
     let mut done = false;
@@ -231,8 +256,10 @@ struct Tally {
     /// otherwise fill the memory during a long --duration).
     failures: Vec<String>,
     ttft: Vec<Duration>,
-    /// Gaps between consecutive content chunks of one request.
+    /// Gaps between consecutive content chunks of one request read at full speed.
     itl: Vec<Duration>,
+    /// The same of the slow readers (their pauses, not the server's).
+    itl_slow: Vec<Duration>,
     tokens: usize,
 }
 
@@ -244,8 +271,12 @@ impl Tally {
             self.ok += 1;
         }
         self.ttft.extend(o.ttft);
-        self.itl
-            .extend(o.chunks.windows(2).map(|w| w[1].saturating_sub(w[0])));
+        let gaps = o.chunks.windows(2).map(|w| w[1].saturating_sub(w[0]));
+        if o.slow {
+            self.itl_slow.extend(gaps);
+        } else {
+            self.itl.extend(gaps);
+        }
         self.tokens += o.tokens;
     }
 
@@ -263,6 +294,7 @@ impl Tally {
         self.failures.extend(t.failures);
         self.ttft.extend(t.ttft);
         self.itl.extend(t.itl);
+        self.itl_slow.extend(t.itl_slow);
         self.tokens += t.tokens;
     }
 }
@@ -389,6 +421,7 @@ fn main() -> Result<()> {
     let wall = start.elapsed().as_secs_f64();
     all.ttft.sort();
     all.itl.sort();
+    all.itl_slow.sort();
     let failed = all.failed;
     let not_started = match stop_at {
         Some(_) => 0,
@@ -403,13 +436,15 @@ fn main() -> Result<()> {
         percentile_ms(&all.ttft, 0.99),
     );
     let (itl50, itl99) = (percentile_ms(&all.itl, 0.5), percentile_ms(&all.itl, 0.99));
+    let slow_itl50 = percentile_ms(&all.itl_slow, 0.5);
     println!(
         "load-test: {clients} clients, {} ok, {} cancelled, {failed} failed, {not_started} not started, {wall:.2} s",
         all.ok, all.cancelled
     );
     println!(
-        "load-test: {req_per_s:.2} requests/s, {tok_per_s:.1} generated tokens/s, time to first token p50 {ttft50:.1} ms, p99 {ttft99:.1} ms, inter-token p50 {itl50:.1} ms, p99 {itl99:.1} ms ({} gaps)",
-        all.itl.len()
+        "load-test: {req_per_s:.2} requests/s, {tok_per_s:.1} generated tokens/s, time to first token p50 {ttft50:.1} ms, p99 {ttft99:.1} ms, inter-token p50 {itl50:.1} ms, p99 {itl99:.1} ms ({} gaps; the slow readers' {} gaps apart, p50 {slow_itl50:.1} ms)",
+        all.itl.len(),
+        all.itl_slow.len()
     );
     for f in all.failures.iter().take(20) {
         eprintln!("load-test: {f}");
@@ -452,7 +487,7 @@ fn main() -> Result<()> {
         }
     };
     println!(
-        "load-test: summary clients={clients} seconds={wall:.1} ok={} cancelled={} failed={failed} req_per_s={req_per_s:.2} tok_per_s={tok_per_s:.1} ttft_p50_ms={ttft50:.1} ttft_p99_ms={ttft99:.1} itl_p50_ms={itl50:.1} itl_p99_ms={itl99:.1} preemptions={preemptions} cache_usage_end={usage_end}",
+        "load-test: summary clients={clients} seconds={wall:.1} ok={} cancelled={} failed={failed} req_per_s={req_per_s:.2} tok_per_s={tok_per_s:.1} ttft_p50_ms={ttft50:.1} ttft_p99_ms={ttft99:.1} itl_p50_ms={itl50:.1} itl_p99_ms={itl99:.1} slow_itl_p50_ms={slow_itl50:.1} preemptions={preemptions} cache_usage_end={usage_end}",
         all.ok, all.cancelled
     );
     if !problems.is_empty() {
