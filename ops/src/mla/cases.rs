@@ -502,28 +502,26 @@ pub fn cases() -> Vec<ParityCase> {
         let batch: Vec<(i32, i32)> = (0..24).map(|s| (s, 40 + 19 * s)).collect();
         v.push(paged("decode batch of 24", batch, 8, kernel, fc));
     }
+    // The f32-class split kernel, the f16 one, and the f16 one over the F16 cache the
+    // lowering stores for it.
+    for (kernel, f16) in [
+        (AttentionPath::SplitK, false),
+        (AttentionPath::SplitKF16, false),
+        (AttentionPath::SplitKF16, true),
+    ] {
+        v.push(split("decode", 8192, vec![3000], kernel, f16));
+        if !f16 {
+            v.push(split("decode at row 0", 8192, vec![0], kernel, f16));
+        }
+        v.push(split(
+            "few tokens",
+            4096,
+            vec![4000, 17, 2048, 4095],
+            kernel,
+            f16,
+        ));
+    }
     let chunk: Vec<i32> = (960..1024).collect();
-    v.push(split(
-        "decode",
-        8192,
-        vec![3000],
-        AttentionPath::SplitK,
-        false,
-    ));
-    v.push(split(
-        "decode at row 0",
-        8192,
-        vec![0],
-        AttentionPath::SplitK,
-        false,
-    ));
-    v.push(split(
-        "few tokens",
-        4096,
-        vec![4000, 17, 2048, 4095],
-        AttentionPath::SplitK,
-        false,
-    ));
     v.push(split(
         "chunk",
         1024,
@@ -532,27 +530,12 @@ pub fn cases() -> Vec<ParityCase> {
         false,
     ));
     v.push(split(
-        "decode",
-        8192,
-        vec![3000],
-        AttentionPath::SplitKF16,
+        "chunk",
+        1024,
+        chunk.clone(),
+        AttentionPath::Flash,
         false,
     ));
-    v.push(split(
-        "decode at row 0",
-        8192,
-        vec![0],
-        AttentionPath::SplitKF16,
-        false,
-    ));
-    v.push(split(
-        "few tokens",
-        4096,
-        vec![4000, 17, 2048, 4095],
-        AttentionPath::SplitKF16,
-        false,
-    ));
-    v.push(split("chunk", 1024, chunk, AttentionPath::Flash, false));
     v.push(split(
         "chunk at the start",
         1024,
@@ -560,27 +543,6 @@ pub fn cases() -> Vec<ParityCase> {
         AttentionPath::Flash,
         false,
     ));
-    // Over the F16 cache: decode, a few tokens at once, a flash chunk.
-    v.push(split(
-        "decode",
-        8192,
-        vec![3000],
-        AttentionPath::SplitKF16,
-        true,
-    ));
-    v.push(split(
-        "few tokens",
-        4096,
-        vec![4000, 17, 2048, 4095],
-        AttentionPath::SplitKF16,
-        true,
-    ));
-    v.push(split(
-        "chunk",
-        1024,
-        (960..1024).collect(),
-        AttentionPath::Flash,
-        true,
-    ));
+    v.push(split("chunk", 1024, chunk, AttentionPath::Flash, true));
     v
 }
