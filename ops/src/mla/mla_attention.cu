@@ -58,6 +58,57 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Bulk row copies (sm_90): one instruction a staged row, completion counted in bytes on an
+// mbarrier a buffer, instead of 16-byte cp.async chunks whose addresses every thread works out
+// (~40 instructions a chunk, nine chunks a thread a 32-row tile, on the path from the barrier
+// to the tile's first product).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ATT_BULK 1
+#else
+#define ATT_BULK 0
+#endif
+__device__ __forceinline__ unsigned att_smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void att_mbar_init(unsigned long long* bar) {
+#if ATT_BULK
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(att_smem_addr(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// Arms `bar`'s phase for `bytes` and arrives: the phase completes once they have landed.
+__device__ __forceinline__ void att_mbar_expect(unsigned long long* bar, unsigned bytes) {
+#if ATT_BULK
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(att_smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+#endif
+}
+// `bytes` (a multiple of 16, both ends 16-byte aligned) from global `src` to shared `dst`,
+// counted on `bar`. The fence orders this thread's earlier generic writes to `dst` (a zeroed
+// row of an earlier tile) before the copy's.
+__device__ __forceinline__ void att_bulk_row(void* dst, const void* src, unsigned bytes,
+                                             unsigned long long* bar) {
+#if ATT_BULK
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            att_smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(att_smem_addr(bar))
+        : "memory");
+#endif
+}
+__device__ __forceinline__ void att_mbar_wait(unsigned long long* bar, unsigned parity) {
+#if ATT_BULK
+    asm volatile(
+        "{\n .reg .pred done;\n ATT_WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra ATT_WAIT_%=;\n}" ::"r"(att_smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+#endif
+}
+
 // cvt.rna.tf32.f32; VOLATILE for a value that does not change over the tile loop (Q), so the
 // compiler cannot hoist its split out of the loop and hold 144 registers of Q instead of 72.
 template <bool VOLATILE>
@@ -189,6 +240,21 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     }
 
     const int ntiles = (r1 - r0 + T - 1) / T;
+    // MODE 3 on sm_90: a tile's rows are staged by bulk copies, a row each, counted on the
+    // buffer's mbarrier (phase parity (tile / NBUF) & 1); rows past the chunk are zeroed
+    // instead (a weight of 0 times stale bits could be NaN), and so, once, are the columns
+    // past w.
+    constexpr bool BULK = CACHE_H && ATT_BULK;
+    __shared__ unsigned long long att_mbar[BULK ? NBUF : 1];
+    if (BULK) {
+        if (tid < NBUF) att_mbar_init(&att_mbar[tid]);
+        if (w < ATT_W)
+            for (int i = tid; i < NBUF * T * (ATT_W - w) / 8; i += blockDim.x) {
+                const int row = i / ((ATT_W - w) / 8), c = i - row * ((ATT_W - w) / 8);
+                *reinterpret_cast<uint4*>(kbh + row * ATT_WSH + w + 8 * c) = make_uint4(0, 0, 0, 0);
+            }
+        __syncthreads();
+    }
     // One commit group per call, empty past the last tile, so the wait counts stay fixed.
     // Thread tid copies 16-byte chunks tid, tid+256, ... of the tile's T x CPR; (j, c) is
     // stepped rather than divided, and the loop kept rolled, so no per-chunk addresses stay
@@ -198,6 +264,27 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     const int wc = CACHE_H ? w >> 3 : w >> 2;
     const int cj0 = tid / CPR, cc0 = tid - cj0 * CPR;
     auto issue = [&](int it) {
+        if (BULK) {
+            // Each warp stages T/8 rows: a bulk copy takes uniform operands, so a warp issues
+            // its lanes' copies one after another. The tile's bytes are armed by thread 0; a
+            // copy landing first leaves the count below zero for a while, which the mbarrier
+            // allows (its phase waits for thread 0's arrival too).
+            if (it >= ntiles) return;
+            const int jr = r0 + it * T, valid = min(T, r1 - jr), b = it % NBUF;
+            unsigned short* dsth = kbh + b * T * ATT_WSH;
+            if (tid == 0) att_mbar_expect(&att_mbar[b], (unsigned)(valid * w * 2));
+            constexpr int RPW = T / 8;
+            const int j = warp * RPW + lane;
+            if (lane < RPW && j < valid) {
+                const long long row = att_pool_row(tbl, jr + j, bshift);
+                att_bulk_row(dsth + j * ATT_WSH, cache_h + row * w, (unsigned)(w * 2), &att_mbar[b]);
+            } else if (lane < RPW) {
+                uint4* d = reinterpret_cast<uint4*>(dsth + j * ATT_WSH);
+#pragma unroll 1
+                for (int k = 0; k < ATT_W / 8; ++k) d[k] = make_uint4(0, 0, 0, 0);
+            }
+            return;
+        }
         if (it < ntiles) {
             const int jr = r0 + it * T;
             float* dst = kbuf + (it % NBUF) * T * ATT_WS;
@@ -281,7 +368,9 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     for (int it = 0; it < ntiles; ++it) {
         // Groups are committed in tile order: PRE, then NBUF - PRE at it = 0, then one an
         // iteration, so tile `it` is done when at most these many are pending.
-        if (it == 0)
+        if (BULK)
+            att_mbar_wait(&att_mbar[it % NBUF], (unsigned)((it / NBUF) & 1));
+        else if (it == 0)
             cp_async_wait<PRE - 1>();
         else
             cp_async_wait<NBUF - 2>();
