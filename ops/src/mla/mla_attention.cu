@@ -85,8 +85,9 @@ __device__ __forceinline__ void att_mbar_expect(unsigned long long* bar, unsigne
 #endif
 }
 // `bytes` (a multiple of 16, both ends 16-byte aligned) from global `src` to shared `dst`,
-// counted on `bar`. The fence orders this thread's earlier generic writes to `dst` (a zeroed
-// row of an earlier tile) before the copy's.
+// counted on `bar`. The fence orders this thread's earlier generic writes to `dst` before the
+// copy's: only a chunk's last tile zeroes rows and nothing is staged after it, so today it is
+// a safeguard for a ring that would outlive a chunk.
 __device__ __forceinline__ void att_bulk_row(void* dst, const void* src, unsigned bytes,
                                              unsigned long long* bar) {
 #if ATT_BULK
@@ -366,8 +367,9 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     const bool pv_warp = 64 * warp < lora;
 
     for (int it = 0; it < ntiles; ++it) {
-        // Groups are committed in tile order: PRE, then NBUF - PRE at it = 0, then one an
-        // iteration, so tile `it` is done when at most these many are pending.
+        // Bulk: tile `it` is phase it / NBUF of its buffer's mbarrier. Otherwise groups are
+        // committed in tile order: PRE, then NBUF - PRE at it = 0, then one an iteration, so
+        // tile `it` is done when at most these many are pending.
         if (BULK)
             att_mbar_wait(&att_mbar[it % NBUF], (unsigned)((it / NBUF) & 1));
         else if (it == 0)
