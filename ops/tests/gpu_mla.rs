@@ -846,7 +846,22 @@ fn line(what: &str, us: f64, bytes: f64) {
 /// Times the attention of `n` tokens from `first_pos` over one sequence's `bucket` positions,
 /// the cache stored as `cache` (F32, or F16 as the lowering stores it for the f16 kernels:
 /// only those kernels then run).
-fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize, cache: DType) {
+/// What [`time_attention`] does with its case: time every kernel, or launch the default one
+/// twice without a graph, so a profiler's kernel filter sees exactly those launches.
+#[derive(Clone, Copy, PartialEq)]
+enum Timing {
+    Table,
+    TwoLaunchesForAProfiler,
+}
+
+fn time_attention(
+    gpu: &GpuCtx,
+    n: usize,
+    first_pos: usize,
+    bucket: usize,
+    cache: DType,
+    timing: Timing,
+) {
     let w = 576;
     let cache_f16 = cache == DType::F16;
     let mut op = real_attention_for(n, w);
@@ -895,6 +910,25 @@ fn time_attention(gpu: &GpuCtx, n: usize, first_pos: usize, bucket: usize, cache
     let sbytes = op.cuda_scratch_bytes(&[&qm, &cm, &pm, &tm, &rm]);
     let scratch = upload(gpu, &vec![0u8; sbytes.max(16)]);
     let default = attention_tile(n, bucket, 32);
+    if timing == Timing::TwoLaunchesForAProfiler {
+        for i in 0..2 {
+            let ins = [
+                view(&qm, &q),
+                view(&cm, &caches[i % layers]),
+                view(&pm, &pb),
+                view(&tm, &tb),
+                view(&rm, &rb),
+            ];
+            let scratch = Scratch {
+                ptr: scratch.device_ptr(),
+                bytes: sbytes,
+            };
+            op.cuda(gpu, &ins, &[view(&om, &out)], scratch)
+                .expect("attention launch");
+        }
+        gpu.device.synchronize().expect("synchronize");
+        return;
+    }
     let kernels = KERNELS
         .into_iter()
         .filter(|k| !cache_f16 || k.products == SplitProducts::F16);
@@ -1385,14 +1419,38 @@ fn mla_timings_at_the_real_shapes() {
     // Over the F16 cache the lowering stores by default, then over an F32 one.
     for cache in [DType::F16, DType::F32] {
         for rows in [512usize, 4224, 16448, 32832, 65600, 131072] {
-            time_attention(&gpu, 1, rows - 1, rows.next_power_of_two(), cache);
+            time_attention(
+                &gpu,
+                1,
+                rows - 1,
+                rows.next_power_of_two(),
+                cache,
+                Timing::Table,
+            );
         }
         // A batched decode step's shape: 32 tokens at ~544 positions each.
-        time_attention(&gpu, 32, 512, 1024, cache);
+        time_attention(&gpu, 32, 512, 1024, cache, Timing::Table);
     }
     // Prefill chunks of 512 tokens (one chunk a token, no combine).
-    time_attention(&gpu, 512, 0, 4096, DType::F32);
-    time_attention(&gpu, 512, 3584, 4096, DType::F32);
+    time_attention(&gpu, 512, 0, 4096, DType::F32, Timing::Table);
+    time_attention(&gpu, 512, 3584, 4096, DType::F32, Timing::Table);
+}
+
+/// One sequence's decode attention at 131,072 positions over the F16 cache, two launches of the
+/// default kernels and nothing else on the device: the case for a profiler's report
+/// (`scripts/gpu-batch-ab`'s NCU) of where the long-context split kernel spends its time.
+#[test]
+#[ignore = "a profiler's case: run on the GPU host under ncu with --include-ignored"]
+fn long_context_attention_launched_for_a_profiler() {
+    let Some(gpu) = test_gpu() else { return };
+    time_attention(
+        &gpu,
+        1,
+        131071,
+        131072,
+        DType::F16,
+        Timing::TwoLaunchesForAProfiler,
+    );
 }
 
 fn time_us(gpu: &GpuCtx, reps: usize, call: &dyn Fn(usize) -> Result<(), OpError>) -> f64 {

@@ -1093,7 +1093,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
 }
 
 /// The skinny expert products of a batched decode step at the real shapes, each launched
-/// once (no graph, no repeats) for 8, 32 and 128 tokens: what a profiler attaches to
+/// once (no graph, no repeats) for 8, 32, 64 and 128 tokens: what a profiler attaches to
 /// (`ncu -k regex:expert_skinny`); checks only that every launch succeeds.
 #[test]
 #[ignore = "one launch a shape for a profiler: run on the GPU host with --include-ignored"]
@@ -1104,7 +1104,7 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
     fn v(d: &Dev) -> DeviceTensor<'_> {
         view(&d.meta, &d.buf)
     }
-    for n in [8usize, 32, 128] {
+    for n in [8usize, 32, 64, 128] {
         let mut r = Rng::new(90 + n as u64);
         let rt = n * TOPK;
         let DecodeStep {
