@@ -366,194 +366,11 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                 for (int c = 0; c < 4; ++c) o[a][b][j][c] = 0.0f;
     const bool pv_warp = 64 * warp < lora;
 
-    for (int it = 0; it < ntiles; ++it) {
-        // Bulk: tile `it` is phase it / NBUF of its buffer's mbarrier. Otherwise groups are
-        // committed in tile order: PRE, then NBUF - PRE at it = 0, then one an iteration, so
-        // tile `it` is done when at most these many are pending.
-        if (BULK)
-            att_mbar_wait(&att_mbar[it % NBUF], (unsigned)((it / NBUF) & 1));
-        else if (it == 0)
-            cp_async_wait<PRE - 1>();
-        else
-            cp_async_wait<NBUF - 2>();
-        // Tile `it` is visible and every warp is done with tile it-1: its buffer, the
-        // weights and the corrections may be overwritten.
-        __syncthreads();
-        if (it == 0) {
-#pragma unroll
-            for (int s = PRE; s < NBUF; ++s) issue(s);
-        } else {
-            issue(it + NBUF - 1);
-        }
-        const float* kt = kbuf + (it % NBUF) * T * ATT_WS;
-        const unsigned short* kth = kbh + (it % NBUF) * T * ATT_WSH;
-        const int jn = min(T, r1 - (r0 + it * T));
-
-        {
-            float sacc[MT][4][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) sacc[mt][nt][c] = 0.0f;
-            if (HALF) {
-                // Steps (2j, 2j+1) as one k16 mma, step 8 as a k8 one.
-#pragma unroll
-                for (int j = 0; j < 5; ++j) {
-                    unsigned a[MT][4];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                        for (int s2 = 0; s2 < 2; ++s2) {
-                            if (j == 4 && s2 == 1) continue;
-                            const int d = warp * 72 + 8 * (2 * j + s2) + 2 * tq;
-                            if (CACHE_H) {
-                                a[mt][2 * s2] = *reinterpret_cast<const unsigned*>(
-                                    kth + (16 * mt + g) * ATT_WSH + d);
-                                a[mt][2 * s2 + 1] = *reinterpret_cast<const unsigned*>(
-                                    kth + (16 * mt + g + 8) * ATT_WSH + d);
-                                continue;
-                            }
-                            const float2 lo = *reinterpret_cast<const float2*>(kt + (16 * mt + g) * ATT_WS + d);
-                            const float2 hi =
-                                *reinterpret_cast<const float2*>(kt + (16 * mt + g + 8) * ATT_WS + d);
-                            a[mt][2 * s2] = att_pack_f16(lo.x, lo.y);
-                            a[mt][2 * s2 + 1] = att_pack_f16(hi.x, hi.y);
-                        }
-                    }
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            if (j < 4)
-                                mma_f16_k16(sacc[mt][nt], a[mt], qh2[nt][2 * j], qh2[nt][2 * j + 1]);
-                            else
-                                mma_f16_k8(sacc[mt][nt], a[mt][0], a[mt][1], qh2[nt][8]);
-                        }
-                }
-            } else
-#pragma unroll
-            for (int k = 0; k < 9; ++k) {
-                const int d = warp * 72 + 8 * k + 2 * tq;
-                unsigned ab[MT][4], as[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const float2 lo = *reinterpret_cast<const float2*>(kt + (16 * mt + g) * ATT_WS + d);
-                    const float2 hi =
-                        *reinterpret_cast<const float2*>(kt + (16 * mt + g + 8) * ATT_WS + d);
-                    split_op<BF16, false, false>(lo.x, ab[mt][0], as[mt][0]);
-                    split_op<BF16, false, false>(hi.x, ab[mt][1], as[mt][1]);
-                    split_op<BF16, false, false>(lo.y, ab[mt][2], as[mt][2]);
-                    split_op<BF16, false, false>(hi.y, ab[mt][3], as[mt][3]);
-                }
-                unsigned bb[4][2], bs[4][2];
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    split_op<BF16, true, true>(qr[nt][k][0], bb[nt][0], bs[nt][0]);
-                    split_op<BF16, true, true>(qr[nt][k][1], bb[nt][1], bs[nt][1]);
-                }
-                if (BF16) {
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
-                            mma_bf16(sacc[mt][nt], as[mt], bs[nt][0], bs[nt][1]);
-                } else {
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
-                            mma_tf32(sacc[mt][nt], as[mt], bb[nt][0], bb[nt][1]);
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
-                            mma_tf32(sacc[mt][nt], ab[mt], bs[nt][0], bs[nt][1]);
-                }
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) mma_tf32(sacc[mt][nt], ab[mt], bb[nt][0], bb[nt][1]);
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
-                    sp[(warp * MT * 4 + mt * 4 + nt) * 32 + lane] =
-                        make_float4(sacc[mt][nt][0], sacc[mt][nt][1], sacc[mt][nt][2],
-                                    sacc[mt][nt][3]);
-        }
-        __syncthreads();
-
-        if (warp < 4) {
-            // Lane (g, tq) of warp nt: c0/c1 are row 16mt+g, heads 8nt+2tq+{0,1}; c2/c3 row +8.
-            const int nt = warp;
-            float s[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                float4 v = sp[(mt * 4 + nt) * 32 + lane];
-#pragma unroll
-                for (int k = 1; k < 8; ++k) {
-                    const float4 u = sp[(k * MT * 4 + mt * 4 + nt) * 32 + lane];
-                    v.x += u.x;
-                    v.y += u.y;
-                    v.z += u.z;
-                    v.w += u.w;
-                }
-                s[mt][0] = v.x;
-                s[mt][1] = v.y;
-                s[mt][2] = v.z;
-                s[mt][3] = v.w;
-            }
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int hh = 8 * nt + 2 * tq + i;
-                float sc[MT][2];
-                float tmax = NEG_INF;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = 16 * mt + g + 8 * r;
-                        sc[mt][r] = row < jn ? (HALF ? s[mt][i + 2 * r] : kq_scale * s[mt][i + 2 * r]) : NEG_INF;
-                        tmax = fmaxf(tmax, sc[mt][r]);
-                    }
-#pragma unroll
-                for (int off = 4; off < 32; off <<= 1)
-                    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
-                const float m_new = fmaxf(m_run[i], tmax);
-                const float corr = expf(m_run[i] - m_new);
-                float psum = 0.0f;
-                // The value product's A fragment: head hh is row (hh&7) + 8((hh>>3)&1) of
-                // m-tile hh>>4; tile row `row` is k index (row&3) + 4((row>>2)&1) of step row>>3.
-                const int hbase = (hh >> 4) * 32 * 4 + (hh & 7) * 16 + ((hh >> 3) & 1);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = 16 * mt + g + 8 * r;
-                        const float p = row < jn ? expf(sc[mt][r] - m_new) : 0.0f;
-                        psum += p;
-                        const int idx = (row >> 3) * 2 * 32 * 4 + hbase + (row & 3) * 4 +
-                                        2 * ((row >> 2) & 1);
-                        if (HALF) {
-                            // The f32 weight, in the TF32 fragment order; narrowed when read.
-                            reinterpret_cast<float*>(pbig)[idx] = p;
-                        } else {
-                            unsigned pb, ps;
-                            split_op<BF16, false, false>(p, pb, ps);
-                            reinterpret_cast<float*>(pbig)[idx] = __uint_as_float(pb);
-                            reinterpret_cast<float*>(psmall)[idx] = __uint_as_float(ps);
-                        }
-                    }
-                l_run[i] = l_run[i] * corr + psum;
-                m_run[i] = m_new;
-                if (g == 0) corr_s[hh] = corr;
-            }
-        }
-        __syncthreads();
-
+    // The value product of tile `tile`: its weights and the corrections are in pbig and
+    // corr_s (the softmax pass of that tile wrote them).
+    auto pv = [&](int tile) {
+        const float* kt = kbuf + (tile % NBUF) * T * ATT_WS;
+        const unsigned short* kth = kbh + (tile % NBUF) * T * ATT_WSH;
         if (pv_warp) {
             float cr[2][2];
 #pragma unroll
@@ -680,7 +497,217 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                 }
             }
         }
+    };
+
+    // Pipelined (bulk copies): tile it-1's value product runs in the same phase as tile it's
+    // scores, two barriers a tile instead of three (scores | softmax | values), and tile
+    // it+NBUF-1 is staged once tile it-1's values are done (after the scores' barrier), so
+    // the ring holds one tile fewer in flight than NBUF.
+    constexpr bool PIPE = BULK;
+    // The rows a bulk issue zeroed are plain stores: visible to the other warps after a barrier.
+    if (PIPE) __syncthreads();
+    for (int it = 0; it < ntiles; ++it) {
+        // Bulk: tile `it` is phase it / NBUF of its buffer's mbarrier. Otherwise groups are
+        // committed in tile order: PRE, then NBUF - PRE at it = 0, then one an iteration, so
+        // tile `it` is done when at most these many are pending.
+        if (BULK)
+            att_mbar_wait(&att_mbar[it % NBUF], (unsigned)((it / NBUF) & 1));
+        else if (it == 0)
+            cp_async_wait<PRE - 1>();
+        else
+            cp_async_wait<NBUF - 2>();
+        if (!PIPE) {
+            // Tile `it` is visible and every warp is done with tile it-1: its buffer, the
+            // weights and the corrections may be overwritten.
+            __syncthreads();
+            if (it == 0) {
+#pragma unroll
+                for (int s = PRE; s < NBUF; ++s) issue(s);
+            } else {
+                issue(it + NBUF - 1);
+            }
+        } else if (it == 0) {
+            // Buffers no tile has used yet; the last one is staged after the scores' barrier.
+#pragma unroll
+            for (int s = PRE; s < NBUF - 1; ++s) issue(s);
+        }
+        const float* kt = kbuf + (it % NBUF) * T * ATT_WS;
+        const unsigned short* kth = kbh + (it % NBUF) * T * ATT_WSH;
+        const int jn = min(T, r1 - (r0 + it * T));
+        // The previous tile's values, while its weights are still in pbig (the softmax pass
+        // of this tile writes them after the next barrier).
+        if (PIPE && it > 0) pv(it - 1);
+
+        {
+            float sacc[MT][4][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) sacc[mt][nt][c] = 0.0f;
+            if (HALF) {
+                // Steps (2j, 2j+1) as one k16 mma, step 8 as a k8 one.
+#pragma unroll
+                for (int j = 0; j < 5; ++j) {
+                    unsigned a[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                        for (int s2 = 0; s2 < 2; ++s2) {
+                            if (j == 4 && s2 == 1) continue;
+                            const int d = warp * 72 + 8 * (2 * j + s2) + 2 * tq;
+                            if (CACHE_H) {
+                                a[mt][2 * s2] = *reinterpret_cast<const unsigned*>(
+                                    kth + (16 * mt + g) * ATT_WSH + d);
+                                a[mt][2 * s2 + 1] = *reinterpret_cast<const unsigned*>(
+                                    kth + (16 * mt + g + 8) * ATT_WSH + d);
+                                continue;
+                            }
+                            const float2 lo = *reinterpret_cast<const float2*>(kt + (16 * mt + g) * ATT_WS + d);
+                            const float2 hi =
+                                *reinterpret_cast<const float2*>(kt + (16 * mt + g + 8) * ATT_WS + d);
+                            a[mt][2 * s2] = att_pack_f16(lo.x, lo.y);
+                            a[mt][2 * s2 + 1] = att_pack_f16(hi.x, hi.y);
+                        }
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            if (j < 4)
+                                mma_f16_k16(sacc[mt][nt], a[mt], qh2[nt][2 * j], qh2[nt][2 * j + 1]);
+                            else
+                                mma_f16_k8(sacc[mt][nt], a[mt][0], a[mt][1], qh2[nt][8]);
+                        }
+                }
+            } else
+#pragma unroll
+            for (int k = 0; k < 9; ++k) {
+                const int d = warp * 72 + 8 * k + 2 * tq;
+                unsigned ab[MT][4], as[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const float2 lo = *reinterpret_cast<const float2*>(kt + (16 * mt + g) * ATT_WS + d);
+                    const float2 hi =
+                        *reinterpret_cast<const float2*>(kt + (16 * mt + g + 8) * ATT_WS + d);
+                    split_op<BF16, false, false>(lo.x, ab[mt][0], as[mt][0]);
+                    split_op<BF16, false, false>(hi.x, ab[mt][1], as[mt][1]);
+                    split_op<BF16, false, false>(lo.y, ab[mt][2], as[mt][2]);
+                    split_op<BF16, false, false>(hi.y, ab[mt][3], as[mt][3]);
+                }
+                unsigned bb[4][2], bs[4][2];
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    split_op<BF16, true, true>(qr[nt][k][0], bb[nt][0], bs[nt][0]);
+                    split_op<BF16, true, true>(qr[nt][k][1], bb[nt][1], bs[nt][1]);
+                }
+                if (BF16) {
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_bf16(sacc[mt][nt], as[mt], bs[nt][0], bs[nt][1]);
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_tf32(sacc[mt][nt], as[mt], bb[nt][0], bb[nt][1]);
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_tf32(sacc[mt][nt], ab[mt], bs[nt][0], bs[nt][1]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma_tf32(sacc[mt][nt], ab[mt], bb[nt][0], bb[nt][1]);
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+                    sp[(warp * MT * 4 + mt * 4 + nt) * 32 + lane] =
+                        make_float4(sacc[mt][nt][0], sacc[mt][nt][1], sacc[mt][nt][2],
+                                    sacc[mt][nt][3]);
+        }
+        __syncthreads();
+        // Every warp is done with tile it-1 (its values above): its buffer takes tile
+        // it+NBUF-1.
+        if (PIPE) issue(it + NBUF - 1);
+
+        if (warp < 4) {
+            // Lane (g, tq) of warp nt: c0/c1 are row 16mt+g, heads 8nt+2tq+{0,1}; c2/c3 row +8.
+            const int nt = warp;
+            float s[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float4 v = sp[(mt * 4 + nt) * 32 + lane];
+#pragma unroll
+                for (int k = 1; k < 8; ++k) {
+                    const float4 u = sp[(k * MT * 4 + mt * 4 + nt) * 32 + lane];
+                    v.x += u.x;
+                    v.y += u.y;
+                    v.z += u.z;
+                    v.w += u.w;
+                }
+                s[mt][0] = v.x;
+                s[mt][1] = v.y;
+                s[mt][2] = v.z;
+                s[mt][3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int hh = 8 * nt + 2 * tq + i;
+                float sc[MT][2];
+                float tmax = NEG_INF;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = 16 * mt + g + 8 * r;
+                        sc[mt][r] = row < jn ? (HALF ? s[mt][i + 2 * r] : kq_scale * s[mt][i + 2 * r]) : NEG_INF;
+                        tmax = fmaxf(tmax, sc[mt][r]);
+                    }
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1)
+                    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+                const float m_new = fmaxf(m_run[i], tmax);
+                const float corr = expf(m_run[i] - m_new);
+                float psum = 0.0f;
+                // The value product's A fragment: head hh is row (hh&7) + 8((hh>>3)&1) of
+                // m-tile hh>>4; tile row `row` is k index (row&3) + 4((row>>2)&1) of step row>>3.
+                const int hbase = (hh >> 4) * 32 * 4 + (hh & 7) * 16 + ((hh >> 3) & 1);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = 16 * mt + g + 8 * r;
+                        const float p = row < jn ? expf(sc[mt][r] - m_new) : 0.0f;
+                        psum += p;
+                        const int idx = (row >> 3) * 2 * 32 * 4 + hbase + (row & 3) * 4 +
+                                        2 * ((row >> 2) & 1);
+                        if (HALF) {
+                            // The f32 weight, in the TF32 fragment order; narrowed when read.
+                            reinterpret_cast<float*>(pbig)[idx] = p;
+                        } else {
+                            unsigned pb, ps;
+                            split_op<BF16, false, false>(p, pb, ps);
+                            reinterpret_cast<float*>(pbig)[idx] = __uint_as_float(pb);
+                            reinterpret_cast<float*>(psmall)[idx] = __uint_as_float(ps);
+                        }
+                    }
+                l_run[i] = l_run[i] * corr + psum;
+                m_run[i] = m_new;
+                if (g == 0) corr_s[hh] = corr;
+            }
+        }
+        __syncthreads();
+        if (!PIPE) pv(it);
     }
+    if (PIPE) pv(ntiles - 1);
 
     if (warp < 4) {
 #pragma unroll
@@ -749,7 +776,7 @@ ATT_SPLIT_KERNEL(mla_attn_split_t32_bf, 32, 2, 1)
 ATT_SPLIT_KERNEL(mla_attn_split_t16_bf, 16, 4, 1)
 ATT_SPLIT_KERNEL(mla_attn_split_t32_h, 32, 2, 2)
 ATT_SPLIT_KERNEL(mla_attn_split_t16_h, 16, 4, 2)
-ATT_SPLIT_KERNEL(mla_attn_split_t32_hc, 32, 2, 3)
+ATT_SPLIT_KERNEL(mla_attn_split_t32_hc, 32, 4, 3)
 ATT_SPLIT_KERNEL(mla_attn_split_t16_hc, 16, 4, 3)
 
 // Merges the chunk partials of one (token, head, 128 columns): every sum in a fixed order

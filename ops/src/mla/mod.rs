@@ -673,11 +673,16 @@ pub fn attention_tile(n: usize, rows: usize, n_head: usize) -> usize {
     if per_chunk >= 48 { 32 } else { 16 }
 }
 
-/// Dynamic shared memory of `mla_attn_split_t{tile}` over a `cache` of that type: the key buffers (four of 16 rows or two
-/// of 32), the 8 warps' score partials, the weights' A fragments (big and small) and the
-/// per-head correction, max and sum.
+/// Dynamic shared memory of `mla_attn_split_t{tile}` over a `cache` of that type: the key
+/// buffers (four of 16 rows; of 32 rows, two of F32 and four of F16, whose pipelined kernel
+/// keeps one fewer in flight), the 8 warps' score partials, the weights' A fragments (big and
+/// small) and the per-head correction, max and sum.
 fn attention_smem(tile: usize, cache: DType) -> usize {
-    let bufs = if tile == 16 { 4 } else { 2 };
+    let bufs = if tile == 16 || cache == DType::F16 {
+        4
+    } else {
+        2
+    };
     // A staged row is ATT_WS values of the cache's type (`ATT_WSH` halves for an F16 cache).
     let row_bytes = ATT_WS * if cache == DType::F16 { 2 } else { 4 };
     bufs * tile * row_bytes + (8 * tile * 32 + 2 * tile * 32 + 3 * 32) * 4
