@@ -548,6 +548,9 @@ fn time_tq_variant(gpu: &GpuCtx, d: &OnDevice, fit: Option<&str>) -> f64 {
                     .arg(rb)
                     .arg(xb)
                     .arg(i32::from(o % 2 == 0))
+                    // One split over the whole K: y written directly.
+                    .arg(0u64)
+                    .arg(i32::MAX)
                     .enqueue()
                     .map_err(ops::gpu::dev_err)?;
             }
@@ -595,6 +598,37 @@ fn linear_prefill_tile_variants() {
                 us[0], us[1]
             );
             assert!(same, "{name} n={n}: the variants write different bits");
+        }
+    }
+}
+
+#[test]
+#[ignore = "timing of the K split at a mixed step's rows: run on the GPU host with --ignored"]
+fn linear_k_split_against_whole_k_at_a_mixed_steps_rows() {
+    let Some(gpu) = test_gpu() else { return };
+    // The op (its K split where the tiles leave multiprocessors idle) against the same
+    // one-a-multiprocessor tiles over the whole K, launched directly; both from the same x.
+    println!(
+        "{:<22} {:>5} {:>10} {:>10} {:>12}",
+        "split µs", "n", "op", "whole K", "max |diff|"
+    );
+    for &(name, k, o, dtype) in &SHAPES {
+        if !name.starts_with("shared expert") {
+            continue;
+        }
+        for n in [256, 576, 1024] {
+            let d = OnDevice::new(&gpu, (n, k, o), dtype, 1);
+            let split = time_calls_us(&gpu, 10, &|i| d.call(&gpu, i)).expect("timing");
+            let y_split = d.y.to_vec().expect("download");
+            let whole = time_tq_variant(&gpu, &d, Some("x1"));
+            let y_whole = d.y.to_vec().expect("download");
+            let diff = y_split
+                .iter()
+                .zip(&y_whole)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            println!("{name:<22} {n:>5} {split:>10.2} {whole:>10.2} {diff:>12.3e}");
+            assert!(diff.is_finite(), "{name} n={n}: non-finite difference");
         }
     }
 }

@@ -1,6 +1,8 @@
 //! CUDA launches of the linear ops.
 
-use super::plan::{Bf16SkinnyPlan, CUBLAS_WORKSPACE, LinearPath, linear_path, prefill_scratch};
+use super::plan::{
+    Bf16SkinnyPlan, CUBLAS_WORKSPACE, LinearPath, TqSplit, linear_path, prefill_scratch,
+};
 use super::{Linear, LinearPair, NormLinear};
 use crate::check::as_i32;
 use crate::dequant::wt_code;
@@ -141,7 +143,7 @@ impl Linear {
                 launch(&name, (blocks as u32, 1), 128, GEMV_SMEM, &[])
             }
             LinearPath::Cublas | LinearPath::Tiles(_) => {
-                let need = prefill_scratch(dtype, n, k);
+                let need = prefill_scratch(dtype, n, k, o);
                 let base = scratch.ptr.next_multiple_of(256);
                 if scratch.ptr == 0
                     || (scratch.bytes as u64) < (base - scratch.ptr) + need as u64 - 256
@@ -175,15 +177,23 @@ impl Linear {
                                 format!("n = {n} is more than 65535 tiles of {}", fit.tokens()),
                             ));
                         }
+                        let split = TqSplit::choose(fit, n, k, o, sms);
+                        // The partial sums follow xb (prefill_scratch sized them).
+                        let part = if split.splits > 1 {
+                            (base + (total * 2).next_multiple_of(256) as u64).next_multiple_of(256)
+                        } else {
+                            0
+                        };
                         let pair = i32::from(o.is_multiple_of(2) && y.ptr.is_multiple_of(8));
                         let name = format!("linear_tq_{}_{}", kernel_suffix(dtype), fit.name());
                         let kern = ctx.kernel("linear.cu", LINEAR_CU, &name)?;
                         // SAFETY: the arguments follow linear_tq's C signature; W, y as for
-                        // the other paths, xb the n·k bf16 written just above.
+                        // the other paths, xb the n·k bf16 written just above, the partial
+                        // sums (split·n·o f32, when split) after it inside the scratch.
                         unsafe {
                             ctx.device
                                 .launch(&kern)
-                                .grid((grid.0 as u32, grid.1 as u32))
+                                .grid((grid.0 as u32, grid.1 as u32, split.splits as u32))
                                 .block(256)
                                 .shared_mem(fit.smem_bytes())
                                 .arg(w.ptr)
@@ -195,6 +205,30 @@ impl Linear {
                                 .arg(rb as i64)
                                 .arg(base)
                                 .arg(pair)
+                                .arg(part)
+                                .arg(as_i32(op, "slices a split", split.per)?)
+                                .enqueue()
+                                .map_err(dev_err)?;
+                        }
+                        if split.splits <= 1 {
+                            return Ok(());
+                        }
+                        let reduce = ctx.kernel("linear.cu", LINEAR_CU, "linear_skinny_reduce")?;
+                        let blocks = as_i32(op, "reduce blocks", (n * o).div_ceil(256))?;
+                        // SAFETY: linear_skinny_reduce reads the splits·n·o partial sums
+                        // written just above and writes n×o f32 to y (no second output).
+                        unsafe {
+                            ctx.device
+                                .launch(&reduce)
+                                .grid(blocks as u32)
+                                .block(256)
+                                .arg(part)
+                                .arg(y.ptr)
+                                .arg(0u64)
+                                .arg(ni)
+                                .arg(oi)
+                                .arg(0i32)
+                                .arg(split.splits as i32)
                                 .enqueue()
                                 .map_err(dev_err)
                         }

@@ -666,12 +666,17 @@ __device__ __forceinline__ void tq_decode_half(const TqRaw<WT>& r, int k, const 
     }
 }
 
-// grid (ceil(O/BN), ceil(n/BM)), block 32·WM·WN (one 32-value weight group a thread a slice),
-// dynamic shared memory (3·BM + 2·BN)·(BK + 8)·2 bytes. xb: x as bf16 [n, K], 16-byte aligned;
-// pair: y's rows are 8-byte aligned (O even), so two outputs go in one store.
-template <int WT, int BM, int BN, int BK, int WM, int WN>
+// grid (ceil(O/BN), ceil(n/BM), splits), block 32·WM·WN (one 32-value weight group a thread a
+// slice), dynamic shared memory (3·BM + 2·BN)·(BK + 8)·2 bytes. xb: x as bf16 [n, K], 16-byte
+// aligned; pair: y's rows are 8-byte aligned (O even), so two outputs go in one store. Split z
+// takes the BK-slices [z·per, (z+1)·per): with one split it writes y, with more its partial
+// sums to part[z][n][O] (256-byte aligned), which linear_skinny_reduce adds in split order (a
+// grid of few tiles, the shared expert's 1,024 rows at a 256-token step, left most of the chip
+// idle over the whole K).
+template <int WT, int BM, int BN, int BK, int WM, int WN, bool SPLIT>
 __device__ __forceinline__ void tq_body(const unsigned char* __restrict__ W, const __nv_bfloat16* __restrict__ xb,
-                                        float* __restrict__ y, int n, int K, int O, long long RB, int pair) {
+                                        float* __restrict__ y, int n, int K, int O, long long RB, int pair,
+                                        float* __restrict__ part, int per) {
     constexpr int THREADS = 32 * WM * WN, GPR = BK / 32;
     static_assert(THREADS == BN * GPR, "one weight group a thread");
     constexpr int LDS = BK + 8, STAGES = 3;
@@ -686,13 +691,17 @@ __device__ __forceinline__ void tq_body(const unsigned char* __restrict__ W, con
     unsigned char* bs_ptr = tq_smem + 2 * STAGES * A_STAGE;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
-    const int KT = (K + BK - 1) / BK;
+    // kt below counts this split's slices; kb is its first slice's input.
+    const int kt0 = SPLIT ? blockIdx.z * per : 0, kb = kt0 * BK;
+    const int KT = SPLIT ? min((K + BK - 1) / BK - kt0, per) : (K + BK - 1) / BK;
+    if (SPLIT && KT <= 0) return;
+    if (SPLIT && gridDim.z > 1) y = part + (long long)blockIdx.z * n * O;
 
     auto issue_a = [&](int kt, int stage) {
 #pragma unroll
         for (int i = 0; i < ACH; ++i) {
             const int c = tid + i * THREADS, r = c / CPR, cc = c % CPR;
-            const int m = m0 + r, k = kt * BK + cc * 8;
+            const int m = m0 + r, k = kb + kt * BK + cc * 8;
             const bool ok = m < n && k < K;
             tq_cp16(as_base + 2u * (stage * A_STAGE + r * LDS + cc * 8), ok ? xb + (long long)m * K + k : xb,
                     ok ? 16 : 0);
@@ -705,7 +714,7 @@ __device__ __forceinline__ void tq_body(const unsigned char* __restrict__ W, con
     const Iq4gTable T = iq4g_table();
     TqRaw<WT> raw;
     auto load_w = [&](int kt) {
-        const int k = kt * BK + 32 * wg;
+        const int k = kb + kt * BK + 32 * wg;
         if (wok && k < K)
             tq_load<WT>(raw, wrow, k);
         else
@@ -713,7 +722,7 @@ __device__ __forceinline__ void tq_body(const unsigned char* __restrict__ W, con
     };
     auto store_half = [&](int kt, int buf, int h) {
         unsigned p[8];
-        tq_decode_half<WT>(raw, kt * BK + 32 * wg, T, h, p);
+        tq_decode_half<WT>(raw, kb + kt * BK + 32 * wg, T, h, p);
         unsigned char* seg = bs_ptr + 2 * (buf * B_BUF + wr * LDS + 32 * wg);
         *reinterpret_cast<uint4*>(seg + tq_half_at<WT>(h, 0)) = make_uint4(p[0], p[1], p[2], p[3]);
         *reinterpret_cast<uint4*>(seg + tq_half_at<WT>(h, 1)) = make_uint4(p[4], p[5], p[6], p[7]);
@@ -809,16 +818,17 @@ __device__ __forceinline__ void tq_body(const unsigned char* __restrict__ W, con
 }
 
 // 128 tokens × 128 rows a block (warps 2×4 of 64×32). x2: two blocks a multiprocessor (128
-// registers a thread), for grids of more blocks than multiprocessors; x1: one block a
+// registers a thread, no K split: it spilled with one), for grids of more blocks than
+// multiprocessors, which never split; x1: one block a
 // multiprocessor without the register cap, faster where each would be alone anyway (chosen in
 // ops/src/linear/plan.rs `TqFit`).
-#define TQ(NAME, WT, FIT, MINB)                                                                    \
+#define TQ(NAME, WT, FIT, MINB, SPLIT)                                                             \
     extern "C" __global__ void __launch_bounds__(256, MINB) linear_tq_##NAME##_##FIT(             \
         const unsigned char* W, const float* x, float* y, int n, int K, int O, long long RB,     \
-        const __nv_bfloat16* xb, int pair) {                                                      \
+        const __nv_bfloat16* xb, int pair, float* part, int per) {                                \
         PDL_ENTER();                                                                              \
         (void)x;                                                                                  \
-        tq_body<WT, 128, 128, 64, 2, 4>(W, xb, y, n, K, O, RB, pair);                             \
+        tq_body<WT, 128, 128, 64, 2, 4, SPLIT>(W, xb, y, n, K, O, RB, pair, part, per);           \
     }
 // The same 128 weight rows a block over 32 or 64 tokens: a decode step of 2..=64 sequences
 // (the lm head: 131,072 Q6_K rows) multiplied 128-token tiles of mostly padding (680 µs at 8
@@ -826,19 +836,19 @@ __device__ __forceinline__ void tq_body(const unsigned char* __restrict__ W, con
 #define TQ_SHORT(NAME, WT, BM, WM, WN)                                                             \
     extern "C" __global__ void __launch_bounds__(256, 2) linear_tq_##NAME##_m##BM(                \
         const unsigned char* W, const float* x, float* y, int n, int K, int O, long long RB,     \
-        const __nv_bfloat16* xb, int pair) {                                                      \
+        const __nv_bfloat16* xb, int pair, float* part, int per) {                                \
         PDL_ENTER();                                                                              \
         (void)x;                                                                                  \
-        tq_body<WT, BM, 128, 64, WM, WN>(W, xb, y, n, K, O, RB, pair);                            \
+        tq_body<WT, BM, 128, 64, WM, WN, true>(W, xb, y, n, K, O, RB, pair, part, per);           \
     }
 #define TQ_ALL(NAME, WT) \
-    TQ(NAME, WT, x2, 2) TQ(NAME, WT, x1, 1) TQ_SHORT(NAME, WT, 32, 2, 4) TQ_SHORT(NAME, WT, 64, 2, 4)
+    TQ(NAME, WT, x2, 2, false) TQ(NAME, WT, x1, 1, true) TQ_SHORT(NAME, WT, 32, 2, 4) TQ_SHORT(NAME, WT, 64, 2, 4)
 TQ_ALL(f16, WT_F16)
 TQ_ALL(q8_0, WT_Q8_0)
 TQ_ALL(q6_k, WT_Q6_K)
 TQ_ALL(iq4_nl, WT_IQ4_NL)
 // F32's 32 raw registers a thread do not fit x2's 128 (it spilled): x1 only.
-TQ(f32, WT_F32, x1, 1)
+TQ(f32, WT_F32, x1, 1, true)
 
 // ---------------------------------------------------------------------------------------------
 // Skinny BF16 products (a batched decode step's 2..=128 rows): y = x·Wᵀ with the weight read

@@ -182,7 +182,7 @@ impl Op for Linear {
                     if matches!(self.kernel, LinearKernel::TensorCore | LinearKernel::Skinny)
                         && k.is_multiple_of(32) =>
                 {
-                    prefill_scratch(w.dtype, n, k)
+                    prefill_scratch(w.dtype, n, k, w.shape.first().copied().unwrap_or(0))
                 }
                 _ => 0,
             },

@@ -164,14 +164,69 @@ pub(crate) fn bf16_skinny_takes(k: usize) -> bool {
 pub(super) const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 /// Scratch of the prefill paths (n > 8, K % 32 == 0): x narrowed to bf16, then for BF16
-/// weights cuBLAS's workspace, each at a 256-byte boundary (256 spare bytes align the start).
-pub(super) fn prefill_scratch(dtype: DType, n: usize, k: usize) -> usize {
+/// weights cuBLAS's workspace, for the others the tiles' partial sums when K is split
+/// ([`TqSplit`], sized for the most multiprocessors a launch plans with), each at a 256-byte
+/// boundary (256 spare bytes align the start).
+pub(super) fn prefill_scratch(dtype: DType, n: usize, k: usize, o: usize) -> usize {
     let ws = if dtype == DType::BF16 {
         CUBLAS_WORKSPACE
     } else {
-        0
+        let fit = TqFit::choose(dtype, n, o, TQ_SPLIT_MAX_SMS);
+        TqSplit::choose(fit, n, k, o, TQ_SPLIT_MAX_SMS).partial_bytes(n, o)
     };
     256 + (n * k * 2).next_multiple_of(256) + ws
+}
+
+/// Inputs a `linear_tq` K slice covers (`BK` in linear.cu).
+pub(super) const TQ_BK: usize = 64;
+
+/// The fewest K slices a split takes: the tiles' pipeline is three slices deep.
+const TQ_SPLIT_MIN_SLICES: usize = 4;
+
+/// Multiprocessors a split is planned for at most (the scratch is sized for this many; a card
+/// with more plans as if it had these).
+pub(super) const TQ_SPLIT_MAX_SMS: usize = 256;
+
+/// How `linear_tq` splits K when its tiles leave multiprocessors idle: `splits` parts of
+/// `per` K slices each, as many as the resident blocks' slots the tiles leave empty
+/// ([`TqFit`]: two a multiprocessor, one for `One`), each at least [`TQ_SPLIT_MIN_SLICES`]
+/// slices. The shared expert's gate (3584 → 1024) at a mixed step of 256 rows is 16 tiles:
+/// unsplit it ran 16 blocks over the whole K on a 132-multiprocessor card.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TqSplit {
+    pub splits: usize,
+    pub per: usize,
+}
+
+impl TqSplit {
+    pub(super) fn choose(fit: TqFit, n: usize, k: usize, o: usize, sms: usize) -> TqSplit {
+        let slices = k.div_ceil(TQ_BK).max(1);
+        if fit == TqFit::Two {
+            // More tiles than multiprocessors (and `linear_tq_*_x2` takes no split).
+            return TqSplit {
+                splits: 1,
+                per: slices,
+            };
+        }
+        let blocks = (o.div_ceil(128) * n.div_ceil(fit.tokens())).max(1);
+        let resident = if fit == TqFit::One { 1 } else { 2 };
+        let slots = resident * sms.min(TQ_SPLIT_MAX_SMS);
+        let want = (slots / blocks).min(slices / TQ_SPLIT_MIN_SLICES).max(1);
+        let per = slices.div_ceil(want);
+        TqSplit {
+            splits: slices.div_ceil(per),
+            per,
+        }
+    }
+
+    /// The partial sums' bytes in the scratch (none unsplit), with 256 bytes of alignment.
+    pub(super) fn partial_bytes(&self, n: usize, o: usize) -> usize {
+        if self.splits <= 1 {
+            0
+        } else {
+            256 + self.splits * n * o * 4
+        }
+    }
 }
 
 /// Which `linear_tq_<type>_<fit>` (linear/linear.cu, 128 weight rows a block) runs: 128

@@ -203,6 +203,65 @@ fn prefill_tiles_run_alone_on_a_multiprocessor_only_when_the_grid_leaves_them_al
 }
 
 #[test]
+fn tiles_that_leave_multiprocessors_idle_split_k_into_the_empty_slots() {
+    let split = |n, k, o| {
+        let fit = TqFit::choose(DType::IQ4_NL, n, o, 132);
+        TqSplit::choose(fit, n, k, o, 132)
+    };
+    // The shared expert's gate or up (3584 -> 1024): 16 tiles at a 256-row mixed step, 40 at
+    // 576, 64 at 1024 (one a multiprocessor), 128 at 2048.
+    assert_eq!(split(256, 3584, 1024), TqSplit { splits: 8, per: 7 });
+    assert_eq!(split(576, 3584, 1024), TqSplit { splits: 3, per: 19 });
+    assert_eq!(split(1024, 3584, 1024), TqSplit { splits: 2, per: 28 });
+    assert_eq!(split(2048, 3584, 1024).splits, 1);
+    // Its down projection (1024 -> 3584): 56 tiles at 256 rows; two a multiprocessor past 132.
+    assert_eq!(split(256, 1024, 3584), TqSplit { splits: 2, per: 8 });
+    assert_eq!(split(576, 1024, 3584).splits, 1);
+    // The dense FFN and the lm head fill the chip unsplit.
+    assert_eq!(split(256, 3584, 9216).splits, 1);
+    assert_eq!(
+        TqSplit::choose(TqFit::Short32, 8, 3584, 131_072, 132).splits,
+        1
+    );
+    // A split keeps at least four slices; K of fewer stays whole.
+    assert_eq!(split(100, 512, 7), TqSplit { splits: 2, per: 4 });
+    assert_eq!(split(100, 192, 7), TqSplit { splits: 1, per: 3 });
+}
+
+#[test]
+fn the_scratch_holds_the_partial_sums_of_every_card_up_to_the_planned_one() {
+    for (n, k, o) in [
+        (9, 32, 1),
+        (100, 512, 7),
+        (256, 3584, 1024),
+        (576, 3584, 1024),
+        (150, 480, 8500),
+        (300, 1024, 3584),
+        (1000, 9216, 3584),
+        (64, 4096, 300),
+    ] {
+        let fit = TqFit::choose(DType::IQ4_NL, n, o, TQ_SPLIT_MAX_SMS);
+        let bound = TqSplit::choose(fit, n, k, o, TQ_SPLIT_MAX_SMS).partial_bytes(n, o);
+        for sms in [1, 16, 78, 108, 114, 132, 144, 170, 256, 1024] {
+            let fit = TqFit::choose(DType::IQ4_NL, n, o, sms);
+            let split = TqSplit::choose(fit, n, k, o, sms);
+            assert!(
+                split.partial_bytes(n, o) <= bound,
+                "n={n} k={k} o={o} at {sms} multiprocessors: {split:?}"
+            );
+            assert!(
+                split.splits * split.per >= k.div_ceil(TQ_BK),
+                "{split:?} covers K"
+            );
+            assert!(
+                (split.splits - 1) * split.per < k.div_ceil(TQ_BK),
+                "{split:?} no empty split"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_decode_steps_few_rows_take_token_tiles_of_32_or_64_not_128() {
     let q6 = |n| TqFit::choose(DType::Q6_K, n, 131_072, 132);
     for n in [2, 8, 32] {
@@ -230,7 +289,16 @@ fn prefill_scratch_holds_x_as_bf16_and_for_bf16_weights_the_cublas_workspace() {
     };
     let [x, w] = metas(DType::IQ4_NL);
     let tc = Linear::with(LinearKernel::TensorCore);
-    assert_eq!(tc.cuda_scratch_bytes(&[&x, &w]), 256 + 100 * 512 * 2);
+    // One tile: K's 8 slices split in two, their partial sums after x.
+    assert_eq!(
+        tc.cuda_scratch_bytes(&[&x, &w]),
+        256 + 100 * 512 * 2 + 256 + 2 * 100 * 7 * 4
+    );
+    let [x, w] = [
+        TensorMeta::f32([2048, 3584]),
+        TensorMeta::new([9216, 3584], DType::IQ4_NL),
+    ];
+    assert_eq!(tc.cuda_scratch_bytes(&[&x, &w]), 256 + 2048 * 3584 * 2);
     let [x, w] = metas(DType::BF16);
     assert_eq!(
         tc.cuda_scratch_bytes(&[&x, &w]),
