@@ -14,10 +14,12 @@
 # MODEL: default (the embedded small checkpoint), tiny (made here), or a path. BIN: a directory
 # of prebuilt serve/load-test/make-model (no cargo; the GPU host has none). DURATION=0 bounds
 # the run by REQUESTS and TIME_LIMIT instead (bench/load-test.sh). SERVE_ARGS and
-# LOAD_TEST_ARGS are split on spaces and passed on.
+# LOAD_TEST_ARGS are split on spaces and passed on. SERVE_BIN: another `serve` binary to run
+# (another build's, for an A/B), BIN's otherwise.
 set -euo pipefail
-# A relative BIN is the caller's, so resolve it before moving to the repository root.
+# A relative BIN or SERVE_BIN is the caller's, so resolve it before moving to the repository root.
 BIN=${BIN:+$(cd "$BIN" && pwd)}
+SERVE_BIN=${SERVE_BIN:+$(cd "$(dirname "$SERVE_BIN")" && pwd)/$(basename "$SERVE_BIN")}
 cd "$(dirname "$0")/.."
 
 PROFILE=${PROFILE:-release}
@@ -62,7 +64,7 @@ case "$MODEL" in
 esac
 
 # shellcheck disable=SC2086
-"$bin/serve" "${model_args[@]}" $SERVE_ARGS --host 127.0.0.1 --port 0 >"$work/serve.out" 2>"$work/serve.err" &
+"${SERVE_BIN:-$bin/serve}" "${model_args[@]}" $SERVE_ARGS --host 127.0.0.1 --port 0 >"$work/serve.out" 2>"$work/serve.err" &
 pid=$!
 addr=
 for _ in $(seq $((READY_TIMEOUT * 10))); do
