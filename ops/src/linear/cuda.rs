@@ -213,24 +213,10 @@ impl Linear {
                         if split.splits <= 1 {
                             return Ok(());
                         }
-                        let reduce = ctx.kernel("linear.cu", LINEAR_CU, "linear_skinny_reduce")?;
-                        let blocks = as_i32(op, "reduce blocks", (n * o).div_ceil(256))?;
-                        // SAFETY: linear_skinny_reduce reads the splits·n·o partial sums
-                        // written just above and writes n×o f32 to y (no second output).
+                        // SAFETY: the splits·n·o partial sums were written just above; y
+                        // holds n×o f32.
                         unsafe {
-                            ctx.device
-                                .launch(&reduce)
-                                .grid(blocks as u32)
-                                .block(256)
-                                .arg(part)
-                                .arg(y.ptr)
-                                .arg(0u64)
-                                .arg(ni)
-                                .arg(oi)
-                                .arg(0i32)
-                                .arg(split.splits as i32)
-                                .enqueue()
-                                .map_err(dev_err)
+                            launch_split_sum(ctx, op, part, split.splits, n, (y.ptr, o), None)
                         }
                     }
                     _ => {
@@ -480,22 +466,51 @@ unsafe fn launch_bf16_skinny(
     if plan.splits <= 1 {
         return Ok(());
     }
+    // SAFETY: the splits·n·outs partial sums were written just above; the caller vouches for
+    // the outputs.
+    unsafe {
+        launch_split_sum(
+            ctx,
+            op,
+            part,
+            plan.splits,
+            n,
+            (y1, o1),
+            second.map(|(_, y2, o2)| (y2, o2)),
+        )
+    }
+}
+
+/// `linear_skinny_reduce`: `y` (n×o f32, and `y2`, n×o2, after column o) as the sum of
+/// `splits` partial sums `part[split][n][o + o2]`, added in split order.
+///
+/// # Safety
+/// `part` holds splits·n·(o + o2) f32; `y` n×o f32 and `y2` n×o2 f32.
+unsafe fn launch_split_sum(
+    ctx: &GpuCtx,
+    op: &'static str,
+    part: u64,
+    splits: usize,
+    n: usize,
+    (y, o): (u64, usize),
+    y2: Option<(u64, usize)>,
+) -> Result<(), OpError> {
+    let (y2, o2) = y2.unwrap_or((0, 0));
     let reduce = ctx.kernel("linear.cu", LINEAR_CU, "linear_skinny_reduce")?;
-    let grid = as_i32(op, "reduce blocks", (n * outs).div_ceil(256))?;
-    // SAFETY: linear_skinny_reduce reads the splits·n·outs partial sums written just above and
-    // writes n×o1 f32 to y1 and n×o2 to y2.
+    let grid = as_i32(op, "reduce blocks", (n * (o + o2)).div_ceil(256))?;
+    // SAFETY: the caller's: the reads and writes stay within part, y and y2 as stated.
     unsafe {
         ctx.device
             .launch(&reduce)
             .grid(grid as u32)
             .block(256)
             .arg(part)
-            .arg(y1)
+            .arg(y)
             .arg(y2)
-            .arg(ni)
-            .arg(o1i)
-            .arg(o2i)
-            .arg(splits)
+            .arg(as_i32(op, "n", n)?)
+            .arg(as_i32(op, "out", o)?)
+            .arg(as_i32(op, "out", o2)?)
+            .arg(as_i32(op, "splits", splits)?)
             .enqueue()
             .map_err(dev_err)
     }
