@@ -1094,22 +1094,22 @@ fn launch_head(gpu: &GpuCtx, kernel: HeadKernel, a: &HeadLaunch) -> Result<(), O
     } else {
         l
     };
+    let l = l
+        .arg(pos)
+        .arg(rn as i32)
+        .arg(rs as i32)
+        .arg(rd as i32)
+        .arg(k.theta_scale)
+        .arg(k.freq_scale)
+        .arg(k.ext_factor)
+        .arg(k.corr[0])
+        .arg(k.corr[1])
+        .arg(k.mscale);
+    // The tiles over the whole K (one part, no partial sums).
+    let l = if mma { l.arg(1i32).arg(0u64) } else { l };
     // SAFETY: the argument lists of head_gemm_bf16 and HEAD_MMA_KERNEL, with mla.rs's
     // alignment rule for the vector accesses; the buffers hold the shapes described.
-    unsafe {
-        l.arg(pos)
-            .arg(rn as i32)
-            .arg(rs as i32)
-            .arg(rd as i32)
-            .arg(k.theta_scale)
-            .arg(k.freq_scale)
-            .arg(k.ext_factor)
-            .arg(k.corr[0])
-            .arg(k.corr[1])
-            .arg(k.mscale)
-            .enqueue()
-            .map_err(|e| OpError::Type(e.to_string()))
-    }
+    unsafe { l.enqueue().map_err(|e| OpError::Type(e.to_string())) }
 }
 
 #[derive(Clone, Debug)]

@@ -71,6 +71,7 @@ impl MlaQuery {
                     k: self.rope.consts(),
                 }),
                 kv,
+                part: Scratch::default(),
             },
         )
     }
@@ -148,6 +149,43 @@ pub(super) const HT_LARGE_TILE_FROM: usize = 512;
 /// `head_mma` blocks resident on an SM (its `__launch_bounds__`; shared memory allows it).
 pub(super) const HT_BLOCKS_PER_SM: usize = 2;
 
+/// Most K parts `head_mma` splits a product into (`HT_MAX_SPLITS` in mla.cu).
+pub(super) const HT_MAX_SPLITS: usize = 8;
+
+/// Fewest K slices a part takes: the tiles' pipeline is three slices deep.
+const HT_SPLIT_MIN_SLICES: usize = 4;
+
+/// Multiprocessors a split is planned for at most (an op's scratch is sized for this many).
+pub(super) const HT_SPLIT_MAX_SMS: usize = 132;
+
+/// K parts for `blocks` tile blocks over `n_in` inputs: as many as the block slots left
+/// empty ([`HT_BLOCKS_PER_SM`] a multiprocessor), each at least [`HT_SPLIT_MIN_SLICES`]
+/// slices. The value product (32 heads, one 128-row tile each, 512 inputs) at a decode step
+/// of 9..64 rows is 32 blocks on a 132-multiprocessor card: four parts.
+pub(super) fn head_mma_splits(blocks: usize, n_in: usize, sms: usize) -> usize {
+    let slices = n_in.div_ceil(HT_BK);
+    let room = HT_BLOCKS_PER_SM * sms.min(HT_SPLIT_MAX_SMS) / blocks.max(1);
+    room.min(slices / HT_SPLIT_MIN_SLICES)
+        .clamp(1, HT_MAX_SPLITS)
+}
+
+/// Scratch for [`head_mma_splits`]'s partial sums of a per-head product (f32 `[parts][n_tok]
+/// [n_head][n_out]`, 256 bytes of alignment), none where the tiles would not split on a card
+/// of [`HT_SPLIT_MAX_SMS`] multiprocessors; one token tile a head is the fewest blocks.
+pub(super) fn head_split_scratch(n_tok: usize, n_head: usize, n_out: usize, n_in: usize) -> usize {
+    if n_tok <= crate::mla::HEAD_GEMV_ROWS_LIMIT {
+        // Tokens the GEMV may take: the lowering puts them there.
+        return 0;
+    }
+    let bm = if n_tok > HT_LARGE_TILE_FROM { 128 } else { 64 };
+    let parts = head_mma_splits(n_head * n_tok.div_ceil(bm), n_in, HT_SPLIT_MAX_SMS);
+    if parts <= 1 {
+        0
+    } else {
+        256 + parts * n_tok * n_head * n_out * 4
+    }
+}
+
 /// The rope part of a [`head_gemv`] launch.
 pub(super) struct HeadRope {
     positions: u64,
@@ -175,6 +213,9 @@ pub(super) struct HeadGemv<'a> {
     rope: Option<HeadRope>,
     /// The step's cache rows written by an extra column of blocks (the GEMV kernel only).
     kv: Option<KvJob>,
+    /// Where the tensor-core tiles may keep K-split partial sums ([`head_mma_splits`]); the
+    /// tiles split no further than it holds (an empty one: not at all).
+    part: Scratch,
 }
 
 /// The cache-row job of a fused query launch ([`MlaQueryKv`]): `mla_kv`'s inputs and the cache.
@@ -347,6 +388,17 @@ pub(super) fn head_gemv(
         let groups = slots.div_ceil(rows).clamp(1, col_tiles);
         let col_per_block = col_tiles.div_ceil(groups);
         let groups = col_tiles.div_ceil(col_per_block);
+        // K split into the block slots the tiles leave empty, as far as the scratch holds.
+        let one_split = a.n_tok * a.n_head * a.n_out * 4;
+        let part = a.part.ptr.next_multiple_of(256);
+        let room = if a.part.ptr == 0 || a.part.bytes < 256 {
+            0
+        } else {
+            (a.part.bytes - 256) / one_split.max(1)
+        };
+        let ksplit = head_mma_splits(groups * rows, a.n_in, ctx.device.sm_count() as usize)
+            .min(room)
+            .max(1);
         let x_vec =
             a.x.is_multiple_of(16) && a.x_tok.is_multiple_of(4) && a.x_head.is_multiple_of(4);
         let y_vec =
@@ -363,7 +415,7 @@ pub(super) fn head_gemv(
                     ctx.device
                         .launch(&kern)
                         .grid((
-                            i("column groups", groups + rope_col)? as u32,
+                            i("column groups", groups * ksplit + rope_col)? as u32,
                             a.n_head as u32,
                             tok_tiles as u32,
                         ))
@@ -375,8 +427,31 @@ pub(super) fn head_gemv(
                 .arg(i32::from(x_vec))
                 .arg(i32::from(y_vec)),
             )?
+            .arg(ksplit as i32)
+            .arg(if ksplit > 1 { part } else { 0u64 })
             .enqueue()
-            .map_err(dev_err)
+            .map_err(dev_err)?;
+            if ksplit <= 1 {
+                return Ok(());
+            }
+            let sum = ctx.kernel("mla.cu", MLA_CU, "head_split_sum")?;
+            let blocks = i("sum blocks", (a.n_tok * a.n_head * a.n_out).div_ceil(256))?;
+            // SAFETY: head_split_sum reads the ksplit·n·heads·outs partial sums written just
+            // above (inside the scratch: `room`) and writes y by its strides, as the tiles do.
+            ctx.device
+                .launch(&sum)
+                .grid(blocks as u32)
+                .block(256)
+                .arg(part)
+                .arg(a.y)
+                .arg(a.y_tok as i64)
+                .arg(a.y_head as i64)
+                .arg(i("tokens", a.n_tok)?)
+                .arg(i("heads", a.n_head)?)
+                .arg(i("rows", a.n_out)?)
+                .arg(ksplit as i32)
+                .enqueue()
+                .map_err(dev_err)
         };
     }
     // A group of `lpr` lanes owns a row: as many as its 16-byte segments, up to a warp; one
@@ -981,7 +1056,7 @@ impl MlaValueOut {
         ctx: &GpuCtx,
         inputs: &[DeviceTensor<'_>],
         outputs: &[DeviceTensor<'_>],
-        _scratch: Scratch,
+        scratch: Scratch,
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
         let (nh, lora, vh) = (self.n_head, self.kv_lora, self.v_head);
@@ -1003,6 +1078,7 @@ impl MlaValueOut {
                 n_tok: inputs[0].meta.shape[0],
                 rope: None,
                 kv: None,
+                part: scratch,
             },
         )
     }

@@ -447,7 +447,10 @@ __device__ __forceinline__ void ht_split(float2 v, unsigned& hi, unsigned& lo) {
 }
 
 // x_vec: x 16-byte aligned with strides in whole float4 (16-byte copies, else 4-byte);
-// y_vec: y 8-byte aligned with even strides (float2 stores).
+// y_vec: y 8-byte aligned with even strides (float2 stores). ksplit > 1: block column
+// (group, kp) takes K slices [kp·per, (kp+1)·per) (per = ⌈slices / ksplit⌉) and writes its
+// partial sums to part[kp][n_tok][n_head][n_out] (8-byte aligned), which head_split_sum adds
+// in kp order: v_out's one column tile a head is 32 blocks over the whole K otherwise.
 template <int BM, int BN, int WM, int WN>
 __device__ __forceinline__ void head_mma(
     const unsigned short* __restrict__ W, const float* __restrict__ x, long long x_tok,
@@ -455,7 +458,7 @@ __device__ __forceinline__ void head_mma(
     int n_out, int n_in, int col_tiles, int col_per_block, int x_vec, int y_vec,
     const int* __restrict__ positions, int rope_n, int rope_src, int rope_dst,
     float theta_scale, float freq_scale, float ext_factor, float corr_low, float corr_high,
-    float mscale) {
+    float mscale, int ksplit, float* __restrict__ part) {
     constexpr int WTM = BM / WM, WTN = BN / WN, MT = WTM / 16, NT = WTN / 8;
     static_assert(WM * WN == 8 && MT * 16 == WTM && NT % 2 == 0 && NT * 8 == WTN, "tile");
     extern __shared__ float4 ht_smem4[];
@@ -464,14 +467,18 @@ __device__ __forceinline__ void head_mma(
         reinterpret_cast<unsigned short*>(xs + HT_STAGES * BM * HT_XS);  // [..][BN][HT_WS]
     const int h = blockIdx.y, tid = threadIdx.x;
     const int t0 = blockIdx.z * BM;
-    if ((int)blockIdx.x == (col_tiles + col_per_block - 1) / col_per_block) {
+    if ((int)blockIdx.x == (col_tiles + col_per_block - 1) / col_per_block * ksplit) {
         head_rope(x, x_tok, x_head, y, y_tok, y_head, t0, min(n_tok, t0 + BM), positions,
                   rope_n, rope_src, rope_dst, theta_scale, freq_scale, ext_factor, corr_low,
                   corr_high, mscale);
         return;
     }
-    const int j0 = blockIdx.x * col_per_block;
-    const int nk = (n_in + HT_BK - 1) / HT_BK;
+    const int grp = blockIdx.x / ksplit, kp = blockIdx.x - grp * ksplit;
+    const int j0 = grp * col_per_block;
+    const int slices = (n_in + HT_BK - 1) / HT_BK, per = (slices + ksplit - 1) / ksplit;
+    const int kb0 = kp * per;
+    const int nk = min(per, slices - kb0);  // this block's K slices a column tile
+    if (nk <= 0) return;
     const int steps = min(col_per_block, col_tiles - j0) * nk;
     const unsigned short* Wh = W + (long long)h * n_out * n_in;
     const float* xh = x + (long long)h * x_head;
@@ -486,7 +493,7 @@ __device__ __forceinline__ void head_mma(
 
     auto load = [&](int step, int buf) {
         const int j = step / nk;
-        const int k0 = (step - j * nk) * HT_BK, n0 = (j0 + j) * BN;
+        const int k0 = (kb0 + step - j * nk) * HT_BK, n0 = (j0 + j) * BN;
         const unsigned xb = ht_smem(xs + (buf * BM + xr) * HT_XS + xq);
         if (x_vec) {
             const bool kv = k0 + xq < n_in;
@@ -581,13 +588,16 @@ __device__ __forceinline__ void head_mma(
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int t = t0 + wm * WTM + mt * 16 + g + 8 * half;
-                float* yr = y + (long long)t * y_tok + (long long)h * y_head;
+                const bool to_part = ksplit > 1;
+                float* yr = to_part
+                                ? part + (((long long)kp * n_tok + t) * gridDim.y + h) * n_out
+                                : y + (long long)t * y_tok + (long long)h * y_head;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int o = n0 + wn * WTN + nt * 8 + 2 * tq;
                     float* v = acc[mt][nt] + 2 * half;
                     if (t < n_tok) {
-                        if (y_vec && o + 1 < n_out) {
+                        if ((to_part ? (n_out & 1) == 0 : y_vec) && o + 1 < n_out) {
                             *reinterpret_cast<float2*>(yr + o) = make_float2(v[0], v[1]);
                         } else {
                             if (o < n_out) yr[o] = v[0];
@@ -614,15 +624,39 @@ __device__ __forceinline__ void head_mma(
              long long y_head, int n_tok, int n_out, int n_in, int col_tiles,                  \
              int col_per_block, int x_vec, int y_vec, const int* __restrict__ positions,       \
              int rope_n, int rope_src, int rope_dst, float theta_scale, float freq_scale,      \
-             float ext_factor, float corr_low, float corr_high, float mscale) {                \
+             float ext_factor, float corr_low, float corr_high, float mscale, int ksplit,      \
+             float* __restrict__ part) {                                                       \
         PDL_ENTER();                                                                           \
         head_mma<BM, BN, WM, WN>(W, x, x_tok, x_head, y, y_tok, y_head, n_tok, n_out, n_in,    \
                                  col_tiles, col_per_block, x_vec, y_vec, positions, rope_n,    \
                                  rope_src, rope_dst, theta_scale, freq_scale, ext_factor,      \
-                                 corr_low, corr_high, mscale);                                 \
+                                 corr_low, corr_high, mscale, ksplit, part);                   \
     }
 HEAD_MMA_KERNEL(head_mma_bf16_128x128, 128, 128, 4, 2, 2)
 HEAD_MMA_KERNEL(head_mma_bf16_64x128, 64, 128, 2, 4, 2)
+
+// y[t][h][o] (strided) = Σ_kp part[kp][t][h][o], in kp order: head_mma's K split partial
+// sums, all of a thread's loaded before the first is added. ksplit ≤ HT_MAX_SPLITS.
+#define HT_MAX_SPLITS 8
+extern "C" __global__ void __launch_bounds__(256)
+    head_split_sum(const float* __restrict__ part, float* __restrict__ y, long long y_tok,
+                   long long y_head, int n_tok, int n_head, int n_out, int ksplit) {
+    PDL_ENTER();
+    const long long all = (long long)n_tok * n_head * n_out;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= all) return;
+    float v[HT_MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < HT_MAX_SPLITS; ++s) v[s] = s < ksplit ? part[s * all + i] : 0.0f;
+    float sum = v[0];
+#pragma unroll
+    for (int s = 1; s < HT_MAX_SPLITS; ++s)
+        if (s < ksplit) sum += v[s];
+    const int o = (int)(i % n_out);
+    const long long th = i / n_out;
+    const int h = (int)(th % n_head), t = (int)(th / n_head);
+    y[(long long)t * y_tok + (long long)h * y_head + o] = sum;
+}
 
 // ---- MlaKv: rms(latent)*w || rope(k_pe) ------------------------------------------------
 

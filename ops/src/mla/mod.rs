@@ -791,6 +791,17 @@ impl Op for MlaValueOut {
         )
     }
 
+    /// The tensor-core tiles' K-split partial sums, where a step's few token tiles leave the
+    /// card's block slots empty.
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        match inputs.first() {
+            Some(x) if self.kernel == HeadKernel::TensorCore && self.infer(inputs).is_ok() => {
+                cuda::head_split_scratch(x.shape[0], self.n_head, self.v_head, self.kv_lora)
+            }
+            _ => 0,
+        }
+    }
+
     fn cuda(
         &self,
         ctx: &GpuCtx,
@@ -817,6 +828,70 @@ mod head_kernel_choice {
         assert!(
             !tuned_head_takes(&w(DType::BF16, 1032)),
             "past the GEMV's lanes"
+        );
+    }
+}
+
+#[cfg(test)]
+mod head_split_choice {
+    use super::cuda::{HT_MAX_SPLITS, head_mma_splits, head_split_scratch};
+    use super::*;
+
+    #[test]
+    fn the_value_products_few_tiles_split_k_into_the_empty_block_slots() {
+        // 32 heads, one 128-row column tile each, 512 inputs (16 slices): one token tile at
+        // 9..64 tokens is 32 blocks of 264 slots; two at 65..128 are 64; four at 256 are 128.
+        assert_eq!(head_mma_splits(32, 512, 132), 4);
+        assert_eq!(head_mma_splits(64, 512, 132), 4);
+        assert_eq!(head_mma_splits(128, 512, 132), 2);
+        assert_eq!(head_mma_splits(264, 512, 132), 1);
+        // The query's 128 inputs are four slices: never split.
+        assert_eq!(head_mma_splits(32, 128, 132), 1);
+        // A part keeps at least four slices; never more than the sum kernel adds.
+        assert_eq!(head_mma_splits(1, 32 * 4 * 100, 132), HT_MAX_SPLITS);
+        assert_eq!(head_mma_splits(1, 32 * 7, 132), 1);
+    }
+
+    #[test]
+    fn the_value_products_scratch_holds_the_parts_it_plans() {
+        let op = MlaValueOut {
+            n_head: 32,
+            kv_lora: 512,
+            v_head: 128,
+            kernel: HeadKernel::TensorCore,
+        };
+        let scratch = |n: usize| {
+            op.cuda_scratch_bytes(&[
+                &TensorMeta::f32([n, 32, 512]),
+                &TensorMeta::new([32, 128, 512], DType::BF16),
+            ])
+        };
+        assert_eq!(scratch(64), 256 + 4 * 64 * 32 * 128 * 4);
+        assert_eq!(scratch(256), 256 + 2 * 256 * 32 * 128 * 4);
+        // A prefill chunk's tiles fill the card; the GEMV's few tokens take no tiles.
+        assert_eq!(scratch(1024), 0);
+        assert_eq!(scratch(8), 0);
+        // Every token count's plan on any card up to the planned one fits what it asked for.
+        for n in [9, 33, 64, 65, 100, 128, 129, 200, 256, 300, 512, 513, 700] {
+            let bound = head_split_scratch(n, 32, 128, 512);
+            for sms in [1, 16, 66, 108, 114, 132, 144, 1000] {
+                let bm = if n > 512 { 128 } else { 64 };
+                let parts = head_mma_splits(32 * n.div_ceil(bm), 512, sms);
+                if parts > 1 {
+                    assert!(256 + parts * n * 32 * 128 * 4 <= bound, "n={n} sms={sms}");
+                }
+            }
+        }
+        let gemv = MlaValueOut {
+            kernel: HeadKernel::Gemv,
+            ..op
+        };
+        assert_eq!(
+            gemv.cuda_scratch_bytes(&[
+                &TensorMeta::f32([64, 32, 512]),
+                &TensorMeta::new([32, 128, 512], DType::BF16),
+            ]),
+            0
         );
     }
 }
