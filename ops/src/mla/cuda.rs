@@ -158,15 +158,19 @@ const HT_SPLIT_MIN_SLICES: usize = 4;
 /// Multiprocessors a split is planned for at most (an op's scratch is sized for this many).
 pub(super) const HT_SPLIT_MAX_SMS: usize = 132;
 
-/// K parts for `blocks` tile blocks over `n_in` inputs: as many as the block slots left
-/// empty ([`HT_BLOCKS_PER_SM`] a multiprocessor), each at least [`HT_SPLIT_MIN_SLICES`]
-/// slices. The value product (32 heads, one 128-row tile each, 512 inputs) at a decode step
-/// of 9..64 rows is 32 blocks on a 132-multiprocessor card: four parts.
+/// K parts for `blocks` tile blocks over `n_in` inputs: about as many as the block slots left
+/// empty ([`HT_BLOCKS_PER_SM`] a multiprocessor), of about [`HT_SPLIT_MIN_SLICES`] slices or
+/// more. The kernel gives part kp the slices from kp·⌈slices / parts⌉, so the count returned is
+/// one that leaves no part empty (6 of 25 slices would: parts of 5 leave the sixth none). The
+/// value product (32 heads, one 128-row tile each, 512 inputs) at a decode step of 9..64 rows
+/// is 32 blocks on a 132-multiprocessor card: four parts.
 pub(super) fn head_mma_splits(blocks: usize, n_in: usize, sms: usize) -> usize {
-    let slices = n_in.div_ceil(HT_BK);
+    let slices = n_in.div_ceil(HT_BK).max(1);
     let room = HT_BLOCKS_PER_SM * sms.min(HT_SPLIT_MAX_SMS) / blocks.max(1);
-    room.min(slices / HT_SPLIT_MIN_SLICES)
-        .clamp(1, HT_MAX_SPLITS)
+    let want = room
+        .min(slices / HT_SPLIT_MIN_SLICES)
+        .clamp(1, HT_MAX_SPLITS);
+    slices.div_ceil(slices.div_ceil(want))
 }
 
 /// Scratch for [`head_mma_splits`]'s partial sums of a per-head product (f32 `[parts][n_tok]

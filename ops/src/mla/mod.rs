@@ -850,6 +850,27 @@ mod head_split_choice {
         // A part keeps at least four slices; never more than the sum kernel adds.
         assert_eq!(head_mma_splits(1, 32 * 4 * 100, 132), HT_MAX_SPLITS);
         assert_eq!(head_mma_splits(1, 32 * 7, 132), 1);
+        // 25 slices wanted in 6 parts of 5 would leave the sixth empty: 5 parts.
+        assert_eq!(head_mma_splits(32, 800, 132), 5);
+    }
+
+    #[test]
+    fn no_k_part_the_kernel_runs_is_empty() {
+        // The kernel's partition: part kp starts at kp·⌈slices / parts⌉.
+        for n_in in (8usize..=1024).step_by(8) {
+            let slices = n_in.div_ceil(32);
+            for blocks in 1..300 {
+                for sms in [66, 132, 1000] {
+                    let parts = head_mma_splits(blocks, n_in, sms);
+                    assert!((1..=HT_MAX_SPLITS).contains(&parts));
+                    let per = slices.div_ceil(parts);
+                    assert!(
+                        (parts - 1) * per < slices,
+                        "n_in={n_in} blocks={blocks} sms={sms}: {parts} parts of {per}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
