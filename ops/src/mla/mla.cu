@@ -141,6 +141,10 @@ __device__ __forceinline__ void mla_kv_row(const float* __restrict__ kv,
 // (blockIdx.x == row_blocks) applies the rope to x[t][h][rope_src..] -> y[t][h][rope_dst..].
 
 #define HG_SEGS 4
+// Loads a thread has in flight while staging x.
+#define HG_STAGE_UNROLL 4
+// Tokens whose dot products a lane group runs together.
+#define HG_TOKENS 4
 
 // The rope job of head blockIdx.y for tokens [t0, t1): every (token, pair) a thread.
 __device__ __forceinline__ void head_rope(const float* x, long long x_tok, long long x_head,
@@ -253,12 +257,54 @@ __device__ __forceinline__ void head_gemv_bf16_body(HEAD_GEMV_BF16_PARAMS) {
     const int nseg = n_in >> 3;
     const unsigned short* Wh = W + (long long)h * n_out * n_in;
 
+    // x's rows as 16-byte pieces where they are 16-byte aligned (the engine's always are).
+    const bool x_vec = (reinterpret_cast<unsigned long long>(x) & 15) == 0 &&
+                       ((x_tok | x_head) & 3) == 0 && (n_in & 3) == 0;
     for (int t0 = 0; t0 < n_tok; t0 += tok_tile) {
         const int tn = min(tok_tile, n_tok - t0);
         __syncthreads();
-        for (int idx = tid; idx < tn * n_in; idx += blockDim.x) {
-            const int t = idx / n_in, i = idx - t * n_in;
-            xs[idx] = x[(t0 + t) * x_tok + h * x_head + i];
+        // Each thread issues HG_STAGE_UNROLL loads before its first store, so staging the
+        // token tile is one trip to L2 a round rather than one an element (8 tokens of v_out's
+        // 512 inputs were 16 dependent trips a thread).
+        if (x_vec) {
+            const int n4 = n_in >> 2, total = tn * n4;
+            for (int base = 0; base < total; base += HG_STAGE_UNROLL * blockDim.x) {
+                float4 v[HG_STAGE_UNROLL];
+#pragma unroll
+                for (int u = 0; u < HG_STAGE_UNROLL; ++u) {
+                    const int idx = base + u * blockDim.x + tid;
+                    v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (idx < total) {
+                        const int t = idx / n4, i = idx - t * n4;
+                        v[u] = *reinterpret_cast<const float4*>(x + (t0 + t) * x_tok + h * x_head +
+                                                                4 * i);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < HG_STAGE_UNROLL; ++u) {
+                    const int idx = base + u * blockDim.x + tid;
+                    if (idx < total) reinterpret_cast<float4*>(xs)[idx] = v[u];
+                }
+            }
+        } else {
+            const int total = tn * n_in;
+            for (int base = 0; base < total; base += HG_STAGE_UNROLL * blockDim.x) {
+                float v[HG_STAGE_UNROLL];
+#pragma unroll
+                for (int u = 0; u < HG_STAGE_UNROLL; ++u) {
+                    const int idx = base + u * blockDim.x + tid;
+                    v[u] = 0.0f;
+                    if (idx < total) {
+                        const int t = idx / n_in, i = idx - t * n_in;
+                        v[u] = x[(t0 + t) * x_tok + h * x_head + i];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < HG_STAGE_UNROLL; ++u) {
+                    const int idx = base + u * blockDim.x + tid;
+                    if (idx < total) xs[idx] = v[u];
+                }
+            }
         }
         __syncthreads();
         for (int p = 0; p < passes; ++p) {
@@ -278,28 +324,44 @@ __device__ __forceinline__ void head_gemv_bf16_body(HEAD_GEMV_BF16_PARAMS) {
                     w[s][2 * k + 1] = __uint_as_float(uw[k] & 0xffff0000u);
                 }
             }
-            for (int t = 0; t < tn; ++t) {
-                float acc = 0.0f;
+            // HG_TOKENS tokens at a time, so their shuffle reductions interleave instead of
+            // each waiting on the last (every token's sums in the same order as one at a time).
+            for (int tb = 0; tb < tn; tb += HG_TOKENS) {
+                float acc[HG_TOKENS];
+#pragma unroll
+                for (int j = 0; j < HG_TOKENS; ++j) acc[j] = 0.0f;
 #pragma unroll
                 for (int s = 0; s < HG_SEGS; ++s) {
                     const int seg = li + s * lpr;
                     if (seg < nseg) {
-                        const float4 a = *reinterpret_cast<const float4*>(xs + t * n_in + seg * 8);
-                        const float4 b =
-                            *reinterpret_cast<const float4*>(xs + t * n_in + seg * 8 + 4);
-                        acc = fmaf(w[s][0], a.x, acc);
-                        acc = fmaf(w[s][1], a.y, acc);
-                        acc = fmaf(w[s][2], a.z, acc);
-                        acc = fmaf(w[s][3], a.w, acc);
-                        acc = fmaf(w[s][4], b.x, acc);
-                        acc = fmaf(w[s][5], b.y, acc);
-                        acc = fmaf(w[s][6], b.z, acc);
-                        acc = fmaf(w[s][7], b.w, acc);
+#pragma unroll
+                        for (int j = 0; j < HG_TOKENS; ++j) {
+                            if (tb + j < tn) {
+                                const float* xt = xs + (tb + j) * n_in + seg * 8;
+                                const float4 a = *reinterpret_cast<const float4*>(xt);
+                                const float4 b = *reinterpret_cast<const float4*>(xt + 4);
+                                acc[j] = fmaf(w[s][0], a.x, acc[j]);
+                                acc[j] = fmaf(w[s][1], a.y, acc[j]);
+                                acc[j] = fmaf(w[s][2], a.z, acc[j]);
+                                acc[j] = fmaf(w[s][3], a.w, acc[j]);
+                                acc[j] = fmaf(w[s][4], b.x, acc[j]);
+                                acc[j] = fmaf(w[s][5], b.y, acc[j]);
+                                acc[j] = fmaf(w[s][6], b.z, acc[j]);
+                                acc[j] = fmaf(w[s][7], b.w, acc[j]);
+                            }
+                        }
                     }
                 }
-                for (int off = lpr >> 1; off > 0; off >>= 1)
-                    acc += __shfl_xor_sync(0xffffffffu, acc, off);
-                if (rv && li == 0) y[(t0 + t) * y_tok + h * y_head + row] = acc;
+                for (int off = lpr >> 1; off > 0; off >>= 1) {
+#pragma unroll
+                    for (int j = 0; j < HG_TOKENS; ++j)
+                        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+                }
+                if (rv && li == 0) {
+#pragma unroll
+                    for (int j = 0; j < HG_TOKENS; ++j)
+                        if (tb + j < tn) y[(t0 + tb + j) * y_tok + h * y_head + row] = acc[j];
+                }
             }
         }
     }
