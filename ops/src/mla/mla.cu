@@ -352,10 +352,12 @@ __device__ __forceinline__ void head_gemv_bf16_body(HEAD_GEMV_BF16_PARAMS) {
                         }
                     }
                 }
+                // Only the tile's live tokens reduce (tn is block-uniform): a one-token step
+                // ran four tokens' shuffle chains, +1 µs a layer on the query product at B=1.
                 for (int off = lpr >> 1; off > 0; off >>= 1) {
 #pragma unroll
                     for (int j = 0; j < HG_TOKENS; ++j)
-                        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+                        if (tb + j < tn) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
                 }
                 if (rv && li == 0) {
 #pragma unroll
