@@ -85,6 +85,11 @@ pub struct LoweringOptions {
     /// The step's cache rows (the fused kv_row + kv_to_cache) and the absorbed query as one
     /// node: one launch where the query takes the per-head GEMV.
     pub fuse_query_kv: bool,
+    /// The shared expert's gate+up and down ride the routed experts' launches (as more route
+    /// tiles of the same grid) where those take the skinny kernel: two launches a layer fewer,
+    /// and the shared expert's few tiles fill the routed grid's tail instead of a grid of
+    /// their own.
+    pub fuse_shared_expert: bool,
     /// Rows up to which products (and their fusions) take the weight-streaming GEMV; more
     /// take the tensor cores. At most [`GEMV_ROWS_LIMIT`].
     pub gemv_max_rows: usize,
@@ -163,6 +168,7 @@ impl Default for LoweringOptions {
             fold_shared_add: true,
             fuse_routed_hc: true,
             fuse_query_kv: true,
+            fuse_shared_expert: true,
             gemv_max_rows: 1,
             other_gemv_max_rows: 1,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
@@ -197,7 +203,7 @@ impl fmt::Display for LoweringOptions {
         let on = |b: bool| if b { "on" } else { "off" };
         write!(
             f,
-            "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={}; \
+            "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes; \
              router tiled>={} router+routes<={} topk inverse>={} \
@@ -210,6 +216,7 @@ impl fmt::Display for LoweringOptions {
             on(self.fold_shared_add),
             on(self.fuse_routed_hc),
             on(self.fuse_query_kv),
+            on(self.fuse_shared_expert),
             self.gemv_max_rows,
             self.other_gemv_max_rows,
             self.head_gemv_max_rows,
@@ -404,6 +411,9 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
     }
     if opts.fuse_query_kv && opts.fuse_kv_cache_write {
         f.query_kv();
+    }
+    if opts.fuse_shared_expert && opts.fuse_gate_up {
+        f.shared_expert(opts, target);
     }
     f.router_routes(opts.router_routes_max_rows);
     let mut g = f.finish();
@@ -1028,6 +1038,81 @@ impl Fusions {
                 kv: write.kv,
             };
             self.fuse(q.max(w), &[q, w], op, inputs, outputs);
+        }
+    }
+
+    /// The shared expert (`gate_up_swiglu(z)` then its down `linear`, IQ4_NL of the routed
+    /// experts' widths) carried by the routed `expert_swiglu(z, …)` and `expert_down` where both
+    /// take the skinny kernel at this step's routes: each pair one node with two outputs, at
+    /// the later of its two places, so long as everything that reads the down products comes
+    /// after it (the routed sum, folded into its boundary, does).
+    fn shared_expert(&mut self, o: &LoweringOptions, target: Target) {
+        let u = self.uses();
+        for e in 0..self.nodes.len() {
+            let Some(experts) = self.as_op::<ExpertSwiGlu>(e).cloned() else {
+                continue;
+            };
+            let en = self.nodes[e].clone().expect("live");
+            let [z, w_gate, _, _, route_token] = en.inputs[..] else {
+                continue;
+            };
+            let act = en.outputs[0];
+            let Some(dn) = u.sole_reader(act) else {
+                continue;
+            };
+            let Some(down) = self.as_op::<ExpertDown>(dn).cloned() else {
+                continue;
+            };
+            let dnn = self.nodes[dn].clone().expect("live");
+            let Some(&g) = u.readers[z.0]
+                .iter()
+                .find(|&&r| self.as_op::<GateUpSwiGlu>(r).is_some())
+            else {
+                continue;
+            };
+            let gn = self.nodes[g].clone().expect("live");
+            let act_sh = gn.outputs[0];
+            let Some(l) = u.sole_reader(act_sh) else {
+                continue;
+            };
+            if self.as_op::<Linear>(l).is_none() || dnn.inputs.len() != 3 {
+                continue;
+            }
+            let ln = self.nodes[l].clone().expect("live");
+            let meta = |v: ValueId| &self.values[v.0].meta;
+            let d = meta(z).shape.last().copied().unwrap_or(0);
+            let nf = experts.n_ff;
+            let iq4 = |v: ValueId, shape: &[usize]| {
+                meta(v).dtype == DType::IQ4_NL && meta(v).shape.as_slice() == shape
+            };
+            if ln.inputs[0] != act_sh
+                || !iq4(gn.inputs[1], &[nf, d])
+                || !iq4(gn.inputs[2], &[nf, d])
+                || !iq4(ln.inputs[1], &[down.n_embd, nf])
+            {
+                continue;
+            }
+            let routes = meta(route_token).shape.first().copied().unwrap_or(0);
+            let skinny = |n_in: usize, w: ValueId| {
+                o.experts(routes, n_in, Some(meta(w)), target) == ExpertKernel::Skinny
+            };
+            if !skinny(d, w_gate) || !skinny(nf, dnn.inputs[1]) {
+                continue;
+            }
+            let (at_act, at_down) = (e.max(g), dn.max(l));
+            let read_late = [dnn.outputs[0], ln.outputs[0]]
+                .iter()
+                .all(|v| u.readers[v.0].iter().all(|&r| r > at_down));
+            if !read_late {
+                continue;
+            }
+            let mut inputs = en.inputs.clone();
+            inputs.extend_from_slice(&gn.inputs[1..]);
+            self.fuse(at_act, &[e, g], experts, inputs, vec![act, act_sh]);
+            let mut inputs = dnn.inputs.clone();
+            inputs.extend_from_slice(&[act_sh, ln.inputs[1]]);
+            let outputs = vec![dnn.outputs[0], ln.outputs[0]];
+            self.fuse(at_down, &[dn, l], down, inputs, outputs);
         }
     }
 

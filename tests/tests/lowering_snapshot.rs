@@ -128,6 +128,69 @@ fn a_gpu_without_warpgroup_mma_gets_the_mma_sync_expert_kernel() {
 }
 
 #[test]
+fn the_shared_expert_rides_the_routed_skinny_launches_and_computes_the_declared_graph() {
+    // Tiny's experts are 32 wide, too narrow for the skinny kernel's 256-value k-tiles (its
+    // down product is generic); at 256 they take it, as the release's 1,024 do.
+    let mut dims = models::synth::Dims::preset(Preset::Tiny);
+    dims.n_ff_exp = 256;
+    let m = made(dims, "wide_experts");
+    // 16 tokens' routes take the skinny kernel: the shared expert's products join them.
+    let batch = plan(&m, BATCH_16, HOPPER).to_string();
+    assert!(
+        batch.contains("moe.experts_act+shared.gate+up+act: expert_swiglu"),
+        "{batch}"
+    );
+    assert!(
+        batch.contains("moe.experts_down+shared.down: expert_down"),
+        "{batch}"
+    );
+    assert!(
+        !batch.contains("moe.shared.gate+up+act: gate_up_swiglu"),
+        "{batch}"
+    );
+    // Off, they keep launches of their own.
+    let off = LoweringOptions {
+        fuse_shared_expert: false,
+        ..LoweringOptions::default()
+    };
+    let shape = StepShape::single(BATCH_16, LogitRows::Last);
+    let apart = build_plan(&m, shape, None, HOPPER, &off)
+        .unwrap()
+        .to_string();
+    assert!(
+        apart.contains("moe.shared.gate+up+act: gate_up_swiglu"),
+        "{apart}"
+    );
+    assert!(!apart.contains("+shared.gate+up+act"), "{apart}");
+    // One token's routes take the GEMV, and a long chunk's the grouped GEMM: apart there.
+    for bucket in [DECODE, LONG_CHUNK] {
+        let text = plan(&m, bucket, HOPPER).to_string();
+        assert!(
+            text.contains("moe.shared.gate+up+act: gate_up_swiglu"),
+            "{text}"
+        );
+        assert!(!text.contains("+shared.gate+up+act"), "{text}");
+    }
+    // A 12-token chunk (48 routes) takes the fused nodes; run by the CPU executor, the
+    // lowered graph gives the declaration's bits (the fused ops' references are the two ops').
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 53 + 7) % 512).collect();
+    let chunk = StepShape::single(Bucket::Prefill { chunk: 12, kv: 64 }, LogitRows::All);
+    let text = build_plan(&m, chunk, None, HOPPER, &LoweringOptions::default())
+        .unwrap()
+        .to_string();
+    assert!(text.contains("+shared.gate+up+act"), "{text}");
+    let f32_cache = LoweringOptions {
+        f16_latent_cache: false,
+        ..LoweringOptions::default()
+    };
+    let declared = run_on_cpu(&m, Target::Cpu, &f32_cache, &tokens, 91);
+    let lowered = run_on_cpu(&m, HOPPER, &f32_cache, &tokens, 91);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&declared.0), bits(&lowered.0));
+    assert_eq!(bits(&declared.1), bits(&lowered.1));
+}
+
+#[test]
 fn every_fusion_can_be_turned_off_and_then_the_declaration_stays() {
     let m = tiny();
     let off = LoweringOptions {
@@ -139,6 +202,7 @@ fn every_fusion_can_be_turned_off_and_then_the_declaration_stays() {
         fold_shared_add: false,
         fuse_routed_hc: false,
         fuse_query_kv: false,
+        fuse_shared_expert: false,
         router_routes_max_rows: 0,
         ..LoweringOptions::default()
     };

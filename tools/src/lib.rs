@@ -21,6 +21,10 @@ pub struct LoweringArgs {
     /// query's per-head GEMV.
     #[arg(long)]
     pub no_query_kv_fusion: bool,
+    /// Run the shared expert's gate+up and down as launches of their own instead of as more
+    /// route tiles of the routed experts' skinny launches.
+    #[arg(long)]
+    pub no_shared_expert_fusion: bool,
     /// 32-column chunks a warp of the hc boundaries' tensor-core rows pass takes in prefill
     /// chunks, 1..=64; 0 turns the rows pass off (also `XING4_HC_ROWS=N`; default 1).
     #[arg(long, value_name = "N")]
@@ -117,6 +121,7 @@ impl LoweringArgs {
             fuse_hc: !(self.no_hc_fusion || off("XING4_HC_FUSION")),
             fuse_routed_hc: !self.no_routed_hc_fusion,
             fuse_query_kv: !self.no_query_kv_fusion,
+            fuse_shared_expert: !self.no_shared_expert_fusion,
             hc_rows_chunks_per_warp: hc_rows,
             pdl_weights_first: !(self.no_weights_first || off("XING4_PDL_WEIGHTS_FIRST")),
             hc_rows_min_rows: self.hc_rows_min_rows.unwrap_or(d.hc_rows_min_rows),

@@ -107,6 +107,7 @@ impl Linear {
                         k,
                         o,
                         n,
+                        None,
                         scratch,
                     )
                 }

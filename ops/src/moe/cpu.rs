@@ -338,6 +338,12 @@ impl ExpertSwiGlu {
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
         check_host(self, inputs, outputs)?;
+        if inputs.len() == 7 {
+            // The shared expert carried beside: the two ops' references, one after the other.
+            let (routed, shared) = outputs.split_at_mut(1);
+            self.cpu_ref(&inputs[..5], routed)?;
+            return GateUpSwiGlu::default().cpu(&[inputs[0], inputs[5], inputs[6]], shared);
+        }
         let d = inputs[0].meta.inner();
         self.compute(
             inputs[0].f32()?,
@@ -387,6 +393,11 @@ impl ExpertDown {
         outputs: &mut [HostTensorMut<'_>],
     ) -> Result<(), OpError> {
         check_host(self, inputs, outputs)?;
+        if inputs.len() == 5 {
+            let (routed, shared) = outputs.split_at_mut(1);
+            self.cpu_ref(&inputs[..3], routed)?;
+            return Linear::default().cpu(&[inputs[3], inputs[4]], shared);
+        }
         let r = inputs[0].meta.shape[0];
         let down = ExpertStack::of(&inputs[1], inputs[0].meta.inner())?;
         let offsets = inputs[2].i32()?;

@@ -1,6 +1,8 @@
 //! CUDA launches of the MoE ops.
 
-use super::prefill::{SkinnyRoutes, launch_expert_gemm_tc_with, launch_expert_skinny};
+use super::prefill::{
+    SkinnyRoutes, SkinnyShared, launch_expert_gemm_tc_with, launch_expert_skinny,
+};
 use super::*;
 use crate::check::{aligned16, dim_i32, unlowered};
 use crate::dequant::weight_rows;
@@ -323,6 +325,14 @@ impl ExpertSwiGlu {
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        // The shared expert's gate and up (inputs 5, 6) into output 1: the tokens' own rows.
+        let shared = (inputs.len() == 7).then(|| SkinnyShared {
+            wa: inputs[5].ptr,
+            wb: Some(inputs[6].ptr),
+            x: inputs[0].ptr,
+            rows: n,
+            y: outputs[1].ptr,
+        });
         expert_launch(
             scratch,
             ctx,
@@ -341,6 +351,7 @@ impl ExpertSwiGlu {
                 x_rows: n,
                 routes: inputs[4].meta.shape[0],
                 nr: n.clamp(1, GEMV_MAXR).next_power_of_two(),
+                shared,
             },
         )
     }
@@ -365,6 +376,8 @@ pub(super) struct Experts<'a> {
     /// Routes a GEMV block sums at once (1, 2, 4 or 8): about the most an expert has; more
     /// are taken in further rounds over the same staged weights.
     nr: usize,
+    /// The shared expert carried beside the routed ones (the skinny kernel only).
+    shared: Option<SkinnyShared>,
 }
 
 pub(super) fn expert_launch(
@@ -374,6 +387,15 @@ pub(super) fn expert_launch(
     kernel: ExpertKernel,
     a: &Experts<'_>,
 ) -> Result<(), OpError> {
+    if a.shared.is_some() && kernel != ExpertKernel::Skinny {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the shared expert rides only the skinny kernel, not{}",
+                kernel.label()
+            ),
+        ));
+    }
     if a.routes == 0 {
         return Ok(());
     }
@@ -432,6 +454,7 @@ pub(super) fn expert_launch(
                 a.n_in,
                 a.n_out,
                 a.routes,
+                a.shared,
                 scratch,
             )
         };
@@ -576,6 +599,15 @@ impl ExpertDown {
     ) -> Result<(), OpError> {
         check_device(self, inputs, outputs)?;
         let (r, nf) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
+        // The shared expert's activations (input 3) through its down weight (input 4) into
+        // output 1.
+        let shared = (inputs.len() == 5).then(|| SkinnyShared {
+            wa: inputs[4].ptr,
+            wb: None,
+            x: inputs[3].ptr,
+            rows: inputs[3].meta.shape[0],
+            y: outputs[1].ptr,
+        });
         expert_launch(
             scratch,
             ctx,
@@ -596,6 +628,7 @@ impl ExpertDown {
                 // The down projection does not know the tokens; at top-k ≥ 4 an expert has
                 // at most R/4 of the R routes unless ids repeat (then more rounds).
                 nr: r.div_ceil(4).clamp(1, GEMV_MAXR).next_power_of_two(),
+                shared,
             },
         )
     }
@@ -633,6 +666,7 @@ impl GateUpSwiGlu {
                     k,
                     ff,
                     n,
+                    None,
                     scratch,
                 )
             };

@@ -347,6 +347,10 @@ impl Op for RouterRoutes {
 ///
 /// Inputs: z F32 `[n, D]`, gate_exps and up_exps `[n_expert, n_ff, D]` (any weight type),
 /// offsets I32 `[n_expert+1]`, route_token I32 `[R]`. Output: act F32 `[R, n_ff]`.
+///
+/// With two more inputs, the shared expert's gate and up `[n_ff, D]` IQ4_NL, a second output
+/// is its `gate_up_swiglu` of z, F32 `[n, n_ff]` (the lowering's shared-expert fusion: one
+/// skinny launch reads the routed and the shared weights; its CPU reference is the two ops').
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertSwiGlu {
     pub n_expert: usize,
@@ -362,7 +366,9 @@ impl Op for ExpertSwiGlu {
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         let op = self.name();
         nonzero(op, &[("n_expert", self.n_expert), ("n_ff", self.n_ff)])?;
-        expect_inputs(op, inputs, 5)?;
+        if inputs.len() != 7 {
+            expect_inputs(op, inputs, 5)?;
+        }
         let z = inputs[0];
         if z.dtype != DType::F32 || z.shape.len() != 2 || z.shape[1] == 0 {
             return Err(OpError::shape(
@@ -377,7 +383,14 @@ impl Op for ExpertSwiGlu {
         expect(op, "offsets", inputs[3], DType::I32, &[self.n_expert + 1])?;
         let r = inputs[4].shape.first().copied().unwrap_or(0);
         expect(op, "route_token", inputs[4], DType::I32, &[r])?;
-        Ok(vec![TensorMeta::f32([r, self.n_ff])])
+        let act = TensorMeta::f32([r, self.n_ff]);
+        if inputs.len() == 7 {
+            let shape = [self.n_ff, d];
+            expect(op, "gate_shexp", inputs[5], DType::IQ4_NL, &shape)?;
+            expect(op, "up_shexp", inputs[6], DType::IQ4_NL, &shape)?;
+            return Ok(vec![act, TensorMeta::f32([z.shape[0], self.n_ff])]);
+        }
+        Ok(vec![act])
     }
 
     fn cpu(
@@ -404,7 +417,7 @@ impl Op for ExpertSwiGlu {
         )
     }
 
-    /// The skinny kernel's f16 copy of z.
+    /// The skinny kernel's f16 copy of z (the shared expert reads the same rows).
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         match (self.kernel, inputs.first().map(|z| z.shape.as_slice())) {
             (ExpertKernel::Skinny, Some(&[n, d])) => prefill::skinny_scratch_bytes(n, d),
@@ -427,6 +440,10 @@ impl Op for ExpertSwiGlu {
 ///
 /// Inputs: act F32 `[R, n_ff]`, down_exps `[n_expert, n_embd, n_ff]` (any weight type),
 /// offsets I32 `[n_expert+1]`. Output: F32 `[R, n_embd]`.
+///
+/// With two more inputs, the shared expert's activation F32 `[n, n_ff]` and its down weight
+/// `[n_embd, n_ff]` IQ4_NL, a second output is its `linear`, F32 `[n, n_embd]` (the
+/// shared-expert fusion's second half).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertDown {
     pub n_expert: usize,
@@ -442,7 +459,9 @@ impl Op for ExpertDown {
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
         let op = self.name();
         nonzero(op, &[("n_expert", self.n_expert), ("n_embd", self.n_embd)])?;
-        expect_inputs(op, inputs, 3)?;
+        if inputs.len() != 5 {
+            expect_inputs(op, inputs, 3)?;
+        }
         let act = inputs[0];
         if act.dtype != DType::F32 || act.shape.len() != 2 || act.shape[1] == 0 {
             return Err(OpError::shape(
@@ -458,7 +477,25 @@ impl Op for ExpertDown {
             &[self.n_expert, self.n_embd, nf],
         )?;
         expect(op, "offsets", inputs[2], DType::I32, &[self.n_expert + 1])?;
-        Ok(vec![TensorMeta::f32([r, self.n_embd])])
+        let out = TensorMeta::f32([r, self.n_embd]);
+        if inputs.len() == 5 {
+            let act_sh = inputs[3];
+            if act_sh.dtype != DType::F32 || act_sh.shape.len() != 2 || act_sh.shape[1] != nf {
+                return Err(OpError::shape(
+                    op,
+                    format!("the shared activation must be F32[n, {nf}], found {act_sh}"),
+                ));
+            }
+            expect(
+                op,
+                "down_shexp",
+                inputs[4],
+                DType::IQ4_NL,
+                &[self.n_embd, nf],
+            )?;
+            return Ok(vec![out, TensorMeta::f32([act_sh.shape[0], self.n_embd])]);
+        }
+        Ok(vec![out])
     }
 
     fn cpu(
@@ -485,10 +522,16 @@ impl Op for ExpertDown {
         })
     }
 
-    /// The skinny kernel's f16 copy of act.
+    /// The skinny kernel's f16 copy of act (and of the shared activation after it).
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        let shared_rows = match inputs.get(3) {
+            Some(a) if inputs.len() == 5 => a.shape.first().copied().unwrap_or(0),
+            _ => 0,
+        };
         match (self.kernel, inputs.first().map(|a| a.shape.as_slice())) {
-            (ExpertKernel::Skinny, Some(&[r, nf])) => prefill::skinny_scratch_bytes(r, nf),
+            (ExpertKernel::Skinny, Some(&[r, nf])) => {
+                prefill::skinny_scratch_bytes(r + shared_rows, nf)
+            }
             _ => 0,
         }
     }

@@ -831,13 +831,16 @@ expert_gemm_wg_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
 #define SK_WARP_SMEM (SK_STAGES * SK_WSTAGE)      // 13824
 
 // xh[row][block][4t + m] = f16 pair (x[32 block + 4t + m], x[.. + 16]) · scale. n_in % 32 == 0.
+// The rows of x2 (words2 words of xh) follow those of x: the shared expert's activations
+// after the routes' in a down product that carries both (none: words2 = 0).
 extern "C" __global__ void __launch_bounds__(256)
-expert_x_f16(const float* __restrict__ x, unsigned* __restrict__ xh, long long words, float scale) {
+expert_x_f16(const float* __restrict__ x, unsigned* __restrict__ xh, long long words, float scale,
+             const float* __restrict__ x2, long long words2) {
     PDL_ENTER();
-    for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < words;
+    for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < words + words2;
          w += (long long)gridDim.x * blockDim.x) {
         const int j = (int)(w & 15), t = j >> 2, m = j & 3;
-        const float* xb = x + (w >> 4) * 32;
+        const float* xb = w < words ? x + (w >> 4) * 32 : x2 + ((w - words) >> 4) * 32;
         xh[w] = tc_pack_f16(__fmul_rn(xb[4 * t + m], scale), __fmul_rn(xb[4 * t + m + 16], scale));
     }
 }
@@ -905,12 +908,20 @@ __device__ __forceinline__ void sk_wait() {
 // 4·SK_WARP_SMEM + (4/kw)·(kw-1)·SK_MT·NT·4·32·4. n_in % 256 == 0; Wa, Wb 16-byte
 // aligned; xh as expert_x_f16 wrote it (SwiGLU: one row a token, route r reads row
 // route_token[r], or r without a table; down: one row a route).
+//
+// The shared expert beside the routed ones (Sa non-null; grouped mode): blocks y >= sh_tile0
+// take its n_sh rows in tiles of TM, every token one route of it, weights Sa (Sb: up), inputs
+// from xh row sh_x0 + r (SwiGLU: the token's own row, sh_x0 = 0; down: its activation row
+// after the routes'), outputs to y_sh. Its tiles are the dense product's, so one launch reads
+// the routed and the shared weights and no launch of its own waits for the routed one.
 template <int NT>
 __device__ __forceinline__ void expert_skinny_body(
     const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
     const uint4* __restrict__ xh, const int* __restrict__ offsets,
     const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out, int n_expert,
-    int n_x_rows, int n_routes, float y_scale, int kw) {
+    int n_x_rows, int n_routes, float y_scale, int kw, const unsigned char* __restrict__ Sa,
+    const unsigned char* __restrict__ Sb, float* __restrict__ y_sh, int sh_tile0, int n_sh,
+    int sh_x0) {
     extern __shared__ __align__(16) unsigned char sk_smem[];
     __shared__ int s_expert, s_tile;
     constexpr int TM = 8 * NT;
@@ -918,7 +929,11 @@ __device__ __forceinline__ void expert_skinny_body(
     // Warp w takes row sub-tile w / kw and k-phase w % kw: kw warps share each sub-tile's K.
     const int kp = warp % kw, rs = warp / kw, subtiles = (blockDim.x >> 5) / kw;
     int e = 0, rb, rn;
-    if (offsets != nullptr) {
+    const bool shared = Sa != nullptr && (int)blockIdx.y >= sh_tile0;  // block-uniform
+    if (shared) {
+        rb = ((int)blockIdx.y - sh_tile0) * TM;
+        rn = min(TM, n_sh - rb);
+    } else if (offsets != nullptr) {
         if (warp == 0) tc_find_tile(offsets, n_expert, TM, lane, &s_expert, &s_tile);
         __syncthreads();
         e = s_expert;
@@ -936,8 +951,10 @@ __device__ __forceinline__ void expert_skinny_body(
     const int xw = n_in >> 3;  // 16-byte words of an xh row
     const int c0 = (blockIdx.x * subtiles + rs) * (swiglu ? 8 * SK_MT : 16 * SK_MT);
     const int g = lane >> 2, t = lane & 3;
-    const unsigned char* ea = Wa + (long long)e * n_out * row_bytes;
-    const unsigned char* eb = swiglu ? Wb + (long long)e * n_out * row_bytes : ea;
+    const unsigned char* ea = shared ? Sa : Wa + (long long)e * n_out * row_bytes;
+    const unsigned char* eb =
+        swiglu ? (shared ? Sb : Wb + (long long)e * n_out * row_bytes) : ea;
+    float* __restrict__ yo = shared ? y_sh : y;
     const int n_active = (rn + 7) >> 3;
 
     const unsigned wbase = (unsigned)__cvta_generic_to_shared(sk_smem) + warp * SK_WARP_SMEM;
@@ -998,7 +1015,9 @@ __device__ __forceinline__ void expert_skinny_body(
     for (int nt = 0; nt < NT; ++nt) {
         const int r = 8 * nt + g;
         int src = -1;
-        if (r < rn) src = (swiglu && route_token != nullptr) ? route_token[rb + r] : rb + r;
+        if (r < rn)
+            src = shared ? sh_x0 + rb + r
+                         : (swiglu && route_token != nullptr) ? route_token[rb + r] : rb + r;
         xrow[nt] = (src >= 0 && src < n_x_rows) ? src : -1;
     }
     // B fragments of block b of k-tile kt: four blocks are in flight while one is multiplied
@@ -1113,7 +1132,7 @@ __device__ __forceinline__ void expert_skinny_body(
             for (int h = 0; h < 2; ++h) {
                 const int r = 8 * nt + 2 * t + h;
                 if (r >= rn) continue;
-                float* yr = y + (long long)(rb + r) * n_out;
+                float* yr = yo + (long long)(rb + r) * n_out;
                 if (swiglu) {
                     const int o = c0 + 8 * mt + g;
                     if (o < n_out)
@@ -1136,10 +1155,13 @@ __device__ __forceinline__ void expert_skinny_body(
         const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,              \
         const uint4* __restrict__ xh, const int* __restrict__ offsets,                           \
         const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,         \
-        int n_expert, int n_x_rows, int n_routes, float y_scale, int kw) {                       \
+        int n_expert, int n_x_rows, int n_routes, float y_scale, int kw,                         \
+        const unsigned char* __restrict__ Sa, const unsigned char* __restrict__ Sb,              \
+        float* __restrict__ y_sh, int sh_tile0, int n_sh, int sh_x0) {                           \
         PDL_ENTER();                                                                             \
         expert_skinny_body<NT>(Wa, Wb, xh, offsets, route_token, y, n_in, n_out, n_expert,       \
-                               n_x_rows, n_routes, y_scale, kw);                                 \
+                               n_x_rows, n_routes, y_scale, kw, Sa, Sb, y_sh, sh_tile0, n_sh,    \
+                               sh_x0);                                                           \
     }
 EXPERT_SKINNY(1, 4)
 EXPERT_SKINNY(2, 3)

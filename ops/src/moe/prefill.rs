@@ -323,6 +323,21 @@ pub(crate) enum SkinnyRoutes {
     Dense,
 }
 
+/// The shared expert a grouped skinny launch carries beside the routed ones: every token one
+/// route of it, on tiles after the routed ones.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SkinnyShared {
+    /// Its weight (`[n_out, n_in]`, IQ4_NL) and, in SwiGLU mode, its up weight.
+    pub wa: u64,
+    pub wb: Option<u64>,
+    /// Down mode: its `rows × n_in` f32 activations (SwiGLU mode reads the tokens' own rows).
+    pub x: u64,
+    /// Its rows: the step's tokens.
+    pub rows: usize,
+    /// Its `rows × n_out` f32 output.
+    pub y: u64,
+}
+
 /// The grouped (or dense) product of [`launch_expert_gemm_tc`]'s contract for a decode step's
 /// few routes an expert: the inputs narrowed to f16 into the scratch (`expert_x_f16`), then
 /// `expert_skinny_iq4_<NT>` (weights as the MMA's A operand, routes in tiles of 8·NT).
@@ -330,7 +345,9 @@ pub(crate) enum SkinnyRoutes {
 /// # Safety
 /// As [`launch_expert_gemm_tc`], with `x` holding `x_rows × n_in` f32 (SwiGLU mode with a
 /// route table: one row a token; otherwise one row a route, `x_rows = routes`) and `scratch`
-/// a live device allocation of `scratch_bytes` bytes overlapping nothing else.
+/// a live device allocation of `scratch_bytes` bytes overlapping nothing else. `shared`
+/// (grouped mode only) holds live buffers of the shapes its fields name: the same mode's
+/// weights (both or neither of `wb`), in SwiGLU mode `rows = x_rows`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn launch_expert_skinny(
     ctx: &GpuCtx,
@@ -344,10 +361,34 @@ pub(crate) unsafe fn launch_expert_skinny(
     n_in: usize,
     n_out: usize,
     routes: usize,
+    shared: Option<SkinnyShared>,
     scratch: crate::gpu::Scratch,
 ) -> Result<(), OpError> {
-    if routes == 0 || n_out == 0 {
+    let shared = shared.filter(|s| s.rows > 0);
+    if (routes == 0 && shared.is_none()) || n_out == 0 {
         return Ok(());
+    }
+    if let Some(s) = shared {
+        if matches!(routes_from, SkinnyRoutes::Dense) || s.wb.is_some() != wb.is_some() {
+            return Err(OpError::shape(
+                op,
+                "the shared expert rides only a grouped launch of its own mode".to_string(),
+            ));
+        }
+        if wb.is_some() && s.rows != x_rows {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the shared expert's {} rows are not the step's {x_rows} tokens",
+                    s.rows
+                ),
+            ));
+        }
+        aligned("shared weight", s.wa, 16)?;
+        if let Some(b) = s.wb {
+            aligned("shared up weight", b, 16)?;
+        }
+        aligned("shared output", s.y, 4)?;
     }
     if !skinny_supports(n_in) {
         return Err(OpError::shape(
@@ -367,10 +408,19 @@ pub(crate) unsafe fn launch_expert_skinny(
     }
     aligned("input", x, 4)?;
     aligned("output", y, 4)?;
-    let need = skinny_scratch_bytes(x_rows, n_in);
+    // Down mode: the shared expert's activation rows follow the routes' in the f16 copy.
+    let (x2, x2_rows) = match shared {
+        Some(s) if wb.is_none() => {
+            aligned("shared input", s.x, 4)?;
+            (s.x, s.rows)
+        }
+        _ => (0, 0),
+    };
+    let need = skinny_scratch_bytes(x_rows + x2_rows, n_in);
     scratch.require(op, need)?;
     let xh = scratch.ptr.next_multiple_of(256);
     let words = (x_rows * n_in / 2) as i64;
+    let words2 = (x2_rows * n_in / 2) as i64;
     let narrow = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_x_f16")?;
     let x_scale = if wb.is_some() {
         SWIGLU_X_SCALE
@@ -378,17 +428,19 @@ pub(crate) unsafe fn launch_expert_skinny(
         DOWN_X_SCALE
     };
     let y_scale = if wb.is_some() { 1.0f32 } else { 16.0 };
-    // SAFETY: reads x_rows·n_in f32 of x, writes as many f16 at xh, inside the scratch
-    // checked above (xh is its first 256-byte boundary).
+    // SAFETY: reads x_rows·n_in f32 of x (and x2_rows·n_in of x2), writes as many f16 at
+    // xh, inside the scratch checked above (xh is its first 256-byte boundary).
     unsafe {
         ctx.device
             .launch(&narrow)
-            .grid((words as usize).div_ceil(256).clamp(1, 4096) as u32)
+            .grid(((words + words2) as usize).div_ceil(256).clamp(1, 4096) as u32)
             .block(256)
             .arg(x)
             .arg(xh)
             .arg(words)
             .arg(x_scale)
+            .arg(x2)
+            .arg(words2)
             .enqueue()
             .map_err(dev_err)?;
     }
@@ -405,11 +457,13 @@ pub(crate) unsafe fn launch_expert_skinny(
     };
     let nt = skinny_route_tile(routes, (offsets != 0).then_some(n_expert));
     let tm = 8 * nt;
-    let tiles = if offsets != 0 {
+    let routed_tiles = if offsets != 0 {
         routes.div_ceil(tm) + n_expert.min(routes)
     } else {
         routes.div_ceil(tm)
     };
+    let shared_tiles = shared.map_or(0, |s| s.rows.div_ceil(tm));
+    let tiles = routed_tiles + shared_tiles;
     if tiles > 65535 {
         return Err(OpError::shape(
             op,
@@ -419,7 +473,7 @@ pub(crate) unsafe fn launch_expert_skinny(
     let outs = if wb.is_some() { SK_ROWS / 2 } else { SK_ROWS };
     let row_tiles = n_out.div_ceil(outs);
     let pairs = if offsets != 0 {
-        n_expert.min(routes)
+        n_expert.min(routes) + shared_tiles
     } else {
         tiles
     };
@@ -452,10 +506,16 @@ pub(crate) unsafe fn launch_expert_skinny(
             .arg(i("input width", n_in)?)
             .arg(i("rows", n_out)?)
             .arg(i("n_expert", n_expert)?)
-            .arg(i("input rows", x_rows)?)
+            .arg(i("input rows", x_rows + x2_rows)?)
             .arg(i("routes", routes)?)
             .arg(y_scale)
             .arg(kw as i32)
+            .arg(shared.map_or(0, |s| s.wa))
+            .arg(shared.and_then(|s| s.wb).unwrap_or(0))
+            .arg(shared.map_or(0, |s| s.y))
+            .arg(i("route tiles", routed_tiles)?)
+            .arg(i("shared rows", shared.map_or(0, |s| s.rows))?)
+            .arg(i("routes", if wb.is_some() { 0 } else { x_rows })?)
             .enqueue()
             .map_err(dev_err)
     }
