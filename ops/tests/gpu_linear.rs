@@ -381,11 +381,16 @@ struct OnDevice {
 }
 
 impl OnDevice {
-    fn new(
+    fn new(gpu: &GpuCtx, shape: (usize, usize, usize), dtype: DType, copies: usize) -> OnDevice {
+        OnDevice::with_kernel(gpu, shape, dtype, copies, linear_for(shape.0))
+    }
+
+    fn with_kernel(
         gpu: &GpuCtx,
         (n, k, o): (usize, usize, usize),
         dtype: DType,
         copies: usize,
+        kernel: LinearKernel,
     ) -> OnDevice {
         let dev = &gpu.device;
         let mut r = Rng(0x1234_5678 + k as u64);
@@ -395,7 +400,7 @@ impl OnDevice {
             TensorMeta::new([o, k], dtype),
             TensorMeta::f32([n, o]),
         ];
-        let op = Linear::with(linear_for(n));
+        let op = Linear::with(kernel);
         let scratch = op.cuda_scratch_bytes(&[&metas[0], &metas[1]]);
         OnDevice {
             op,
@@ -629,6 +634,73 @@ fn linear_k_split_against_whole_k_at_a_mixed_steps_rows() {
                 .fold(0.0f32, f32::max);
             println!("{name:<22} {n:>5} {split:>10.2} {whole:>10.2} {diff:>12.3e}");
             assert!(diff.is_finite(), "{name} n={n}: non-finite difference");
+        }
+    }
+}
+
+/// The BF16 attention projections of a batched decode step on the skinny kernel (q_a with
+/// kv_a as the one 1,344-row matrix the pair launches): (name, in, out).
+const SKINNY_BF16_SHAPES: [(&str, usize, usize); 3] = [
+    ("q_a+kv_a", 3584, 1344),
+    ("attn q_b", 768, 6144),
+    ("attn o", 4096, 3584),
+];
+
+/// A skinny BF16 product of `n` rows on device buffers, its weight in enough copies that a
+/// replay reads it from memory rather than the 60 MB L2.
+fn skinny_bf16_on_device(gpu: &GpuCtx, n: usize, k: usize, o: usize) -> OnDevice {
+    let copies = ((400usize << 20) / (2 * k * o)).clamp(2, 64);
+    OnDevice::with_kernel(gpu, (n, k, o), DType::BF16, copies, LinearKernel::Skinny)
+}
+
+#[test]
+#[ignore = "timing of the skinny BF16 products at decode rows: run on the GPU host with --ignored"]
+fn skinny_bf16_timings_at_decode_rows() {
+    let Some(gpu) = test_gpu() else { return };
+    // Against the tensor-core path (cuBLAS for BF16), the lowering's other choice at these rows.
+    println!(
+        "{:<12} {:>5} {:>10} {:>9} {:>8} {:>11}",
+        "skinny bf16", "n", "µs", "GB/s", "of 4270", "cuBLAS µs"
+    );
+    for &(name, k, o) in &SKINNY_BF16_SHAPES {
+        for n in [8, 16, 32, 64, 128] {
+            let d = skinny_bf16_on_device(&gpu, n, k, o);
+            let reps = 4 * d.ws.len().max(25);
+            let us = time_calls_us(&gpu, reps, &|i| d.call(&gpu, i)).expect("timing");
+            let y = d.y.to_vec().expect("download");
+            assert!(
+                y.iter().all(|v| v.is_finite()),
+                "{name} n={n}: non-finite output"
+            );
+            let tc = OnDevice::with_kernel(
+                &gpu,
+                (n, k, o),
+                DType::BF16,
+                d.ws.len(),
+                LinearKernel::TensorCore,
+            );
+            let tc_us = time_calls_us(&gpu, reps, &|i| tc.call(&gpu, i)).expect("timing");
+            let gbs = (2 * k * o + 4 * n * (k + o)) as f64 / us / 1e3;
+            println!(
+                "{name:<12} {n:>5} {us:>10.2} {gbs:>9.0} {:>7.1}% {tc_us:>11.2}",
+                100.0 * gbs / 4270.0
+            );
+        }
+    }
+}
+
+/// The same products launched once a shape (no graph, no repeats): what a profiler attaches
+/// to (`ncu -k regex:linear_skinny`, the product and its split-K sum); checks only that every
+/// launch succeeds.
+#[test]
+#[ignore = "one launch a shape for a profiler: run on the GPU host with --include-ignored"]
+fn skinny_bf16_products_launched_once_for_a_profiler() {
+    let Some(gpu) = test_gpu() else { return };
+    for &(name, k, o) in &SKINNY_BF16_SHAPES {
+        for n in [8, 64] {
+            let d = skinny_bf16_on_device(&gpu, n, k, o);
+            d.call(&gpu, 0).expect(name);
+            gpu.device.synchronize().expect("synchronize");
         }
     }
 }
