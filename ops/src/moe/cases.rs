@@ -234,13 +234,21 @@ fn ids_for(r: &mut Rng, n: usize, ne: usize, k: usize, crowd: bool) -> Vec<i32> 
 
 /// The skinny grouped kernel (a decode step's few routes an expert) at M = 1, 2, 7, 32, 129 and
 /// 512 routes over 16 experts: most experts have zero or one route at the small counts, many
-/// at the large ones, and the crowded plans put every route on five experts.
-fn skinny_expert_cases(v: &mut Vec<ParityCase>) {
+/// at the large ones, and the crowded plans put every route on five experts. With `shared`
+/// the launches carry the shared expert beside the routed ones (the lowering's shared-expert
+/// fusion): its tiles follow the routed ones in the grid and read the tokens' rows (gate+up)
+/// or their own activation rows after the routes' (down).
+fn skinny_expert_cases(v: &mut Vec<ParityCase>, shared: bool) {
     let t_sw = (X_D as f64).sqrt() * IQ4_WRMS * U_RMS;
     let t_down = (X_FF as f64).sqrt() * IQ4_WRMS * U_RMS;
     let f16_dot = |n: usize| 6.0 / 2048.0 * (n as f64).sqrt() * IQ4_WRMS * U_RMS;
     let sw_bound = nmse_bound(4e-3, 8.4 * t_sw * f16_dot(X_D) / (0.7 * t_sw * t_sw));
     let down_bound = nmse_bound(4e-3, f16_dot(X_FF) / t_down);
+    let (label, seed_sw, seed_down) = if shared {
+        (" +shared", 0x5e1, 0x5f1)
+    } else {
+        ("", 0x5c1, 0x5d1)
+    };
     for (n, k, crowd) in [
         (1, 1, false),
         (2, 1, false),
@@ -263,117 +271,51 @@ fn skinny_expert_cases(v: &mut Vec<ParityCase>) {
             )
         };
         v.push(ParityCase::new(
-            format!("expert_swiglu/skinny routes={routes}{tag}"),
+            format!("expert_swiglu/skinny{label} routes={routes}{tag}"),
             ExpertSwiGlu {
                 n_expert: X_NE,
                 n_ff: X_FF,
                 kernel: ExpertKernel::Skinny,
             },
-            0x5c1 + routes as u64,
+            seed_sw + routes as u64,
             sw_bound,
             move |r| {
                 let plan = plan_of(r);
-                vec![
+                let mut ins = vec![
                     uniform(r, &[n, X_D], -1.0, 1.0),
                     iq4_weight(r, X_NE, X_FF, X_D),
                     iq4_weight(r, X_NE, X_FF, X_D),
                     plan[0].clone(),
                     plan[1].clone(),
-                ]
+                ];
+                if shared {
+                    ins.push(iq4_matrix(r, X_FF, X_D));
+                    ins.push(iq4_matrix(r, X_FF, X_D));
+                }
+                ins
             },
         ));
         v.push(ParityCase::new(
-            format!("expert_down/skinny routes={routes}{tag}"),
+            format!("expert_down/skinny{label} routes={routes}{tag}"),
             ExpertDown {
                 n_expert: X_NE,
                 n_embd: X_D,
                 kernel: ExpertKernel::Skinny,
             },
-            0x5d1 + routes as u64,
+            seed_down + routes as u64,
             down_bound,
             move |r| {
                 let plan = plan_of(r);
-                vec![
+                let mut ins = vec![
                     uniform(r, &[routes, X_FF], -1.0, 1.0),
                     iq4_weight(r, X_NE, X_D, X_FF),
                     plan[0].clone(),
-                ]
-            },
-        ));
-    }
-}
-
-/// The skinny grouped kernel carrying the shared expert beside the routed ones (the lowering's
-/// shared-expert fusion) at 1, 2, 7, 32, 129 and 512 routes: the shared tiles follow the
-/// routed ones in the grid and read the tokens' rows (gate+up) or their own activation rows
-/// after the routes' (down). The crowded plan leaves most experts without a route.
-fn skinny_shared_expert_cases(v: &mut Vec<ParityCase>) {
-    let t_sw = (X_D as f64).sqrt() * IQ4_WRMS * U_RMS;
-    let t_down = (X_FF as f64).sqrt() * IQ4_WRMS * U_RMS;
-    let f16_dot = |n: usize| 6.0 / 2048.0 * (n as f64).sqrt() * IQ4_WRMS * U_RMS;
-    let sw_bound = nmse_bound(4e-3, 8.4 * t_sw * f16_dot(X_D) / (0.7 * t_sw * t_sw));
-    let down_bound = nmse_bound(4e-3, f16_dot(X_FF) / t_down);
-    for (n, k, crowd) in [
-        (1, 1, false),
-        (2, 1, false),
-        (7, 1, false),
-        (8, TOPK, false),
-        (129, 1, false),
-        (128, TOPK, false),
-        (40, TOPK, true),
-    ] {
-        let routes = n * k;
-        let tag = if crowd { " crowded" } else { "" };
-        let plan_of = move |r: &mut Rng| {
-            let ids = ids_for(r, n, X_NE, k, crowd);
-            cpu_outputs(
-                &RoutePlan {
-                    n_expert: X_NE,
-                    top_k: k,
-                },
-                &[HostValue::i32([n, k], &ids)],
-            )
-        };
-        v.push(ParityCase::new(
-            format!("expert_swiglu/skinny +shared routes={routes}{tag}"),
-            ExpertSwiGlu {
-                n_expert: X_NE,
-                n_ff: X_FF,
-                kernel: ExpertKernel::Skinny,
-            },
-            0x5e1 + routes as u64,
-            sw_bound,
-            move |r| {
-                let plan = plan_of(r);
-                vec![
-                    uniform(r, &[n, X_D], -1.0, 1.0),
-                    iq4_weight(r, X_NE, X_FF, X_D),
-                    iq4_weight(r, X_NE, X_FF, X_D),
-                    plan[0].clone(),
-                    plan[1].clone(),
-                    iq4_matrix(r, X_FF, X_D),
-                    iq4_matrix(r, X_FF, X_D),
-                ]
-            },
-        ));
-        v.push(ParityCase::new(
-            format!("expert_down/skinny +shared routes={routes}{tag}"),
-            ExpertDown {
-                n_expert: X_NE,
-                n_embd: X_D,
-                kernel: ExpertKernel::Skinny,
-            },
-            0x5f1 + routes as u64,
-            down_bound,
-            move |r| {
-                let plan = plan_of(r);
-                vec![
-                    uniform(r, &[routes, X_FF], -1.0, 1.0),
-                    iq4_weight(r, X_NE, X_D, X_FF),
-                    plan[0].clone(),
-                    uniform(r, &[n, X_FF], -1.0, 1.0),
-                    iq4_matrix(r, X_D, X_FF),
-                ]
+                ];
+                if shared {
+                    ins.push(uniform(r, &[n, X_FF], -1.0, 1.0));
+                    ins.push(iq4_matrix(r, X_D, X_FF));
+                }
+                ins
             },
         ));
     }
@@ -463,8 +405,8 @@ fn generic_expert_cases(v: &mut Vec<ParityCase>) {
 pub fn cases() -> Vec<ParityCase> {
     let mut v = Vec::new();
     router_cases(&mut v);
-    skinny_expert_cases(&mut v);
-    skinny_shared_expert_cases(&mut v);
+    skinny_expert_cases(&mut v, false);
+    skinny_expert_cases(&mut v, true);
     for n in [1, 64, 600] {
         v.push(ParityCase::new(
             format!("route_plan/n={n} routes={}", n * TOPK),
