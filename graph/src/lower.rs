@@ -109,7 +109,10 @@ pub struct LoweringOptions {
     /// read once for all rows, K split over the chip); more take cuBLAS. On the H200 at the
     /// release's shapes (bench/RESULTS.md 2026-12-02 (o)) the skinny kernel wins at 8 and 16
     /// rows (q_a+kv_a, attn.out and q_b: 41 and 48 µs a layer against cuBLAS's 52 and 53) and
-    /// loses from 32 on (56 against 54 at 32, 91 against 55 at 64).
+    /// loses from 32 on (56 against 54 at 32, 91 against 55 at 64). Timed alone, outside a
+    /// decode step, cuBLAS is the faster even at 8 rows, but in the decode graph (where the
+    /// skinny launches load weights before their predecessor ends) all-cuBLAS decoded 8
+    /// sequences at 801 / 803 t/s against 833 / 825 (2026-12-04 (x), run 5).
     pub bf16_skinny_max_rows: usize,
     /// Rows up to which a BF16 weight of at most [`BF16_SKINNY_NARROW_OUTS`] outputs (q_a and
     /// kv_a) takes the skinny BF16 kernel past [`Self::bf16_skinny_max_rows`]: cuBLAS's tiles
