@@ -312,3 +312,40 @@ fn a_prompt_joining_under_an_attention_budget_takes_more_shorter_chunks_and_the_
     assert_eq!(free, bound, "the chunking changed a sequence's tokens");
     assert_eq!(bound_mixed, free_mixed + 1);
 }
+
+#[test]
+fn a_prompt_joining_under_a_mixed_chunk_cap_takes_more_shorter_chunks_and_the_same_tokens() {
+    let reqs = prompts();
+    let run = |cap: usize| {
+        let mut s = scheduler_with(
+            Device::Cpu,
+            0,
+            SchedulerConfig {
+                max_num_seqs: 8,
+                max_num_batched_tokens: 64,
+                prefix_caching: false,
+                mixed_chunk_tokens: cap,
+                ..SchedulerConfig::default()
+            },
+        );
+        let mut out = Outcome::default();
+        let mut ids: Vec<SeqId> = reqs[..4].iter().map(|r| s.add(r.clone())).collect();
+        for _ in 0..6 {
+            out.take(s.step());
+        }
+        ids.push(s.add(reqs[4].clone()));
+        out.take(s.run_to_completion());
+        let tokens: Vec<Vec<u32>> = ids.iter().map(|id| out.of(*id)).collect();
+        (tokens, s.stats().mixed_steps)
+    };
+    // The 70-token prompt beside decode rows: chunks of 24, 24 and 22 without a cap, five
+    // (16, 16, 16, 16, 6) held to 16 tokens; the first prompts' chunks beside the first
+    // decode rows are cut too (10 mixed steps against 7).
+    let (free, free_mixed) = run(0);
+    let (capped, capped_mixed) = run(16);
+    assert_eq!(free, capped, "the chunking changed a sequence's tokens");
+    assert!(
+        capped_mixed >= free_mixed + 2,
+        "{capped_mixed} mixed steps capped, {free_mixed} free"
+    );
+}

@@ -93,6 +93,10 @@ struct Args {
     /// rows (serve's `--mixed-attention-budget`; 0: no bound).
     #[arg(long, value_name = "PAIRS", default_value_t = 0)]
     mixed_attention_budget: usize,
+    /// With `--join`: tokens the prompt's chunk may carry in a step beside decode rows
+    /// (serve's `--mixed-chunk-tokens`; 0: no bound beyond the step's tokens).
+    #[arg(long, value_name = "T", default_value_t = engine::scheduler::DEFAULT_MIXED_CHUNK_TOKENS)]
+    mixed_chunk_tokens: usize,
     /// Structured outputs' host cost instead of the model tests: the JSON schema in FILE is
     /// compiled against the checkpoint's vocabulary and the token mask of every step of `-r`
     /// answers is timed (each token drawn at random among the allowed ones); prints the median
@@ -106,6 +110,7 @@ impl Args {
         JoinBudget {
             tokens: self.max_num_batched_tokens,
             attention: self.mixed_attention_budget,
+            mixed_tokens: self.mixed_chunk_tokens,
         }
     }
 }
@@ -534,6 +539,9 @@ fn batch_run(
             max_num_batched_tokens: usize::MAX / 2,
             prefix_caching: false,
             sample_on_host: false,
+            // The prompts' prefill before the decode window stays in whole chunks, as before
+            // the mixed cap existed, so that its tok/s compares across versions.
+            mixed_chunk_tokens: 0,
             ..SchedulerConfig::default()
         },
         None,
@@ -619,24 +627,31 @@ fn join_gen_len(n: usize, b: usize, join: usize, budget: JoinBudget) -> usize {
     n.max(JOIN_BEFORE_STEPS + 2 * budget.chunks(b, join) + 8)
 }
 
-/// A join's step limits: `--max-num-batched-tokens` and `--mixed-attention-budget`.
+/// A join's step limits: `--max-num-batched-tokens`, `--mixed-attention-budget` and
+/// `--mixed-chunk-tokens`.
 #[derive(Clone, Copy, Debug)]
 struct JoinBudget {
     tokens: usize,
     attention: usize,
+    mixed_tokens: usize,
 }
 
 impl JoinBudget {
     /// Chunks the scheduler cuts a `join`-token prompt into beside `b` decode rows (its
     /// `mixed_chunk`; the token budget less the decode rows, but at least a block of the
-    /// engine's default size, as the scheduler allows).
+    /// engine's default size, and the mixed cap, as the scheduler allows).
     fn chunks(self, b: usize, join: usize) -> usize {
         let (mut done, mut chunks) = (0, 0);
         while done < join {
             done += engine::scheduler::mixed_chunk(
                 join - done,
                 done,
-                self.tokens.saturating_sub(b).max(graph::DEFAULT_BLOCK_SIZE),
+                engine::scheduler::chunk_cap(
+                    usize::MAX,
+                    self.tokens.saturating_sub(b).max(graph::DEFAULT_BLOCK_SIZE),
+                    true,
+                    self.mixed_tokens,
+                ),
                 true,
                 self.attention,
                 engine::scheduler::MIXED_CHUNK_QUANTUM,
@@ -670,6 +685,7 @@ fn join_run(
             prefix_caching: false,
             sample_on_host: false,
             mixed_attention_budget: budget.attention,
+            mixed_chunk_tokens: budget.mixed_tokens,
         },
         None,
     );

@@ -77,6 +77,11 @@ struct Args {
     /// running sequence's step, so deeper chunks are shorter.
     #[arg(long, default_value_t = 0)]
     mixed_attention_budget: usize,
+    /// Tokens a prompt's chunk may carry in a step that also decodes (0: no bound beyond
+    /// --max-num-batched-tokens): every running sequence waits for that step, so this bounds
+    /// their inter-token latency while prompts are admitted.
+    #[arg(long, default_value_t = engine::scheduler::DEFAULT_MIXED_CHUNK_TOKENS)]
+    mixed_chunk_tokens: usize,
     /// Choose every token on the host from its logits row (by default a step chooses the
     /// tokens of requests without a penalty, a bias, a grammar or logprobs where it ran, and
     /// only token ids come back).
@@ -299,6 +304,7 @@ async fn serve(args: Args, served: String, loaded: Loaded, config: EngineConfig)
         prefix_caching: args.prefix_cache_bytes > 0,
         sample_on_host: args.sample_on_host,
         mixed_attention_budget: args.mixed_attention_budget,
+        mixed_chunk_tokens: args.mixed_chunk_tokens,
     };
     std::thread::Builder::new()
         .name("load".into())
