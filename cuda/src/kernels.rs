@@ -395,6 +395,85 @@ impl KernelCache {
         Ok(module)
     }
 
+    /// Loads every one of `sources` (name, source) not loaded yet, reading the disk cache or
+    /// compiling on one thread a source, so that a process pays its compiles before its first
+    /// request rather than in it (a cold H200 host compiled the prefill kernels inside the
+    /// first prompt's step: 38 s). The modules are loaded on the calling thread, where the
+    /// device's context is. Returns how many sources NVRTC compiled.
+    pub fn preload(&self, sources: &[(&str, &str)]) -> Result<usize, CudaError> {
+        let missing: Vec<(&str, &str, u64)> = {
+            let modules = self.modules.lock().unwrap_or_else(PoisonError::into_inner);
+            sources
+                .iter()
+                .map(|&(name, src)| {
+                    (
+                        name,
+                        src,
+                        cache_key(src, &self.arch, &self.options, self.nvrtc_version),
+                    )
+                })
+                .filter(|&(name, _, key)| !modules.contains_key(&(name.to_string(), key)))
+                .collect()
+        };
+        let images: Vec<Result<(Vec<u8>, bool), CudaError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = missing
+                .iter()
+                .map(|&(name, src, key)| scope.spawn(move || self.cubin_for(name, src, key)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CudaError::Panicked {
+                            during: "preloading a kernel source",
+                            message: "the compile thread panicked".to_string(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        let mut compiled = 0;
+        for (&(name, _, key), image) in missing.iter().zip(images) {
+            let (cubin, fresh) = image?;
+            let module = Arc::new(self.load_image(name, cubin)?);
+            if fresh {
+                compiled += 1;
+                self.compiled.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.disk_hits.fetch_add(1, Ordering::Relaxed);
+            }
+            self.modules
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry((name.to_string(), key))
+                .or_insert(module);
+        }
+        Ok(compiled)
+    }
+
+    /// The CUBIN of `source`: from the disk cache (false) or compiled and written there (true).
+    fn cubin_for(
+        &self,
+        source_name: &str,
+        source: &str,
+        key: u64,
+    ) -> Result<(Vec<u8>, bool), CudaError> {
+        let path = self.cache_path(source_name, key);
+        if let Some(path) = &path
+            && let Ok(bytes) = std::fs::read(path)
+            && bytes.starts_with(b"\x7fELF")
+        {
+            return Ok((bytes, false));
+        }
+        let (cubin, _log) = compile_cubin(source_name, source, &self.arch, &self.options)?;
+        if let Some(path) = &path
+            && write_atomically(path, &cubin).is_err()
+        {
+            self.disk_write_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok((cubin, true))
+    }
+
     fn cache_path(&self, source_name: &str, key: u64) -> Option<PathBuf> {
         self.dir
             .as_ref()

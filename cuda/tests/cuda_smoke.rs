@@ -689,3 +689,33 @@ fn programmatic_launches_still_see_every_predecessors_writes() {
     }
     device.set_programmatic_launch(true);
 }
+
+#[test]
+fn preloading_compiles_each_source_once_and_later_lookups_need_no_compile() {
+    let Some(device) = gpu() else { return };
+    let dir = TempDir::new("preload");
+    let Some(cache) = kernel_cache(&device, &dir) else {
+        return;
+    };
+    let sources = [("vector.cu", VECTOR_SRC), ("smem.cu", SMEM_SRC)];
+    assert_eq!(cache.preload(&sources).expect("preload"), 2);
+    assert_eq!(cache.stats().compiled, 2);
+    // Loaded: a second preload and a lookup compile nothing.
+    assert_eq!(cache.preload(&sources).expect("preload again"), 0);
+    cache
+        .get("vector.cu", VECTOR_SRC, &["vadd", "add_one"])
+        .expect("vector module");
+    let stats = cache.stats();
+    assert_eq!((stats.compiled, stats.memory_hits), (2, 1));
+    // A new process (a new cache over the same directory) finds both on disk.
+    let Some(again) = kernel_cache(&device, &dir) else {
+        return;
+    };
+    assert_eq!(again.preload(&sources).expect("preload from disk"), 0);
+    assert_eq!((again.stats().compiled, again.stats().disk_hits), (0, 2));
+    // A source that does not compile is an error naming it, not a panic.
+    let err = again
+        .preload(&[("broken.cu", "extern \"C\" __global__ void f() { nope; }")])
+        .unwrap_err();
+    assert!(err.to_string().contains("broken.cu"), "{err}");
+}

@@ -217,12 +217,19 @@ fn push_node(
 pub(crate) fn open_device(device: Device) -> Result<Option<Arc<GpuCtx>>, EngineError> {
     match device {
         Device::Cpu => Ok(None),
-        Device::Cuda(ordinal) => GpuCtx::open(ordinal)
-            .map(|ctx| Some(Arc::new(ctx)))
-            .map_err(|e| EngineError::DeviceUnavailable {
+        Device::Cuda(ordinal) => {
+            let unavailable = |reason: String| EngineError::DeviceUnavailable {
                 device: device.to_string(),
-                reason: e.to_string(),
-            }),
+                reason,
+            };
+            let ctx = GpuCtx::open(ordinal).map_err(|e| unavailable(e.to_string()))?;
+            // Every kernel source now, in parallel, rather than each at its first launch
+            // (inside a request's step on a host whose disk cache is cold).
+            ctx.kernels
+                .preload(&ops::kernel_sources())
+                .map_err(|e| unavailable(format!("compiling the kernels: {e}")))?;
+            Ok(Some(Arc::new(ctx)))
+        }
     }
 }
 
