@@ -280,70 +280,57 @@ fn an_engine_keeps_a_bounded_number_of_chunk_plans_and_rebuilds_an_evicted_one()
     assert_eq!(e.forward_argmax(&prompt(3, 9)).unwrap(), first);
 }
 
-#[test]
-fn a_prompt_joining_under_an_attention_budget_takes_more_shorter_chunks_and_the_same_tokens() {
+/// Four of `prompts()` decode; after six steps the fifth (70 tokens) joins them under the
+/// step limits of `limits` (8 sequences, 64 tokens a step, no prefix cache otherwise): every
+/// sequence's tokens and the run's mixed steps.
+fn joined_under(limits: SchedulerConfig) -> (Vec<Vec<u32>>, u64) {
     let reqs = prompts();
-    let run = |attention: usize| {
-        let mut s = scheduler_with(
-            Device::Cpu,
-            0,
-            SchedulerConfig {
-                max_num_seqs: 8,
-                max_num_batched_tokens: 64,
-                prefix_caching: false,
-                mixed_attention_budget: attention,
-                ..SchedulerConfig::default()
-            },
-        );
-        let mut out = Outcome::default();
-        let mut ids: Vec<SeqId> = reqs[..4].iter().map(|r| s.add(r.clone())).collect();
-        for _ in 0..6 {
-            out.take(s.step());
-        }
-        ids.push(s.add(reqs[4].clone()));
-        out.take(s.run_to_completion());
-        let tokens: Vec<Vec<u32>> = ids.iter().map(|id| out.of(*id)).collect();
-        (tokens, s.stats().mixed_steps)
-    };
-    let (free, free_mixed) = run(0);
-    // The 70-token prompt beside decode rows: chunks of 24, 24 and 22 unbounded; within
-    // 1,280 query-key pairs the third is cut to a block of 16 (16·64 ≤ 1,280 < 22·70).
-    let (bound, bound_mixed) = run(1280);
-    assert_eq!(free, bound, "the chunking changed a sequence's tokens");
-    assert_eq!(bound_mixed, free_mixed + 1);
+    let mut s = scheduler_with(
+        Device::Cpu,
+        0,
+        SchedulerConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 64,
+            prefix_caching: false,
+            ..limits
+        },
+    );
+    let mut out = Outcome::default();
+    let mut ids: Vec<SeqId> = reqs[..4].iter().map(|r| s.add(r.clone())).collect();
+    for _ in 0..6 {
+        out.take(s.step());
+    }
+    ids.push(s.add(reqs[4].clone()));
+    out.take(s.run_to_completion());
+    let tokens: Vec<Vec<u32>> = ids.iter().map(|id| out.of(*id)).collect();
+    (tokens, s.stats().mixed_steps)
 }
 
 #[test]
-fn a_prompt_joining_under_a_mixed_chunk_cap_takes_more_shorter_chunks_and_the_same_tokens() {
-    let reqs = prompts();
-    let run = |cap: usize| {
-        let mut s = scheduler_with(
-            Device::Cpu,
-            0,
-            SchedulerConfig {
-                max_num_seqs: 8,
-                max_num_batched_tokens: 64,
-                prefix_caching: false,
-                mixed_chunk_tokens: cap,
-                ..SchedulerConfig::default()
-            },
-        );
-        let mut out = Outcome::default();
-        let mut ids: Vec<SeqId> = reqs[..4].iter().map(|r| s.add(r.clone())).collect();
-        for _ in 0..6 {
-            out.take(s.step());
-        }
-        ids.push(s.add(reqs[4].clone()));
-        out.take(s.run_to_completion());
-        let tokens: Vec<Vec<u32>> = ids.iter().map(|id| out.of(*id)).collect();
-        (tokens, s.stats().mixed_steps)
+fn a_prompt_joining_under_a_step_limit_takes_more_shorter_chunks_and_the_same_tokens() {
+    let run = |attention: usize, cap: usize| {
+        joined_under(SchedulerConfig {
+            mixed_attention_budget: attention,
+            mixed_chunk_tokens: cap,
+            ..SchedulerConfig::default()
+        })
     };
-    // The 70-token prompt beside decode rows: chunks of 24, 24 and 22 without a cap, five
-    // (16, 16, 16, 16, 6) held to 16 tokens; the first prompts' chunks beside the first
-    // decode rows are cut too (10 mixed steps against 7).
-    let (free, free_mixed) = run(0);
-    let (capped, capped_mixed) = run(16);
-    assert_eq!(free, capped, "the chunking changed a sequence's tokens");
+    // The 70-token prompt beside decode rows: chunks of 24, 24 and 22 unbounded.
+    let (free, free_mixed) = run(0, 0);
+    // Within 1,280 query-key pairs the third is cut to a block of 16 (16·64 ≤ 1,280 < 22·70).
+    let (bound, bound_mixed) = run(1280, 0);
+    assert_eq!(
+        free, bound,
+        "the attention budget changed a sequence's tokens"
+    );
+    assert_eq!(bound_mixed, free_mixed + 1);
+    // Held to 16 tokens, five chunks (16, 16, 16, 16, 6); the first prompts' chunks beside
+    // the first decode rows are cut too (10 mixed steps against 7).
+    let (capped, capped_mixed) = run(0, 16);
+    assert_eq!(
+        free, capped,
+        "the mixed chunk cap changed a sequence's tokens"
+    );
     assert!(
         capped_mixed >= free_mixed + 2,
         "{capped_mixed} mixed steps capped, {free_mixed} free"
