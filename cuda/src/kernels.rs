@@ -432,46 +432,17 @@ impl KernelCache {
                 })
                 .collect()
         });
-        let mut compiled = 0;
-        for (&(name, _, key), image) in missing.iter().zip(images) {
+        let before = self.compiled.load(Ordering::Relaxed);
+        for (&(name, source, key), image) in missing.iter().zip(images) {
             let (cubin, fresh) = image?;
-            let module = Arc::new(self.load_image(name, cubin)?);
-            if fresh {
-                compiled += 1;
-                self.compiled.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.disk_hits.fetch_add(1, Ordering::Relaxed);
-            }
+            let module = Arc::new(self.module_from(name, source, key, cubin, fresh)?);
             self.modules
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .entry((name.to_string(), key))
                 .or_insert(module);
         }
-        Ok(compiled)
-    }
-
-    /// The CUBIN of `source`: from the disk cache (false) or compiled and written there (true).
-    fn cubin_for(
-        &self,
-        source_name: &str,
-        source: &str,
-        key: u64,
-    ) -> Result<(Vec<u8>, bool), CudaError> {
-        let path = self.cache_path(source_name, key);
-        if let Some(path) = &path
-            && let Ok(bytes) = std::fs::read(path)
-            && bytes.starts_with(b"\x7fELF")
-        {
-            return Ok((bytes, false));
-        }
-        let (cubin, _log) = compile_cubin(source_name, source, &self.arch, &self.options)?;
-        if let Some(path) = &path
-            && write_atomically(path, &cubin).is_err()
-        {
-            self.disk_write_errors.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok((cubin, true))
+        Ok(self.compiled.load(Ordering::Relaxed) - before)
     }
 
     fn cache_path(&self, source_name: &str, key: u64) -> Option<PathBuf> {
@@ -486,24 +457,62 @@ impl KernelCache {
         source: &str,
         key: u64,
     ) -> Result<Module, CudaError> {
-        let path = self.cache_path(source_name, key);
-        if let Some(path) = &path {
-            // A missing, unreadable or corrupt file is a miss: recompile and overwrite it.
-            if let Ok(bytes) = std::fs::read(path)
-                && bytes.starts_with(b"\x7fELF")
-                && let Ok(m) = self.load_image(source_name, bytes)
-            {
-                self.disk_hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(m);
-            }
+        let (cubin, fresh) = self.cubin_for(source_name, source, key)?;
+        self.module_from(source_name, source, key, cubin, fresh)
+    }
+
+    /// The CUBIN of `source`: the disk cache's (false) or compiled and written there (true).
+    /// Needs no device, so sources can be prepared on several threads.
+    fn cubin_for(
+        &self,
+        source_name: &str,
+        source: &str,
+        key: u64,
+    ) -> Result<(Vec<u8>, bool), CudaError> {
+        if let Some(path) = self.cache_path(source_name, key)
+            && let Ok(bytes) = std::fs::read(path)
+            && bytes.starts_with(b"\x7fELF")
+        {
+            return Ok((bytes, false));
         }
+        Ok((self.compile_and_store(source_name, source, key)?, true))
+    }
+
+    fn compile_and_store(
+        &self,
+        source_name: &str,
+        source: &str,
+        key: u64,
+    ) -> Result<Vec<u8>, CudaError> {
         let (cubin, _log) = compile_cubin(source_name, source, &self.arch, &self.options)?;
-        self.compiled.fetch_add(1, Ordering::Relaxed);
-        if let Some(path) = &path
-            && write_atomically(path, &cubin).is_err()
+        if let Some(path) = self.cache_path(source_name, key)
+            && write_atomically(&path, &cubin).is_err()
         {
             self.disk_write_errors.fetch_add(1, Ordering::Relaxed);
         }
+        Ok(cubin)
+    }
+
+    /// The module of `cubin` (`fresh`: just compiled). A disk image that does not load is a
+    /// miss like a missing or corrupt file: compiled again and overwritten.
+    fn module_from(
+        &self,
+        source_name: &str,
+        source: &str,
+        key: u64,
+        cubin: Vec<u8>,
+        fresh: bool,
+    ) -> Result<Module, CudaError> {
+        if !fresh {
+            if let Ok(m) = self.load_image(source_name, cubin) {
+                self.disk_hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(m);
+            }
+            let cubin = self.compile_and_store(source_name, source, key)?;
+            self.compiled.fetch_add(1, Ordering::Relaxed);
+            return self.load_image(source_name, cubin);
+        }
+        self.compiled.fetch_add(1, Ordering::Relaxed);
         self.load_image(source_name, cubin)
     }
 
