@@ -374,7 +374,7 @@ impl KernelCache {
         source: &str,
         kernels: &[&str],
     ) -> Result<Arc<Module>, CudaError> {
-        let key = cache_key(source, &self.arch, &self.options, self.nvrtc_version);
+        let key = self.key_of(source);
         // Held while compiling so concurrent requests for one source compile it once.
         let mut modules = self.modules.lock().unwrap_or_else(PoisonError::into_inner);
         let module = match modules.get(&(source_name.to_string(), key)) {
@@ -405,13 +405,7 @@ impl KernelCache {
             let modules = self.modules.lock().unwrap_or_else(PoisonError::into_inner);
             sources
                 .iter()
-                .map(|&(name, src)| {
-                    (
-                        name,
-                        src,
-                        cache_key(src, &self.arch, &self.options, self.nvrtc_version),
-                    )
-                })
+                .map(|&(name, src)| (name, src, self.key_of(src)))
                 .filter(|&(name, _, key)| !modules.contains_key(&(name.to_string(), key)))
                 .collect()
         };
@@ -443,6 +437,11 @@ impl KernelCache {
                 .or_insert(module);
         }
         Ok(self.compiled.load(Ordering::Relaxed) - before)
+    }
+
+    /// The cache key of `source` under this cache's architecture, options and NVRTC.
+    fn key_of(&self, source: &str) -> u64 {
+        cache_key(source, &self.arch, &self.options, self.nvrtc_version)
     }
 
     fn cache_path(&self, source_name: &str, key: u64) -> Option<PathBuf> {

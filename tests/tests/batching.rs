@@ -8,7 +8,7 @@ mod batch_support;
 mod support;
 
 use batch_support::*;
-use engine::scheduler::{SchedulerConfig, SeqId};
+use engine::scheduler::{Scheduler, SchedulerConfig, SeqId};
 use engine::{Device, Engine, EngineConfig, FinishReason};
 
 #[test]
@@ -232,17 +232,10 @@ fn sampled_sequences_draw_the_same_tokens_chosen_in_the_step_or_on_the_host() {
         })
         .collect();
     let run = |on_host: bool| -> Vec<Vec<u32>> {
-        let mut s = scheduler_with(
-            Device::Cpu,
-            0,
-            SchedulerConfig {
-                max_num_seqs: 8,
-                max_num_batched_tokens: 64,
-                prefix_caching: false,
-                sample_on_host: on_host,
-                ..SchedulerConfig::default()
-            },
-        );
+        let mut s = small_step_scheduler(SchedulerConfig {
+            sample_on_host: on_host,
+            ..SchedulerConfig::default()
+        });
         let ids: Vec<SeqId> = reqs.iter().map(|r| s.add(r.clone())).collect();
         let mut out = Outcome::default();
         out.take(s.run_to_completion());
@@ -280,12 +273,10 @@ fn an_engine_keeps_a_bounded_number_of_chunk_plans_and_rebuilds_an_evicted_one()
     assert_eq!(e.forward_argmax(&prompt(3, 9)).unwrap(), first);
 }
 
-/// Four of `prompts()` decode; after six steps the fifth (70 tokens) joins them under the
-/// step limits of `limits` (8 sequences, 64 tokens a step, no prefix cache otherwise): every
-/// sequence's tokens and the run's mixed steps.
-fn joined_under(limits: SchedulerConfig) -> (Vec<Vec<u32>>, u64) {
-    let reqs = prompts();
-    let mut s = scheduler_with(
+/// A CPU scheduler of 8 sequences and 64 tokens a step without a prefix cache, the rest of
+/// its limits from `limits`.
+fn small_step_scheduler(limits: SchedulerConfig) -> Scheduler {
+    scheduler_with(
         Device::Cpu,
         0,
         SchedulerConfig {
@@ -294,7 +285,14 @@ fn joined_under(limits: SchedulerConfig) -> (Vec<Vec<u32>>, u64) {
             prefix_caching: false,
             ..limits
         },
-    );
+    )
+}
+
+/// Four of `prompts()` decode; after six steps the fifth (70 tokens) joins them under
+/// `small_step_scheduler(limits)`: every sequence's tokens and the run's mixed steps.
+fn joined_under(limits: SchedulerConfig) -> (Vec<Vec<u32>>, u64) {
+    let reqs = prompts();
+    let mut s = small_step_scheduler(limits);
     let mut out = Outcome::default();
     let mut ids: Vec<SeqId> = reqs[..4].iter().map(|r| s.add(r.clone())).collect();
     for _ in 0..6 {
