@@ -99,6 +99,10 @@ pub struct LoweringOptions {
     pub other_gemv_max_rows: usize,
     /// Tokens up to which MLA's per-head products are a GEMV. At most [`HEAD_GEMV_ROWS_LIMIT`].
     pub head_gemv_max_rows: usize,
+    /// Routes up to which the routed experts take the GEMV on integer dot products (with the
+    /// shared expert beside them); more take the f32 GEMV up to
+    /// [`Self::expert_gemv_max_routes`], then the skinny kernel. At most [`GEMV_ROUTES_LIMIT`].
+    pub expert_int_gemv_max_routes: usize,
     /// Routes up to which the routed experts take the GEMV; more take the grouped GEMM.
     /// At most [`GEMV_ROUTES_LIMIT`].
     pub expert_gemv_max_routes: usize,
@@ -175,7 +179,8 @@ impl Default for LoweringOptions {
             gemv_max_rows: 1,
             other_gemv_max_rows: 1,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
-            expert_gemv_max_routes: 8,
+            expert_int_gemv_max_routes: 8,
+            expert_gemv_max_routes: 0,
             skinny_max_rows: 128,
             bf16_skinny_max_rows: 16,
             bf16_skinny_narrow_max_rows: 32,
@@ -207,7 +212,7 @@ impl fmt::Display for LoweringOptions {
         write!(
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
-             gemv<={} (other types <={}) head_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
+             gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes; \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={} cache={}; weights first={}",
@@ -223,6 +228,7 @@ impl fmt::Display for LoweringOptions {
             self.gemv_max_rows,
             self.other_gemv_max_rows,
             self.head_gemv_max_rows,
+            self.expert_int_gemv_max_routes,
             self.expert_gemv_max_routes,
             self.skinny_max_rows,
             self.bf16_skinny_max_rows,
@@ -275,6 +281,11 @@ impl LoweringOptions {
             (
                 "expert_gemv_max_routes",
                 self.expert_gemv_max_routes,
+                GEMV_ROUTES_LIMIT,
+            ),
+            (
+                "expert_int_gemv_max_routes",
+                self.expert_int_gemv_max_routes,
                 GEMV_ROUTES_LIMIT,
             ),
             (
@@ -356,6 +367,9 @@ impl LoweringOptions {
         // input width (a DeepSeek-V2-Lite expert's 1,408 is 5.5 of them).
         if !n_in.is_multiple_of(256) || w.is_some_and(|w| w.dtype != DType::IQ4_NL) {
             return ExpertKernel::Generic;
+        }
+        if routes <= self.expert_int_gemv_max_routes.min(GEMV_ROUTES_LIMIT) {
+            return ExpertKernel::IntGemv;
         }
         if routes <= self.expert_gemv_max_routes.min(GEMV_ROUTES_LIMIT) {
             return ExpertKernel::Gemv;
@@ -1097,7 +1111,10 @@ impl Fusions {
             }
             let routes = meta(route_token).shape.first().copied().unwrap_or(0);
             let skinny = |n_in: usize, w: ValueId| {
-                o.experts(routes, n_in, Some(meta(w)), target) == ExpertKernel::Skinny
+                matches!(
+                    o.experts(routes, n_in, Some(meta(w)), target),
+                    ExpertKernel::Skinny | ExpertKernel::IntGemv
+                )
             };
             if !skinny(d, w_gate) || !skinny(nf, dnn.inputs[1]) {
                 continue;

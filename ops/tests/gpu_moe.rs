@@ -1012,7 +1012,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
         view(&d.meta, &d.buf)
     }
     let slice = (NFF * EMBD / 32 * 18) as f64;
-    for n in [2usize, 8, 32, 64, 128] {
+    for n in [1usize, 2, 8, 32, 64, 128] {
         let mut r = Rng::new(90 + n as u64);
         let rt = n * TOPK;
         let DecodeStep {
@@ -1028,10 +1028,17 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
         let act = out(&gpu, TensorMeta::f32([rt, NFF]));
         let ro = out(&gpu, TensorMeta::f32([rt, EMBD]));
         let kernels = [
+            ExpertKernel::IntGemv,
+            ExpertKernel::Gemv,
             ExpertKernel::Skinny,
             ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
         ];
         for kernel in kernels {
+            if matches!(kernel, ExpertKernel::IntGemv | ExpertKernel::Gemv)
+                && rt > ops::moe::GEMV_ROUTES_LIMIT
+            {
+                continue;
+            }
             let sw = ExpertSwiGlu {
                 n_expert: NE,
                 n_ff: NFF,
@@ -1092,9 +1099,10 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
     }
 }
 
-/// The skinny expert products of a batched decode step at the real shapes, each launched
-/// once (no graph, no repeats) for 8, 32, 64 and 128 tokens: what a profiler attaches to
-/// (`ncu -k regex:expert_skinny`); checks only that every launch succeeds.
+/// The expert products of a decode step at the real shapes, each launched once (no graph, no
+/// repeats): the integer GEMV for 1 and 2 tokens, the skinny kernel for 1, 8, 32, 64 and 128:
+/// what a profiler attaches to (`ncu -k regex:expert_skinny`); checks only that every launch
+/// succeeds.
 #[test]
 #[ignore = "one launch a shape for a profiler: run on the GPU host with --include-ignored"]
 fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
@@ -1104,7 +1112,16 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
     fn v(d: &Dev) -> DeviceTensor<'_> {
         view(&d.meta, &d.buf)
     }
-    for n in [8usize, 32, 64, 128] {
+    let shapes = [
+        (1usize, ExpertKernel::IntGemv),
+        (1, ExpertKernel::Skinny),
+        (2, ExpertKernel::IntGemv),
+        (8, ExpertKernel::Skinny),
+        (32, ExpertKernel::Skinny),
+        (64, ExpertKernel::Skinny),
+        (128, ExpertKernel::Skinny),
+    ];
+    for (n, kernel) in shapes {
         let mut r = Rng::new(90 + n as u64);
         let rt = n * TOPK;
         let DecodeStep {
@@ -1118,7 +1135,7 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
         let sw = ExpertSwiGlu {
             n_expert: NE,
             n_ff: NFF,
-            kernel: ExpertKernel::Skinny,
+            kernel,
         };
         let ins = [
             &z.meta,
@@ -1138,7 +1155,7 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
         let dn = ExpertDown {
             n_expert: NE,
             n_embd: EMBD,
-            kernel: ExpertKernel::Skinny,
+            kernel,
         };
         let (_s_buf, scratch) = scratch_for(
             &gpu,
@@ -1165,6 +1182,7 @@ fn kernel_tag(kernel: ExpertKernel) -> &'static str {
     match kernel {
         ExpertKernel::Skinny => " [skinny]",
         ExpertKernel::Gemv => " [gemv]",
+        ExpertKernel::IntGemv => " [int gemv]",
         _ => " [grouped]",
     }
 }

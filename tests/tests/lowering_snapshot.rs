@@ -75,7 +75,7 @@ fn the_cuda_lowering_fuses_and_picks_a_kernel_for_every_step_shape() {
     }
     let decode = plan(&m, DECODE, HOPPER).to_string();
     assert!(decode.contains("linear_pair [gemv, weights first]"));
-    assert!(decode.contains("expert_swiglu n_expert=8 n_ff=32 [gemv]"));
+    assert!(decode.contains("expert_swiglu n_expert=8 n_ff=32 [int gemv]"));
     let long = plan(&m, LONG_CHUNK, HOPPER).to_string();
     assert!(long.contains("[rows cpw=1]"), "{long}");
     assert!(long.contains("[grouped wgmma]"), "{long}");
@@ -162,15 +162,25 @@ fn the_shared_expert_rides_the_routed_skinny_launches_and_computes_the_declared_
         "{apart}"
     );
     assert!(!apart.contains("+shared.gate+up+act"), "{apart}");
-    // One token's routes take the GEMV, and a long chunk's the grouped GEMM: apart there.
-    for bucket in [DECODE, LONG_CHUNK] {
-        let text = plan(&m, bucket, HOPPER).to_string();
-        assert!(
-            text.contains("moe.shared.gate+up+act: gate_up_swiglu"),
-            "{text}"
-        );
-        assert!(!text.contains("+shared.gate+up+act"), "{text}");
-    }
+    // One token's routes take the integer GEMV, which carries the shared expert too.
+    let one = plan(&m, DECODE, HOPPER).to_string();
+    assert!(
+        one.contains(
+            "moe.experts_act+shared.gate+up+act: expert_swiglu n_expert=8 n_ff=256 [int gemv]"
+        ),
+        "{one}"
+    );
+    assert!(
+        one.contains("moe.experts_down+shared.down: expert_down n_expert=8 n_embd=256 [int gemv]"),
+        "{one}"
+    );
+    // A long chunk's take the grouped GEMM: apart there.
+    let long = plan(&m, LONG_CHUNK, HOPPER).to_string();
+    assert!(
+        long.contains("moe.shared.gate+up+act: gate_up_swiglu"),
+        "{long}"
+    );
+    assert!(!long.contains("+shared.gate+up+act"), "{long}");
     // A 12-token chunk (48 routes) takes the fused nodes; run by the CPU executor, the
     // lowered graph gives the declaration's bits (the fused ops' references are the two ops').
     let tokens: Vec<u32> = (0..12).map(|i| (i * 53 + 7) % 512).collect();

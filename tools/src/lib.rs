@@ -41,8 +41,13 @@ pub struct LoweringArgs {
     /// Most tokens MLA's per-head products take on the GEMV, 0..=8 (default 8).
     #[arg(long, value_name = "N")]
     pub head_gemv_max_rows: Option<usize>,
-    /// Most routes the routed experts take on the GEMV (more: the skinny kernel, then the
-    /// grouped tensor-core kernel), 0..=32 (default 8).
+    /// Most routes the routed experts take on the GEMV on integer dot products, with the
+    /// shared expert in the same launch (more: the f32 GEMV up to --expert-gemv-max-routes,
+    /// then the skinny kernel, then the grouped tensor-core kernel), 0..=32 (default 8).
+    #[arg(long, value_name = "N")]
+    pub expert_int_gemv_max_routes: Option<usize>,
+    /// Most routes the routed experts take on the f32 GEMV past the integer one, 0..=32
+    /// (default 0).
     #[arg(long, value_name = "N")]
     pub expert_gemv_max_routes: Option<usize>,
     /// Most rows an IQ4_NL product takes on the skinny kernel (more: the tensor-core tiles;
@@ -145,6 +150,9 @@ impl LoweringArgs {
                 .unwrap_or(d.attention_flash_deep_min_rows),
             gemv_max_rows: self.gemv_max_rows.unwrap_or(d.gemv_max_rows),
             head_gemv_max_rows: self.head_gemv_max_rows.unwrap_or(d.head_gemv_max_rows),
+            expert_int_gemv_max_routes: self
+                .expert_int_gemv_max_routes
+                .unwrap_or(d.expert_int_gemv_max_routes),
             expert_gemv_max_routes: self
                 .expert_gemv_max_routes
                 .unwrap_or(d.expert_gemv_max_routes),
@@ -161,7 +169,7 @@ impl LoweringArgs {
         };
         opts.validate().map_err(|e| {
             anyhow::anyhow!(
-                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --head-gemv-max-rows / --expert-gemv-max-routes: {e}"
+                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes: {e}"
             )
         })?;
         Ok(opts)

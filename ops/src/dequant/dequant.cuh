@@ -165,8 +165,129 @@ __device__ __forceinline__ float iq4g_dot32(const float c[32], const float* __re
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+// Block b (0..7) of a 144-byte chunk held as 36 words: its scale and its 16 qs bytes. Blocks
+// 2p and 2p+1 are words 9p..9p+8: the even one's d is the low half of the first word and its
+// bytes straddle the next five; the odd one's d is the high half of the fifth word and its
+// bytes are the last four.
+__device__ __forceinline__ void iq4g_block(const unsigned w[36], int b, float* d, unsigned q[4]) {
+    const unsigned* pw = w + 9 * (b >> 1);
+    if (!(b & 1)) {
+        *d = __half2float(__ushort_as_half((unsigned short)(pw[0] & 0xffffu)));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = __funnelshift_r(pw[i], pw[i + 1], 16);
+    } else {
+        *d = __half2float(__ushort_as_half((unsigned short)(pw[4] >> 16)));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = pw[5 + i];
+    }
+}
+
+// The warp's lanes' chunks into shared memory (lane L's segment at wbase + 16·L·seg, each
+// lane `mycw` chunks of 144 bytes from `src`): chunk j of every lane, 32 x 9 pieces, piece p =
+// lane L's piece p % 9, one commit group a chunk.
+__device__ __forceinline__ void iq4g_stage(const unsigned char* src, int mycw, int cwmax, int seg,
+                                           unsigned wbase, int lane) {
+    for (int j = 0; j < cwmax; ++j) {
+#pragma unroll
+        for (int i = 0; i < 9; ++i) {
+            const int p = lane + 32 * i;
+            const int L = p / 9, sub = p - 9 * L;
+            const unsigned long long sL = __shfl_sync(0xffffffffu, (unsigned long long)src, L);
+            const int cwL = __shfl_sync(0xffffffffu, mycw, L);
+            if (j < cwL)
+                iq4g_cp16(wbase + (unsigned)((L * seg + 9 * j + sub) * 16),
+                          reinterpret_cast<const unsigned char*>(sL) + 144 * j + 16 * sub);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+}
+
 __device__ __forceinline__ float iq4g_silu_times(float g, float u) {
     return __fmul_rn(u, __fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
+}
+
+// Chunk j of a thread's segment as 36 words.
+__device__ __forceinline__ void iq4g_chunk(const uint4* mine, int j, unsigned w[36]) {
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+        const uint4 v = mine[9 * j + i];
+        w[4 * i] = v.x;
+        w[4 * i + 1] = v.y;
+        w[4 * i + 2] = v.z;
+        w[4 * i + 3] = v.w;
+    }
+}
+
+// A thread's share of a tile (see iq4g_tile): its row slot's weight row and its K part's
+// chunks, staged into its shared-memory segment (copies issued, not waited for).
+struct Iq4gPart {
+    bool live;         // the thread has a K part (kp < KP)
+    int c0;            // its first chunk
+    int mycw;          // its chunks (0 for a row past n_out)
+    int cwmax;         // the most chunks any part has
+    int seg;           // 16-byte units a thread's segment
+    const uint4* mine; // its segment
+};
+
+__device__ __forceinline__ Iq4gPart iq4g_part(const unsigned char* __restrict__ Wa,
+                                              const unsigned char* __restrict__ Wb, int n_in,
+                                              int n_out, int o0, int RT, int KP,
+                                              unsigned char* smem) {
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int nch = n_in >> 8;
+    const long long row_bytes = (long long)(n_in >> 5) * 18;
+    const int half = RT >> 1;
+    const int rs = tid % RT, kp = tid / RT;
+    Iq4gPart P;
+    P.live = kp < KP;
+    P.c0 = P.live ? kp * nch / KP : 0;
+    const int cw = P.live ? (kp + 1) * nch / KP - P.c0 : 0;
+    P.cwmax = (nch + KP - 1) / KP;
+    P.seg = 9 * P.cwmax + ((P.cwmax & 1) ? 0 : 1);
+    int row;
+    const unsigned char* mat;
+    if (Wb != nullptr) {
+        row = o0 + (rs < half ? rs : rs - half);
+        mat = rs < half ? Wa : Wb;
+    } else {
+        row = o0 + rs;
+        mat = Wa;
+    }
+    const bool rv = P.live && row < n_out;
+    P.mycw = rv ? cw : 0;
+    const unsigned char* src = mat + (long long)(rv ? row : 0) * row_bytes + (long long)P.c0 * 144;
+    const unsigned wbase =
+        (unsigned)__cvta_generic_to_shared(smem + (long long)(tid & ~31) * P.seg * 16);
+    iq4g_stage(src, P.mycw, P.cwmax, P.seg, wbase, lane);
+    P.mine = reinterpret_cast<const uint4*>(smem + (long long)tid * P.seg * 16);
+    return P;
+}
+
+// A round's end: every live thread's NR sums meet in `red` (blockDim·NR floats), the K parts
+// of an output are added in part order, and y[(rg + j)·n_out + o0 + o] gets the dot or, for
+// SwiGLU (slots RT/2.. are the up rows), silu(gate)·up. Leaves `red` free for the next round.
+template <int NR>
+__device__ __forceinline__ void iq4g_finish(const float acc[NR], bool live, float* red,
+                                            float* __restrict__ y, int rg, int cnt, int o0,
+                                            int n_out, int RT, int KP, bool swiglu) {
+    const int tid = threadIdx.x, half = RT >> 1;
+    if (live) {
+#pragma unroll
+        for (int j = 0; j < NR; ++j) red[tid * NR + j] = acc[j];
+    }
+    __syncthreads();
+    const int outs = swiglu ? half : RT;
+    for (int idx = tid; idx < outs * cnt; idx += blockDim.x) {
+        const int o = idx % outs, j = idx / outs;
+        if (o0 + o >= n_out) continue;
+        float a = 0.0f, u = 0.0f;
+        for (int p = 0; p < KP; ++p) {
+            a += red[(p * RT + o) * NR + j];
+            if (swiglu) u += red[(p * RT + half + o) * NR + j];
+        }
+        y[(long long)(rg + j) * n_out + o0 + o] = swiglu ? iq4g_silu_times(a, u) : a;
+    }
+    __syncthreads();
 }
 
 // One tile: rows o0.. of Wa (and, for SwiGLU, the same rows of Wb: slots RT/2.. are Wb's),
@@ -181,49 +302,13 @@ __device__ __forceinline__ void iq4g_tile(const unsigned char* __restrict__ Wa,
                                           float* __restrict__ y, int n_in, int n_out, int n_x_rows,
                                           int r_begin, int r_end, int o0, int RT, int KP) {
     extern __shared__ float4 iq4g_smem4[];
-    const int tid = threadIdx.x, lane = tid & 31;
-    const int nch = n_in >> 8;
-    const long long row_bytes = (long long)(n_in >> 5) * 18;
     const bool swiglu = Wb != nullptr;
-    const int half = RT >> 1;
-    const int rs = tid % RT, kp = tid / RT;
-    const bool live = kp < KP;
-    const int c0 = live ? kp * nch / KP : 0;
-    const int cw = live ? (kp + 1) * nch / KP - c0 : 0;
-    const int cwmax = (nch + KP - 1) / KP;
-    const int seg = 9 * cwmax + ((cwmax & 1) ? 0 : 1);  // 16-byte units a thread's segment
-    int row;
-    const unsigned char* mat;
-    if (swiglu) {
-        row = o0 + (rs < half ? rs : rs - half);
-        mat = rs < half ? Wa : Wb;
-    } else {
-        row = o0 + rs;
-        mat = Wa;
-    }
-    const bool rv = live && row < n_out;
-    const int mycw = rv ? cw : 0;
-    const unsigned char* src = mat + (long long)(rv ? row : 0) * row_bytes + (long long)c0 * 144;
     unsigned char* smem = reinterpret_cast<unsigned char*>(iq4g_smem4);
-    float* red = reinterpret_cast<float*>(smem + (long long)blockDim.x * seg * 16);
-    const unsigned wbase = (unsigned)__cvta_generic_to_shared(smem + (long long)(tid & ~31) * seg * 16);
-
-    // Chunk j of every lane of the warp: 32 x 9 pieces, piece p = lane L's piece p % 9.
-    for (int j = 0; j < cwmax; ++j) {
-#pragma unroll
-        for (int i = 0; i < 9; ++i) {
-            const int p = lane + 32 * i;
-            const int L = p / 9, sub = p - 9 * L;
-            const unsigned long long sL = __shfl_sync(0xffffffffu, (unsigned long long)src, L);
-            const int cwL = __shfl_sync(0xffffffffu, mycw, L);
-            if (j < cwL)
-                iq4g_cp16(wbase + (unsigned)((L * seg + 9 * j + sub) * 16),
-                          reinterpret_cast<const unsigned char*>(sL) + 144 * j + 16 * sub);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    }
-
-    const uint4* mine = reinterpret_cast<const uint4*>(smem + (long long)tid * seg * 16);
+    const Iq4gPart P = iq4g_part(Wa, Wb, n_in, n_out, o0, RT, KP, smem);
+    const bool live = P.live;
+    const int c0 = P.c0, mycw = P.mycw, cwmax = P.cwmax;
+    const uint4* mine = P.mine;
+    float* red = reinterpret_cast<float*>(smem + (long long)blockDim.x * P.seg * 16);
     const Iq4gTable T = iq4g_table();
     for (int rg = r_begin; rg < r_end; rg += NR) {  // block-uniform
         const int cnt = min(NR, r_end - rg);
@@ -244,34 +329,15 @@ __device__ __forceinline__ void iq4g_tile(const unsigned char* __restrict__ Wa,
             }
             if (j >= mycw) continue;
             unsigned w[36];
-#pragma unroll
-            for (int i = 0; i < 9; ++i) {
-                const uint4 v = mine[9 * j + i];
-                w[4 * i] = v.x;
-                w[4 * i + 1] = v.y;
-                w[4 * i + 2] = v.z;
-                w[4 * i + 3] = v.w;
-            }
+            iq4g_chunk(mine, j, w);
             const float* xc[NR];
 #pragma unroll
             for (int jr = 0; jr < NR; ++jr) xc[jr] = xr[jr] ? xr[jr] + (c0 + j) * 256 : nullptr;
 #pragma unroll
             for (int b = 0; b < 8; ++b) {
-                // Blocks 2p and 2p+1 are words 9p..9p+8: the even one's d is the low half of
-                // the first word and its bytes straddle the next five; the odd one's d is the
-                // high half of the fifth word and its bytes are the last four.
-                const unsigned* pw = w + 9 * (b >> 1);
                 float d;
                 unsigned q[4];
-                if (!(b & 1)) {
-                    d = __half2float(__ushort_as_half((unsigned short)(pw[0] & 0xffffu)));
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) q[i] = __funnelshift_r(pw[i], pw[i + 1], 16);
-                } else {
-                    d = __half2float(__ushort_as_half((unsigned short)(pw[4] >> 16)));
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) q[i] = pw[5 + i];
-                }
+                iq4g_block(w, b, &d, q);
                 float c[32];
                 iq4g_codes(T, q, c);
 #pragma unroll
@@ -279,22 +345,6 @@ __device__ __forceinline__ void iq4g_tile(const unsigned char* __restrict__ Wa,
                     if (xc[jr]) acc[jr] = fmaf(d, iq4g_dot32(c, xc[jr] + 32 * b), acc[jr]);
             }
         }
-        if (live) {
-#pragma unroll
-            for (int j = 0; j < NR; ++j) red[tid * NR + j] = acc[j];
-        }
-        __syncthreads();
-        const int outs = swiglu ? half : RT;
-        for (int idx = tid; idx < outs * cnt; idx += blockDim.x) {
-            const int o = idx % outs, j = idx / outs;
-            if (o0 + o >= n_out) continue;
-            float a = 0.0f, u = 0.0f;
-            for (int p = 0; p < KP; ++p) {
-                a += red[(p * RT + o) * NR + j];
-                if (swiglu) u += red[(p * RT + half + o) * NR + j];
-            }
-            y[(long long)(rg + j) * n_out + o0 + o] = swiglu ? iq4g_silu_times(a, u) : a;
-        }
-        __syncthreads();
+        iq4g_finish<NR>(acc, live, red, y, rg, cnt, o0, n_out, RT, KP, swiglu);
     }
 }

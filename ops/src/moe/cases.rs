@@ -83,6 +83,7 @@ fn swiglu_gemv_bound(n: usize) -> f64 {
 fn expert_label(kernel: ExpertKernel) -> &'static str {
     match kernel {
         ExpertKernel::Gemv => "gemv",
+        ExpertKernel::IntGemv => "int gemv",
         ExpertKernel::Skinny => "skinny",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
@@ -238,17 +239,27 @@ fn ids_for(r: &mut Rng, n: usize, ne: usize, k: usize, crowd: bool) -> Vec<i32> 
 /// the launches carry the shared expert beside the routed ones (the lowering's shared-expert
 /// fusion): its tiles follow the routed ones in the grid and read the tokens' rows (gate+up)
 /// or their own activation rows after the routes' (down).
-fn skinny_expert_cases(v: &mut Vec<ParityCase>, shared: bool) {
+///
+/// The integer GEMV (at most [`crate::moe::GEMV_ROUTES_LIMIT`] routes) takes the same cases up
+/// to 32 routes, among them a crowded one, with its inputs quantized to 16 bits a value
+/// (within the f16 inputs' bounds); the shared down projection of 7 tokens, 2 routes a round,
+/// takes four rounds.
+fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: bool) {
     let t_sw = (X_D as f64).sqrt() * IQ4_WRMS * U_RMS;
     let t_down = (X_FF as f64).sqrt() * IQ4_WRMS * U_RMS;
     let f16_dot = |n: usize| 6.0 / 2048.0 * (n as f64).sqrt() * IQ4_WRMS * U_RMS;
     let sw_bound = nmse_bound(4e-3, 8.4 * t_sw * f16_dot(X_D) / (0.7 * t_sw * t_sw));
     let down_bound = nmse_bound(4e-3, f16_dot(X_FF) / t_down);
-    let (label, seed_sw, seed_down) = if shared {
+    let (label, mut seed_sw, mut seed_down) = if shared {
         (" +shared", 0x5e1, 0x5f1)
     } else {
         ("", 0x5c1, 0x5d1)
     };
+    if kernel != ExpertKernel::Skinny {
+        seed_sw += 0x400;
+        seed_down += 0x400;
+    }
+    let name = expert_label(kernel);
     for (n, k, crowd) in [
         (1, 1, false),
         (2, 1, false),
@@ -257,8 +268,16 @@ fn skinny_expert_cases(v: &mut Vec<ParityCase>, shared: bool) {
         (129, 1, false),
         (128, TOPK, false),
         (40, TOPK, true),
+        (6, TOPK, true),
     ] {
         let routes = n * k;
+        if kernel == ExpertKernel::IntGemv && routes > crate::moe::GEMV_ROUTES_LIMIT {
+            continue;
+        }
+        // The skinny kernel's crowded case is the 160-route one.
+        if kernel == ExpertKernel::Skinny && crowd && routes <= crate::moe::GEMV_ROUTES_LIMIT {
+            continue;
+        }
         let tag = if crowd { " crowded" } else { "" };
         let plan_of = move |r: &mut Rng| {
             let ids = ids_for(r, n, X_NE, k, crowd);
@@ -271,11 +290,11 @@ fn skinny_expert_cases(v: &mut Vec<ParityCase>, shared: bool) {
             )
         };
         v.push(ParityCase::new(
-            format!("expert_swiglu/skinny{label} routes={routes}{tag}"),
+            format!("expert_swiglu/{name}{label} routes={routes}{tag}"),
             ExpertSwiGlu {
                 n_expert: X_NE,
                 n_ff: X_FF,
-                kernel: ExpertKernel::Skinny,
+                kernel,
             },
             seed_sw + routes as u64,
             sw_bound,
@@ -296,11 +315,11 @@ fn skinny_expert_cases(v: &mut Vec<ParityCase>, shared: bool) {
             },
         ));
         v.push(ParityCase::new(
-            format!("expert_down/skinny{label} routes={routes}{tag}"),
+            format!("expert_down/{name}{label} routes={routes}{tag}"),
             ExpertDown {
                 n_expert: X_NE,
                 n_embd: X_D,
-                kernel: ExpertKernel::Skinny,
+                kernel,
             },
             seed_down + routes as u64,
             down_bound,
@@ -405,8 +424,10 @@ fn generic_expert_cases(v: &mut Vec<ParityCase>) {
 pub fn cases() -> Vec<ParityCase> {
     let mut v = Vec::new();
     router_cases(&mut v);
-    skinny_expert_cases(&mut v, false);
-    skinny_expert_cases(&mut v, true);
+    for kernel in [ExpertKernel::Skinny, ExpertKernel::IntGemv] {
+        grouped_expert_cases(&mut v, kernel, false);
+        grouped_expert_cases(&mut v, kernel, true);
+    }
     for n in [1, 64, 600] {
         v.push(ParityCase::new(
             format!("route_plan/n={n} routes={}", n * TOPK),

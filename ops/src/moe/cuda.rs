@@ -387,7 +387,7 @@ pub(super) fn expert_launch(
     kernel: ExpertKernel,
     a: &Experts<'_>,
 ) -> Result<(), OpError> {
-    if a.shared.is_some() && kernel != ExpertKernel::Skinny {
+    if a.shared.is_some() && !matches!(kernel, ExpertKernel::Skinny | ExpertKernel::IntGemv) {
         return Err(OpError::shape(
             op,
             format!(
@@ -401,7 +401,7 @@ pub(super) fn expert_launch(
     }
     let tc = match kernel {
         ExpertKernel::Unlowered => return Err(unlowered(op)),
-        ExpertKernel::Gemv if a.routes > GEMV_ROUTES_LIMIT => {
+        ExpertKernel::Gemv | ExpertKernel::IntGemv if a.routes > GEMV_ROUTES_LIMIT => {
             return Err(OpError::shape(
                 op,
                 format!(
@@ -410,7 +410,7 @@ pub(super) fn expert_launch(
                 ),
             ));
         }
-        ExpertKernel::Gemv => None,
+        ExpertKernel::Gemv | ExpertKernel::IntGemv => None,
         ExpertKernel::Grouped(tc) => Some(tc),
         ExpertKernel::Skinny => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
@@ -458,6 +458,9 @@ pub(super) fn expert_launch(
                 scratch,
             )
         };
+    }
+    if kernel == ExpertKernel::IntGemv {
+        return launch_expert_int_rows(ctx, op, a, slots);
     }
     let Some(tc) = tc else {
         let sms = ctx.device.sm_count() as usize;
@@ -520,6 +523,92 @@ pub(super) fn expert_launch(
             a.x_rows,
             a.routes,
         )
+    }
+}
+
+/// `expert_int_rows_iq4_<NR>` (moe.cu): the GEMV's tiles on integer dot products, the shared
+/// expert (when carried) on one more row of blocks after the routed slots.
+fn launch_expert_int_rows(
+    ctx: &GpuCtx,
+    op: &'static str,
+    a: &Experts<'_>,
+    slots: usize,
+) -> Result<(), OpError> {
+    let i = |what, v| dim_i32(op, what, v);
+    let swiglu = a.wb.is_some();
+    if let Some(s) = a.shared {
+        for (what, p) in [
+            ("shared weight", s.wa),
+            ("shared up weight", s.wb.unwrap_or(0)),
+        ] {
+            if p % 16 != 0 {
+                return Err(OpError::shape(
+                    op,
+                    format!("the {what} must be 16-byte aligned"),
+                ));
+            }
+        }
+        if s.wb.is_some() != swiglu || (swiglu && s.rows != a.x_rows) {
+            return Err(OpError::shape(
+                op,
+                "the shared expert rides only a launch of its own mode, over the step's tokens"
+                    .to_string(),
+            ));
+        }
+    }
+    let shared = a.shared.filter(|s| s.rows > 0);
+    let sms = ctx.device.sm_count() as usize;
+    let plan = RowsPlan::choose(
+        a.n_in / 256,
+        a.n_out,
+        slots + usize::from(shared.is_some()),
+        swiglu,
+        sms,
+    )
+    .ok_or_else(|| {
+        OpError::shape(
+            op,
+            format!(
+                "an input width of {} is more than one GEMV block can split",
+                a.n_in
+            ),
+        )
+    })?;
+    let outs = if swiglu { plan.rt / 2 } else { plan.rt };
+    // The quantized inputs of a round's routes: 64 bytes and a scale a 32-value block.
+    let smem = plan.smem_bytes(a.nr) + a.nr * (a.n_in / 32) * 68;
+    let kern = ctx.kernel("moe.cu", MOE_CU, &format!("expert_int_rows_iq4_{}", a.nr))?;
+    let rows_y = i("experts", slots)? as u32 + u32::from(shared.is_some());
+    // SAFETY: argument list matches expert_int_rows_iq4_<NR>; weight rows, inputs and outputs
+    // are indexed within the shapes check_device verified (the shared expert's buffers are the
+    // op's own inputs and outputs), route ids and tokens are bounds-checked by the kernel.
+    unsafe {
+        ctx.device
+            .launch(&kern)
+            .grid((i("row tiles", a.n_out.div_ceil(outs))? as u32, rows_y))
+            .block(plan.threads as u32)
+            .shared_mem(smem as u32)
+            .arg(a.wa.ptr)
+            .arg(a.wb.map_or(0, |w| w.ptr))
+            .arg(a.x.ptr)
+            .arg(a.offsets)
+            .arg(a.route_token)
+            .arg(a.y)
+            .arg(i("input width", a.n_in)?)
+            .arg(i("rows", a.n_out)?)
+            .arg(i("n_expert", a.n_expert)?)
+            .arg(i("input rows", a.x_rows)?)
+            .arg(i("routes", a.routes)?)
+            .arg(plan.rt as i32)
+            .arg(plan.kp as i32)
+            .arg(shared.map_or(0, |s| s.wa))
+            .arg(shared.and_then(|s| s.wb).unwrap_or(0))
+            .arg(shared.map_or(0, |s| if swiglu { 0 } else { s.x }))
+            .arg(shared.map_or(0, |s| s.y))
+            .arg(i("shared rows", shared.map_or(0, |s| s.rows))?)
+            .arg(i("route slots", slots)?)
+            .enqueue()
+            .map_err(dev_err)
     }
 }
 

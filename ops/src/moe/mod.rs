@@ -121,6 +121,11 @@ pub enum ExpertKernel {
     /// IQ4_NL row GEMVs reading each touched expert's rows once for all of its routes (at
     /// most [`GEMV_ROUTES_LIMIT`] routes).
     Gemv,
+    /// The GEMV's tiles on integer dot products (`expert_int_rows_iq4_*`): codes as signed
+    /// bytes, each input row quantized per 32-value block to 16 bits in two bytes, dp4a sums;
+    /// carries the shared expert beside the routed ones as the skinny kernel does. At most
+    /// [`GEMV_ROUTES_LIMIT`] routes.
+    IntGemv,
     /// The grouped GEMM on the tensor cores, on the given kernel.
     Grouped(TcKernel),
     /// The skinny grouped product for a decode step's few routes an expert (weights as the
@@ -136,6 +141,7 @@ impl ExpertKernel {
         match self {
             ExpertKernel::Unlowered => "",
             ExpertKernel::Gemv => " [gemv]",
+            ExpertKernel::IntGemv => " [int gemv]",
             ExpertKernel::Grouped(TcKernel::MmaSync) => " [grouped mma.sync]",
             ExpertKernel::Grouped(TcKernel::Wgmma) => " [grouped wgmma]",
             ExpertKernel::Skinny => " [skinny]",

@@ -480,6 +480,213 @@ EXPERT_ROWS(2)
 EXPERT_ROWS(4)
 EXPERT_ROWS(8)
 
+// ---- decode path: the GEMV on integer dot products ---------------------------------------------
+//
+// The same tiles as expert_rows, with each 32-value block's dot taken on dp4a: a block's codes
+// are the codebook's signed bytes (byte permutes, no conversion to float), and each input row
+// is quantized per 32-value block to 16-bit integers q = round(x/s), s = amax/32512, held as
+// two signed bytes, q = 256·hi + lo. The block's dot is then d·s·(256·Σ c·hi + Σ c·lo): two
+// integer sums of 32 byte products (|c|, |hi| ≤ 127, so |Σ c·hi| ≤ 516,128 and the pair fits
+// an int32 exactly), four products an instruction, about half the f32 path's instructions a
+// weight. An input value is off by at most s/2 = amax/65024 of its block's largest (the
+// tensor-core kernels' f16 inputs: 2^-11 of each value). A block quantizes the rows of its
+// round's routes into shared memory itself, while its weight copies are in flight.
+#define IQX_Q 32512.0f
+
+// The codebook as signed bytes in four words (entries 0-3, 4-7, 8-11, 12-15), opaque so they
+// stay in registers.
+__device__ __forceinline__ Iq4gTable iq4q_table() {
+    Iq4gTable t;
+    asm("mov.b32 %0, 0xbfad9881;" : "=r"(t.t0));
+    asm("mov.b32 %0, 0xf6eaddcf;" : "=r"(t.t1));
+    asm("mov.b32 %0, 0x26190d01;" : "=r"(t.t2));
+    asm("mov.b32 %0, 0x71594535;" : "=r"(t.t3));
+    return t;
+}
+
+// The 32 codes of a block (qs as 4 words) as 8 words of signed bytes: word 2m + h holds the
+// codes of values 4m+2h, 4m+2h+16, 4m+2h+1, 4m+2h+17 (the permutes' natural order; the
+// quantized inputs are stored in the same order).
+__device__ __forceinline__ void iq4q_codes(const Iq4gTable& T, const unsigned q[4], unsigned c[8]) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const unsigned mm = q[m] & 0x77777777u;
+        const unsigned sl = ((q[m] >> 1) & 0x44444444u) | 0x32103210u;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned s = h ? mm >> 16 : mm, t = h ? sl >> 16 : sl;
+            c[2 * m + h] = iq4g_prmt(iq4g_prmt(T.t0, T.t1, s), iq4g_prmt(T.t2, T.t3, s), t);
+        }
+    }
+}
+
+// Input block b of row xr (null: zeros) quantized: 16 words at qx (8 of hi bytes, 8 of lo
+// bytes, in iq4q_codes' value order) and its scale at *sx. A NaN or infinity in the block makes
+// the scale NaN, so the outputs it reaches are NaN as the f32 path's would be.
+__device__ __forceinline__ void iqx_quantize_block(const float* __restrict__ xr, int b,
+                                                   uint4* __restrict__ qx, float* __restrict__ sx) {
+    float v[32];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (xr) a = __ldg(reinterpret_cast<const float4*>(xr + 32 * b + 4 * m));
+        v[4 * m] = a.x;
+        v[4 * m + 1] = a.y;
+        v[4 * m + 2] = a.z;
+        v[4 * m + 3] = a.w;
+    }
+    float amax = 0.0f, poison = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        amax = fmaxf(amax, fabsf(v[i]));
+        poison += v[i] * 0.0f;  // NaN for a NaN or an infinity, else 0
+    }
+    const float inv = amax > 0.0f ? __fdiv_rn(IQX_Q, amax) : 0.0f;
+    unsigned hw[8], lw[8];
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        const int a = 4 * (w >> 1) + 2 * (w & 1);
+        const int idx[4] = {a, a + 16, a + 1, a + 17};
+        unsigned hv = 0u, lv = 0u;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int q = max(-32512, min(32512, __float2int_rn(v[idx[k]] * inv)));
+            const int hi = (q + 128) >> 8, lo = q - hi * 256;
+            hv |= ((unsigned)hi & 0xffu) << (8 * k);
+            lv |= ((unsigned)lo & 0xffu) << (8 * k);
+        }
+        hw[w] = hv;
+        lw[w] = lv;
+    }
+    qx[0] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+    qx[1] = make_uint4(hw[4], hw[5], hw[6], hw[7]);
+    qx[2] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+    qx[3] = make_uint4(lw[4], lw[5], lw[6], lw[7]);
+    *sx = __fdiv_rn(amax, IQX_Q) + poison;
+}
+
+// iq4g_tile's contract on integer dot products. Dynamic shared memory: the RowsPlan's
+// (threads · (segment + NR·4 bytes)), then NR·(n_in/32)·68 bytes for the quantized inputs.
+template <int NR>
+__device__ __forceinline__ void iq4q_tile(const unsigned char* __restrict__ Wa,
+                                          const unsigned char* __restrict__ Wb,
+                                          const float* __restrict__ x, const int* __restrict__ tok,
+                                          float* __restrict__ y, int n_in, int n_out, int n_x_rows,
+                                          int r_begin, int r_end, int o0, int RT, int KP) {
+    extern __shared__ float4 iq4g_smem4[];
+    const bool swiglu = Wb != nullptr;
+    unsigned char* smem = reinterpret_cast<unsigned char*>(iq4g_smem4);
+    const Iq4gPart P = iq4g_part(Wa, Wb, n_in, n_out, o0, RT, KP, smem);
+    float* red = reinterpret_cast<float*>(smem + (long long)blockDim.x * P.seg * 16);
+    const int nb = n_in >> 5;
+    uint4* qx = reinterpret_cast<uint4*>(red + blockDim.x * NR);  // [NR][nb][4]
+    float* sx = reinterpret_cast<float*>(qx + NR * nb * 4);        // [NR][nb]
+    const Iq4gTable T = iq4q_table();
+    for (int rg = r_begin; rg < r_end; rg += NR) {  // block-uniform
+        const int cnt = min(NR, r_end - rg);
+        // The round's input rows, quantized by the whole block (the previous round's readers
+        // passed iq4g_finish's closing barrier).
+        for (int p = threadIdx.x; p < cnt * nb; p += blockDim.x) {
+            const int j = p / nb, b = p - j * nb;
+            const int s = tok ? tok[rg + j] : rg + j;
+            const float* xr = (s >= 0 && s < n_x_rows) ? x + (long long)s * n_in : nullptr;
+            iqx_quantize_block(xr, b, qx + 4 * (j * nb + b), sx + j * nb + b);
+        }
+        __syncthreads();
+        float acc[NR];
+#pragma unroll
+        for (int j = 0; j < NR; ++j) acc[j] = 0.0f;
+        for (int j = 0; j < P.cwmax; ++j) {
+            if (rg == r_begin) {
+                iq4g_wait(P.cwmax - 1 - j);
+                __syncwarp();
+            }
+            if (j >= P.mycw) continue;
+            unsigned w[36];
+            iq4g_chunk(P.mine, j, w);
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                float d;
+                unsigned q[4], c[8];
+                iq4g_block(w, b, &d, q);
+                iq4q_codes(T, q, c);
+                const int gb = 8 * (P.c0 + j) + b;
+#pragma unroll
+                for (int jr = 0; jr < NR; ++jr) {
+                    if (jr >= cnt) break;
+                    const uint4* xq = qx + 4 * (jr * nb + gb);
+                    const uint4 h0 = xq[0], h1 = xq[1], l0 = xq[2], l1 = xq[3];
+                    int sh = __dp4a((int)c[0], (int)h0.x, 0), sl = __dp4a((int)c[0], (int)l0.x, 0);
+                    sh = __dp4a((int)c[1], (int)h0.y, sh);
+                    sl = __dp4a((int)c[1], (int)l0.y, sl);
+                    sh = __dp4a((int)c[2], (int)h0.z, sh);
+                    sl = __dp4a((int)c[2], (int)l0.z, sl);
+                    sh = __dp4a((int)c[3], (int)h0.w, sh);
+                    sl = __dp4a((int)c[3], (int)l0.w, sl);
+                    sh = __dp4a((int)c[4], (int)h1.x, sh);
+                    sl = __dp4a((int)c[4], (int)l1.x, sl);
+                    sh = __dp4a((int)c[5], (int)h1.y, sh);
+                    sl = __dp4a((int)c[5], (int)l1.y, sl);
+                    sh = __dp4a((int)c[6], (int)h1.z, sh);
+                    sl = __dp4a((int)c[6], (int)l1.z, sl);
+                    sh = __dp4a((int)c[7], (int)h1.w, sh);
+                    sl = __dp4a((int)c[7], (int)l1.w, sl);
+                    acc[jr] = fmaf(d * sx[jr * nb + gb], (float)(sh * 256 + sl), acc[jr]);
+                }
+            }
+        }
+        iq4g_finish<NR>(acc, P.live, red, y, rg, cnt, o0, n_out, RT, KP, swiglu);
+    }
+}
+
+// grid (row tiles, route slots + 1 with a shared expert), block a RowsPlan's threads.
+// blockIdx.y < sh_slot: the y-th expert with routes, as expert_rows. With Sa, blocks y ≥ sh_slot
+// take the shared expert (Sa, Sb: its gate and up, or Sa its down): every token one route,
+// inputs from x (SwiGLU: the tokens' own rows) or xs (down: its n_sh activation rows), outputs
+// to y_sh.
+template <int NR>
+__device__ __forceinline__ void expert_int_rows(
+    const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+    const float* __restrict__ x, const int* __restrict__ offsets,
+    const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,
+    int n_expert, int n_x_rows, int n_routes, int RT, int KP,
+    const unsigned char* __restrict__ Sa, const unsigned char* __restrict__ Sb,
+    const float* __restrict__ xs, float* __restrict__ y_sh, int n_sh, int sh_slot) {
+    const bool swiglu = Wb != nullptr;
+    const int o0 = blockIdx.x * (swiglu ? RT >> 1 : RT);
+    if (Sa != nullptr && (int)blockIdx.y >= sh_slot) {  // block-uniform
+        iq4q_tile<NR>(Sa, swiglu ? Sb : nullptr, swiglu ? x : xs, nullptr, y_sh, n_in, n_out,
+                      n_sh, 0, n_sh, o0, RT, KP);
+        return;
+    }
+    int lo = 0, hi = 0;
+    const int e = nth_active_expert(offsets, n_expert, blockIdx.y, &lo, &hi);
+    if (e < 0) return;
+    const int r0 = min(max(lo, 0), n_routes);
+    const int r_end = min(max(hi, r0), n_routes);
+    if (r0 >= r_end) return;  // block-uniform: no barrier is skipped by part of the block
+    const long long mat = (long long)n_out * ((n_in >> 5) * 18);
+    iq4q_tile<NR>(Wa + e * mat, swiglu ? Wb + e * mat : nullptr, x,
+                  swiglu ? route_token : nullptr, y, n_in, n_out, n_x_rows, r0, r_end, o0, RT, KP);
+}
+
+#define EXPERT_INT_ROWS(NR)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1) expert_int_rows_iq4_##NR(               \
+        const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,              \
+        const float* __restrict__ x, const int* __restrict__ offsets,                            \
+        const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,         \
+        int n_expert, int n_x_rows, int n_routes, int RT, int KP,                                \
+        const unsigned char* __restrict__ Sa, const unsigned char* __restrict__ Sb,              \
+        const float* __restrict__ xs, float* __restrict__ y_sh, int n_sh, int sh_slot) {         \
+        PDL_ENTER();                                                                              \
+        expert_int_rows<NR>(Wa, Wb, x, offsets, route_token, y, n_in, n_out, n_expert, n_x_rows, \
+                            n_routes, RT, KP, Sa, Sb, xs, y_sh, n_sh, sh_slot);                  \
+    }
+EXPERT_INT_ROWS(1)
+EXPERT_INT_ROWS(2)
+EXPERT_INT_ROWS(4)
+EXPERT_INT_ROWS(8)
+
 // One dense SwiGLU (the shared expert, the leading dense FFNs) for a decode step's few tokens:
 // the same tiles with token r as route r, gate and up rows side by side in one launch.
 #define DENSE_SWIGLU_ROWS(NR)                                                                     \
