@@ -434,6 +434,18 @@ __device__ __forceinline__ int nth_active_expert(const int* off, int n_expert, i
     return -1;
 }
 
+// The blockIdx.y-th expert with routes and its routes [r0, r_end) within [0, n_routes), or -1
+// when there is none or the range is empty (block-uniform).
+__device__ __forceinline__ int block_expert_routes(const int* offsets, int n_expert, int n_routes,
+                                                   int* r0, int* r_end) {
+    int lo = 0, hi = 0;
+    const int e = nth_active_expert(offsets, n_expert, blockIdx.y, &lo, &hi);
+    if (e < 0) return -1;
+    *r0 = min(max(lo, 0), n_routes);
+    *r_end = min(max(hi, *r0), n_routes);
+    return *r0 < *r_end ? e : -1;
+}
+
 __device__ __forceinline__ float silu_times(float g, float u) {
     return __fmul_rn(u, __fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
 }
@@ -452,12 +464,9 @@ __device__ __forceinline__ void expert_rows(const unsigned char* __restrict__ Wa
                                             float* __restrict__ y, int n_in, int n_out,
                                             int n_expert, int n_x_rows, int n_routes, int RT,
                                             int KP) {
-    int lo = 0, hi = 0;
-    const int e = nth_active_expert(offsets, n_expert, blockIdx.y, &lo, &hi);
-    if (e < 0) return;
-    const int r0 = min(max(lo, 0), n_routes);
-    const int r_end = min(max(hi, r0), n_routes);
-    if (r0 >= r_end) return;  // block-uniform: no barrier is skipped by part of the block
+    int r0, r_end;
+    const int e = block_expert_routes(offsets, n_expert, n_routes, &r0, &r_end);
+    if (e < 0) return;  // block-uniform: no barrier is skipped by part of the block
     const long long mat = (long long)n_out * ((n_in >> 5) * 18);
     const bool swiglu = Wb != nullptr;
     iq4g_tile<NR>(Wa + e * mat, swiglu ? Wb + e * mat : nullptr, x,
@@ -659,12 +668,9 @@ __device__ __forceinline__ void expert_int_rows(
                       n_sh, 0, n_sh, o0, RT, KP);
         return;
     }
-    int lo = 0, hi = 0;
-    const int e = nth_active_expert(offsets, n_expert, blockIdx.y, &lo, &hi);
-    if (e < 0) return;
-    const int r0 = min(max(lo, 0), n_routes);
-    const int r_end = min(max(hi, r0), n_routes);
-    if (r0 >= r_end) return;  // block-uniform: no barrier is skipped by part of the block
+    int r0, r_end;
+    const int e = block_expert_routes(offsets, n_expert, n_routes, &r0, &r_end);
+    if (e < 0) return;  // block-uniform: no barrier is skipped by part of the block
     const long long mat = (long long)n_out * ((n_in >> 5) * 18);
     iq4q_tile<NR>(Wa + e * mat, swiglu ? Wb + e * mat : nullptr, x,
                   swiglu ? route_token : nullptr, y, n_in, n_out, n_x_rows, r0, r_end, o0, RT, KP);
