@@ -536,27 +536,10 @@ fn launch_expert_int_rows(
 ) -> Result<(), OpError> {
     let i = |what, v| dim_i32(op, what, v);
     let swiglu = a.wb.is_some();
-    if let Some(s) = a.shared {
-        for (what, p) in [
-            ("shared weight", s.wa),
-            ("shared up weight", s.wb.unwrap_or(0)),
-        ] {
-            if p % 16 != 0 {
-                return Err(OpError::shape(
-                    op,
-                    format!("the {what} must be 16-byte aligned"),
-                ));
-            }
-        }
-        if s.wb.is_some() != swiglu || (swiglu && s.rows != a.x_rows) {
-            return Err(OpError::shape(
-                op,
-                "the shared expert rides only a launch of its own mode, over the step's tokens"
-                    .to_string(),
-            ));
-        }
-    }
     let shared = a.shared.filter(|s| s.rows > 0);
+    if let Some(s) = shared {
+        s.check(op, swiglu, a.x_rows)?;
+    }
     let sms = ctx.device.sm_count() as usize;
     let plan = RowsPlan::choose(
         a.n_in / 256,

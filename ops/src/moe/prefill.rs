@@ -338,6 +338,39 @@ pub(crate) struct SkinnyShared {
     pub y: u64,
 }
 
+impl SkinnyShared {
+    /// Refuses a shared expert that cannot ride a grouped launch of this mode (`swiglu`) over
+    /// `x_rows` tokens: another mode, other rows than the step's tokens (SwiGLU), or weights
+    /// and output a kernel cannot read as it does the routed ones.
+    pub(crate) fn check(
+        &self,
+        op: &'static str,
+        swiglu: bool,
+        x_rows: usize,
+    ) -> Result<(), OpError> {
+        if self.wb.is_some() != swiglu {
+            return Err(OpError::shape(
+                op,
+                "the shared expert rides only a grouped launch of its own mode".to_string(),
+            ));
+        }
+        if swiglu && self.rows != x_rows {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the shared expert's {} rows are not the step's {x_rows} tokens",
+                    self.rows
+                ),
+            ));
+        }
+        aligned("shared weight", self.wa, 16)?;
+        if let Some(b) = self.wb {
+            aligned("shared up weight", b, 16)?;
+        }
+        aligned("shared output", self.y, 4)
+    }
+}
+
 /// The grouped (or dense) product of [`launch_expert_gemm_tc`]'s contract for a decode step's
 /// few routes an expert: the inputs narrowed to f16 into the scratch (`expert_x_f16`), then
 /// `expert_skinny_iq4_<NT>` (weights as the MMA's A operand, routes in tiles of 8·NT).
@@ -369,26 +402,13 @@ pub(crate) unsafe fn launch_expert_skinny(
         return Ok(());
     }
     if let Some(s) = shared {
-        if matches!(routes_from, SkinnyRoutes::Dense) || s.wb.is_some() != wb.is_some() {
+        if matches!(routes_from, SkinnyRoutes::Dense) {
             return Err(OpError::shape(
                 op,
-                "the shared expert rides only a grouped launch of its own mode".to_string(),
+                "the shared expert rides only a grouped launch".to_string(),
             ));
         }
-        if wb.is_some() && s.rows != x_rows {
-            return Err(OpError::shape(
-                op,
-                format!(
-                    "the shared expert's {} rows are not the step's {x_rows} tokens",
-                    s.rows
-                ),
-            ));
-        }
-        aligned("shared weight", s.wa, 16)?;
-        if let Some(b) = s.wb {
-            aligned("shared up weight", b, 16)?;
-        }
-        aligned("shared output", s.y, 4)?;
+        s.check(op, wb.is_some(), x_rows)?;
     }
     if !skinny_supports(n_in) {
         return Err(OpError::shape(
