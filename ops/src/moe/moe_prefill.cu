@@ -966,16 +966,15 @@ __device__ __forceinline__ void expert_skinny_body(
     // shared memory a lane at a time: 44% excess sectors and 68% excess wavefronts, which cost
     // what its shorter addressing saved.)
     static_assert(SK_ROWS * 9 == 32 * 9, "nine chunks a lane");
-    const int i0 = lane / 9, p0 = lane - 9 * (lane / 9);
-    const unsigned my_dst = wbase + 16 * lane;
-    auto issue = [&](int kt, int stage) {
-        const unsigned dst = my_dst + stage * SK_WSTAGE;
-        const long long koff = (long long)kt * SK_ROWB;
-        // Opaque copies: derived per copy round rather than hoisted out of the k loop as nine
-        // live 64-bit addresses (which made the kernel spill).
-        int i, p;
-        asm volatile("mov.b32 %0, %1;" : "=r"(i) : "r"(i0));
-        asm volatile("mov.b32 %0, %1;" : "=r"(p) : "r"(p0));
+    // A lane's nine copies keep their sources from k-tile to k-tile: 32-bit offsets into
+    // their matrix (bit j of `up`: the up weight's), zero-filled where the row is past n_out
+    // (bit j of `live` clear). Worked out once here, a k-tile's copies are a select and an add
+    // each; derived per copy round they were 324 of a k-tile's 1,310 instructions (SASS,
+    // NT=1), and held as nine 64-bit addresses they made the kernel spill. The launcher
+    // keeps n_out · row_bytes within 32 bits.
+    unsigned goff[9], up = 0u, live = 0u;
+    {
+        int i = lane / 9, p = lane - 9 * (lane / 9);
 #pragma unroll
         for (int j = 0; j < 9; ++j) {
             if (j > 0) {
@@ -986,19 +985,21 @@ __device__ __forceinline__ void expert_skinny_body(
                     ++i;
                 }
             }
-            int out;
-            const unsigned char* base;
-            if (swiglu) {
-                out = c0 + 8 * (i >> 4) + (i & 7);
-                base = (i & 8) ? eb : ea;
-            } else {
-                out = c0 + i;
-                base = ea;
-            }
+            const int out = swiglu ? c0 + 8 * (i >> 4) + (i & 7) : c0 + i;
             const bool ok = out < n_out;
-            sk_cp16(dst + 512 * j, ok ? base + (long long)out * row_bytes + koff + 16 * p : ea,
-                    ok ? 16 : 0);
+            goff[j] = ok ? (unsigned)out * (unsigned)row_bytes + 16u * (unsigned)p : 0u;
+            live |= (ok ? 1u : 0u) << j;
+            up |= (swiglu && (i & 8) ? 1u : 0u) << j;
         }
+    }
+    const unsigned my_dst = wbase + 16 * lane;
+    auto issue = [&](int kt, int stage) {
+        const unsigned dst = my_dst + stage * SK_WSTAGE;
+        const unsigned char* ak = ea + kt * SK_ROWB;
+        const unsigned char* bk = eb + kt * SK_ROWB;
+#pragma unroll
+        for (int j = 0; j < 9; ++j)
+            sk_cp16(dst + 512 * j, ((up >> j) & 1u ? bk : ak) + goff[j], (live >> j) & 1u ? 16 : 0);
     };
 
     // The weights first: they depend on the expert alone, the inputs on the route table too.

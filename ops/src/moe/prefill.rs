@@ -422,6 +422,17 @@ pub(crate) unsafe fn launch_expert_skinny(
     let i = |what: &str, v: usize| {
         i32::try_from(v).map_err(|_| OpError::shape(op, format!("{what} {v} does not fit an i32")))
     };
+    // The kernel addresses a weight matrix's rows by 32-bit offsets.
+    let matrix_bytes = n_out * (n_in / 32) * 18;
+    if u32::try_from(matrix_bytes).is_err() {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "an expert weight of {n_out} × {n_in} is {matrix_bytes} bytes; the skinny \
+                 kernel takes at most 4 GiB a matrix"
+            ),
+        ));
+    }
     aligned("expert weight", wa, 16)?;
     if let Some(b) = wb {
         aligned("up weight", b, 16)?;
