@@ -966,13 +966,14 @@ __device__ __forceinline__ void expert_skinny_body(
     // shared memory a lane at a time: 44% excess sectors and 68% excess wavefronts, which cost
     // what its shorter addressing saved.)
     static_assert(SK_ROWS * 9 == 32 * 9, "nine chunks a lane");
-    // A lane's nine copies keep their sources from k-tile to k-tile: 32-bit offsets into
-    // their matrix (bit j of `up`: the up weight's), zero-filled where the row is past n_out
-    // (bit j of `live` clear). Worked out once here, a k-tile's copies are a select and an add
-    // each; derived per copy round they were 324 of a k-tile's 1,310 instructions (SASS,
-    // NT=1), and held as nine 64-bit addresses they made the kernel spill. The launcher
-    // keeps n_out · row_bytes within 32 bits.
-    unsigned goff[9], up = 0u, live = 0u;
+    // A lane's nine copies keep their sources from k-tile to k-tile: the byte offset of copy j
+    // in its matrix (a multiple of 16: row_bytes is a multiple of 144), with bit 0 set where
+    // the row is live (below n_out; past it the copy zero-fills) and bit 1 where it is the up
+    // weight's. Worked out once here, a k-tile's copies are a select and an add each; derived
+    // per copy round they were 324 of a k-tile's 1,310 instructions (SASS, NT=1). One word a
+    // copy: with the flags in masks beside the offsets the kernel spilled under NVRTC 13.0.
+    // The launcher keeps n_out · row_bytes within 32 bits.
+    unsigned goff[9];
     {
         int i = lane / 9, p = lane - 9 * (lane / 9);
 #pragma unroll
@@ -986,10 +987,10 @@ __device__ __forceinline__ void expert_skinny_body(
                 }
             }
             const int out = swiglu ? c0 + 8 * (i >> 4) + (i & 7) : c0 + i;
-            const bool ok = out < n_out;
-            goff[j] = ok ? (unsigned)out * (unsigned)row_bytes + 16u * (unsigned)p : 0u;
-            live |= (ok ? 1u : 0u) << j;
-            up |= (swiglu && (i & 8) ? 1u : 0u) << j;
+            const bool up = swiglu && (i & 8);
+            goff[j] = out < n_out ? ((unsigned)out * (unsigned)row_bytes + 16u * (unsigned)p) | 1u
+                                  : 0u;
+            goff[j] |= up ? 2u : 0u;
         }
     }
     const unsigned my_dst = wbase + 16 * lane;
@@ -998,8 +999,13 @@ __device__ __forceinline__ void expert_skinny_body(
         const unsigned char* ak = ea + kt * SK_ROWB;
         const unsigned char* bk = eb + kt * SK_ROWB;
 #pragma unroll
-        for (int j = 0; j < 9; ++j)
-            sk_cp16(dst + 512 * j, ((up >> j) & 1u ? bk : ak) + goff[j], (live >> j) & 1u ? 16 : 0);
+        for (int j = 0; j < 9; ++j) {
+            // Opaque, so the compiler adds the offset here rather than holding nine 64-bit
+            // sources across the loop.
+            unsigned o;
+            asm volatile("mov.b32 %0, %1;" : "=r"(o) : "r"(goff[j]));
+            sk_cp16(dst + 512 * j, (o & 2u ? bk : ak) + (o & ~15u), o & 1u ? 16 : 0);
+        }
     };
 
     // The weights first: they depend on the expert alone, the inputs on the route table too.
