@@ -396,13 +396,14 @@ impl NormLinear {
     }
 }
 
-/// `linear_skinny_bf16_<nt>` over one BF16 weight, or two (`second`: its row tiles follow the
-/// first's), then, when K is split, `linear_skinny_reduce` over the partial sums in `scratch`.
-/// Each of `first` and `second` is (weight, output, rows).
+/// `linear_x_bf16` narrowing x into `scratch`, then `linear_skinny_bf16_<nt>` over one BF16
+/// weight, or two (`second`: its row tiles follow the first's), then, when K is split,
+/// `linear_skinny_reduce` over the partial sums after the narrowed x. Each of `first` and
+/// `second` is (weight, output, rows).
 ///
 /// # Safety
-/// `x` holds n×k f32 (rows 16-byte aligned), each weight `rows` BF16 rows of k values at a
-/// 16-byte-aligned address, each output n×rows f32; `scratch` is this op's.
+/// `x` holds n×k f32, each weight `rows` BF16 rows of k values at a 16-byte-aligned address,
+/// each output n×rows f32; `scratch` is this op's.
 #[allow(clippy::too_many_arguments)]
 unsafe fn launch_bf16_skinny(
     ctx: &GpuCtx,
@@ -418,12 +419,28 @@ unsafe fn launch_bf16_skinny(
     let (w1, y1, o1) = first;
     let (w2, y2, o2) = second.unwrap_or((0, 0, 0));
     let (tiles, outs) = (o1.div_ceil(32) + o2.div_ceil(32), o1 + o2);
+    scratch.require(op, plan.scratch_bytes(n, k, outs))?;
+    let xb = scratch.ptr.next_multiple_of(256);
     let part = if plan.splits > 1 {
-        scratch.require(op, plan.scratch_bytes(n, outs))?;
-        scratch.ptr.next_multiple_of(256)
+        xb + (n * k * 2).next_multiple_of(256) as u64
     } else {
         0
     };
+    let total = n * k;
+    let narrow = ctx.kernel("linear.cu", LINEAR_CU, "linear_x_bf16")?;
+    // SAFETY: linear_x_bf16(x, xb, total) reads n·k f32 of x and writes n·k bf16 at `xb`,
+    // inside the scratch required above.
+    unsafe {
+        ctx.device
+            .launch(&narrow)
+            .grid(as_i32(op, "narrowing blocks", total.div_ceil(2048))? as u32)
+            .block(256)
+            .arg(x)
+            .arg(xb)
+            .arg(total as i64)
+            .enqueue()
+            .map_err(dev_err)?;
+    }
     let blocks = as_i32(op, "skinny blocks", plan.splits * tiles.div_ceil(4))?;
     let token_tiles = as_i32(op, "token tiles", plan.token_tiles)?;
     if token_tiles > 65535 {
@@ -441,8 +458,8 @@ unsafe fn launch_bf16_skinny(
         &format!("linear_skinny_bf16_{}", plan.nt),
     )?;
     // SAFETY: the arguments follow linear_skinny_bf16's C signature; the caller vouches for
-    // x, the weights and the outputs, and the partial sums (splits·n·outs f32) fit the scratch
-    // checked above.
+    // the weights and the outputs, xb holds the n·k bf16 written just above, and the partial
+    // sums (splits·n·outs f32) after it fit the scratch required above.
     unsafe {
         ctx.device
             .launch(&kern)
@@ -450,7 +467,7 @@ unsafe fn launch_bf16_skinny(
             .block(128)
             .shared_mem(plan.shared_bytes() as u32)
             .arg(w1)
-            .arg(x)
+            .arg(xb)
             .arg(y1)
             .arg(ni)
             .arg(ki)

@@ -856,97 +856,90 @@ TQ(f32, WT_F32, x1, 1, true)
 // bf16, f32 sums). cuBLAS tiles these shapes for prefill: q_a with kv_a (1,344 rows) at 8 rows
 // is a handful of tiles on a 132-multiprocessor chip.
 //
-// A warp owns 32 weight rows (two m16 tiles, the A operand) and a run of `per` 32-value K
-// chunks. Lane (g, t) loads 16 bytes of rows g, g+8, g+16, g+24 at chunk values 8t..8t+7
-// straight from global memory (a warp's load covers whole 32-byte sectors) into a register ring
-// SKB_PF chunks deep. The block's warps take consecutive row tiles of one K split, so they
-// share x: the block copies the f32 x of its 8·NT tokens over its chunks into shared memory
-// with cp.async, up to SKB_STAGE_PAIRS (token, chunk) pairs a round (one round for every split
-// the plans make up to 64 rows), all copies in flight at once, so a round is one trip to L2.
-// Lane (g, t) then reads values 8t..8t+7 of token 8nt+g (two 16-byte loads; a staged row is
-// SKB_XROW bytes, so a quarter warp's loads hit distinct banks) and rounds them to bf16 pairs.
-// The MMA's k slots are a permutation of the chunk's values (slot 2t holds values 8t, 8t+1 and
-// slot 2t+8 values 8t+2, 8t+3; the second MMA the other four), the same for both operands, so
-// the two products add up the chunk's dot products. (Narrowing x into shared memory a round of
-// three chunks at a time, each item's load then its store, cost a round trip an item: 6 a
-// round at 64 tokens, q_a with kv_a 20.6 µs at 65 rows with DRAM 10.7% busy on the H200.
-// Each warp reading and narrowing x itself from L2 cost 72 µs for the attention output at 64
-// rows, against cuBLAS's 18: x was read once per row tile.)
+// x arrives narrowed to bf16 (linear_x_bf16, into the op's scratch), so a block stages the
+// bf16 rows of its 8·NT tokens over its K split with cp.async in one trip, shared by its warps
+// (staged [chunk][token][64 bytes]). A warp owns 32 weight rows (two m16 tiles, the A operand)
+// and streams them through a ring of SKB_STAGES cp.async stages in shared memory (a stage: 32
+// rows × one 32-value chunk), so three chunks of every warp are in flight while one is
+// multiplied. Lane (g, t) reads 16 bytes of rows g and g+8 of each m16 tile and of token
+// 8nt+g, values 8t..8t+7 of the chunk (a warp's read is 512 contiguous bytes: no bank
+// conflicts). The MMA's k slots are a permutation of the chunk's values (slot 2t holds values
+// 8t, 8t+1 and slot 2t+8 values 8t+2, 8t+3; the second MMA the other four), the same for both
+// operands, so the two products add up the chunk's dot products. (The previous form read x as
+// f32 from shared memory and narrowed it in every warp, and held the weights in a register
+// ring three chunks deep straight from global memory: at 64 rows the attention output took
+// 47.5 µs on an H200 against cuBLAS's 17.4, each block's few chunks a few memory latencies in
+// a row.)
 //
 // A matrix of few row tiles (q_a with kv_a: 42) cannot fill the chip with one warp a tile, so K
 // is split `splits` ways (linear/plan.rs `Bf16SkinnyPlan`); each warp then writes its partial
 // sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so a step
 // repeats bit for bit. With splits == 1 the warp writes y itself.
 // grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, dynamic shared
-// memory min(per, SKB_STAGE_PAIRS / 8NT)·8NT·SKB_XROW bytes; with O2 > 0 the tiles of W2
-// (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W and W2 16-byte
-// aligned, x rows 16-byte aligned.
+// memory SKB_WARPS·SKB_STAGES·SKB_WSTAGE + per·8NT·64 bytes; with O2 > 0 the tiles of W2
+// (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W, W2 and xb 16-byte
+// aligned.
 #define SKB_WARPS 4
-#define SKB_PF 3
-#define SKB_XROW 144
-#define SKB_STAGE_PAIRS 512
+#define SKB_STAGES 4
+#define SKB_WSTAGE 2048
 
 template <int NT>
 __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict__ W,
-                                                 const float* x, float* y, int n, int K, int O,
+                                                 const unsigned char* __restrict__ xb, float* y,
+                                                 int n, int K, int O,
                                                  const unsigned char* __restrict__ W2, float* y2,
                                                  int O2, float* part, int splits, int per) {
     constexpr int TOK = 8 * NT;
-    constexpr int ROUND = SKB_STAGE_PAIRS / TOK;  // chunks a staging round
-    extern __shared__ __align__(16) unsigned char skb_xs[];  // [chunk][token][SKB_XROW bytes]
+    extern __shared__ __align__(16) unsigned char skb_smem[];  // weight rings, then x
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles1 = (O + 31) >> 5, tiles = tiles1 + ((O2 + 31) >> 5);
     const int groups = (tiles + SKB_WARPS - 1) / SKB_WARPS;
     const int split = blockIdx.x / groups;
     const int tile = (blockIdx.x - split * groups) * SKB_WARPS + warp;
     if (split >= splits) return;  // block-uniform
-    // A warp past the last tile still stages x and meets the barriers; it multiplies nothing.
+    // A warp past the last tile still stages x and meets the barrier; it multiplies nothing.
     const bool live = tile < tiles;
     const bool second = live && tile >= tiles1;
     const unsigned char* Wm = second ? W2 : W;
     const int Om = second ? O2 : O;
     const int r0 = (second ? tile - tiles1 : tile) * 32;
-    const int c0 = split * per, c1 = min(K >> 5, c0 + per);
+    const int c0 = split * per, nc = max(0, min(K >> 5, c0 + per) - c0);
     const int tb = blockIdx.y * TOK;
     const long long rb = 2ll * K;
 
-    // Row j of this lane: r0 + g + 8j (m tile j >> 1, its rows g or g + 8), 8 rows apart in
-    // memory; rows past the matrix read as zeros (bit j of `wok` clear).
-    const unsigned char* wrow = Wm + (live ? r0 + g : 0) * rb + 16 * t;
-    const long long wstep = 8 * rb;
+    // Lane copies 16-byte piece lane + 32j (j < 4) of each weight stage: row 8j + g of the
+    // tile, bytes 16t..16t+15 of the chunk; rows past the matrix are zero-filled.
+    const unsigned smem0 = (unsigned)__cvta_generic_to_shared(skb_smem);
+    const unsigned wdst = smem0 + warp * (SKB_STAGES * SKB_WSTAGE) + 16 * lane;
+    const unsigned char* wrow = Wm + (live ? r0 + g : 0) * rb + 64ll * c0 + 16 * t;
     unsigned wok = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) wok |= (live && r0 + g + 8 * j < Om) ? 1u << j : 0u;
-    const uint4 z4 = make_uint4(0u, 0u, 0u, 0u);
-    auto ldw = [&](int j, int c) {
-        return (wok >> j & 1u) ? __ldg(reinterpret_cast<const uint4*>(wrow + j * wstep + 64ll * c))
-                               : z4;
+    auto issue = [&](int c, int stage) {
+        if (live && c < nc) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                tq_cp16(wdst + stage * SKB_WSTAGE + 512 * j,
+                        (wok >> j & 1u) ? wrow + j * 8 * rb + 64ll * c : Wm, (wok >> j & 1u) ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    uint4 ring[SKB_PF][4];
 #pragma unroll
-    for (int s = 0; s < SKB_PF; ++s)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) ring[s][j] = c0 + s < c1 ? ldw(j, c0 + s) : z4;
+    for (int s = 0; s < SKB_STAGES - 1; ++s) issue(s, s);
     PDL_WAIT();
 
-    // Chunks [cb, min(c1, cb + ROUND)) of the block's tokens into shared memory (tokens past n
-    // as zeros); returns the end. Item i copies 16 bytes: word i % 8 of token (i / 8) % TOK's
-    // chunk, so eight consecutive threads read a token's 128 contiguous bytes.
-    const unsigned xs0 = (unsigned)__cvta_generic_to_shared(skb_xs);
-    auto stage = [&](int cb) {
-        const int ce = min(c1, cb + ROUND);
-        const int items = (ce - cb) * TOK * 8;
-        __syncthreads();  // the last round's readers are done with it
-        for (int i = threadIdx.x; i < items; i += 32 * SKB_WARPS) {
-            const int j = i & 7, tok = (i >> 3) % TOK, s = i / (8 * TOK);
-            const bool ok = tb + tok < n;
-            const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (cb + s) + 4 * j : x;
-            tq_cp16(xs0 + (unsigned)((s * TOK + tok) * SKB_XROW + 16 * j), src, ok ? 16 : 0);
-        }
-        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-        __syncthreads();
-        return ce;
-    };
+    // The block's x: item i copies 16 bytes, piece i % 4 of token (i / 4) % TOK's chunk
+    // i / (4·TOK), so four consecutive threads read a token's 64 contiguous bytes; tokens past
+    // n as zeros. One group, waited for with the weights' first stages.
+    const unsigned xs = smem0 + SKB_WARPS * SKB_STAGES * SKB_WSTAGE;
+    for (int i = threadIdx.x; i < nc * TOK * 4; i += 32 * SKB_WARPS) {
+        const int q = i & 3, tok = (i >> 2) % TOK, c = i / (4 * TOK);
+        const bool ok = tb + tok < n;
+        const unsigned char* src = ok ? xb + ((long long)(tb + tok) * K + 32ll * (c0 + c)) * 2 + 16 * q : xb;
+        tq_cp16(xs + (unsigned)(16 * i), src, ok ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
 
     float acc[2][NT][4];
 #pragma unroll
@@ -955,48 +948,38 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+    if (!live) return;
 
-    int staged = c0, rbase = c0;  // chunks [rbase, staged) are in shared memory
-    for (int cb = c0; cb < c1; cb += SKB_PF) {
+    const unsigned char* wsm = skb_smem + warp * (SKB_STAGES * SKB_WSTAGE) + g * 64 + 16 * t;
+    const unsigned char* xsm = skb_smem + SKB_WARPS * SKB_STAGES * SKB_WSTAGE + g * 64 + 16 * t;
+    for (int c = 0; c < nc; ++c) {
+        // Stage c landed (the SKB_STAGES - 2 groups after it may still be in flight), every
+        // lane's copies included; stage c - 1's slot is free for chunk c + SKB_STAGES - 1.
+        asm volatile("cp.async.wait_group %0;" ::"n"(SKB_STAGES - 2) : "memory");
+        __syncwarp();
+        issue(c + SKB_STAGES - 1, (c + SKB_STAGES - 1) % SKB_STAGES);
+        const unsigned char* ws = wsm + (c % SKB_STAGES) * SKB_WSTAGE;
+        unsigned a1[2][4], a2[2][4];
 #pragma unroll
-        for (int s = 0; s < SKB_PF; ++s) {
-            const int c = cb + s;
-            if (c < c1) {
-                if (c == staged) {  // block-uniform
-                    rbase = c;
-                    staged = stage(c);
-                }
-                if (live) {
-                    const unsigned char* xr =
-                        skb_xs + ((c - rbase) * TOK + g) * SKB_XROW + 32 * t;
+        for (int mt = 0; mt < 2; ++mt) {
+            const uint4 lo = *reinterpret_cast<const uint4*>(ws + 16 * mt * 64);
+            const uint4 hi = *reinterpret_cast<const uint4*>(ws + (16 * mt + 8) * 64);
+            a1[mt][0] = lo.x, a1[mt][1] = hi.x, a1[mt][2] = lo.y, a1[mt][3] = hi.y;
+            a2[mt][0] = lo.z, a2[mt][1] = hi.z, a2[mt][2] = lo.w, a2[mt][3] = hi.w;
+        }
+        const unsigned char* xr = xsm + c * (TOK * 64);
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        if (tb + 8 * nt < n) {  // warp-uniform
-                            const float4 xa =
-                                *reinterpret_cast<const float4*>(xr + 8 * nt * SKB_XROW);
-                            const float4 xb =
-                                *reinterpret_cast<const float4*>(xr + 8 * nt * SKB_XROW + 16);
-                            const unsigned b0 = tq_pack(xa.x, xa.y), b1 = tq_pack(xa.z, xa.w);
-                            const unsigned b2 = tq_pack(xb.x, xb.y), b3 = tq_pack(xb.z, xb.w);
+        for (int nt = 0; nt < NT; ++nt) {
+            if (tb + 8 * nt < n) {  // warp-uniform
+                const uint4 b = *reinterpret_cast<const uint4*>(xr + 8 * nt * 64);
 #pragma unroll
-                            for (int mt = 0; mt < 2; ++mt) {
-                                const uint4 lo = ring[s][2 * mt], hi = ring[s][2 * mt + 1];
-                                const unsigned a1[4] = {lo.x, hi.x, lo.y, hi.y};
-                                const unsigned a2[4] = {lo.z, hi.z, lo.w, hi.w};
-                                tq_mma(acc[mt][nt], a1, b0, b1);
-                                tq_mma(acc[mt][nt], a2, b2, b3);
-                            }
-                        }
-                    }
-                }
-                if (c + SKB_PF < c1) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) ring[s][j] = ldw(j, c + SKB_PF);
+                for (int mt = 0; mt < 2; ++mt) {
+                    tq_mma(acc[mt][nt], a1[mt], b.x, b.y);
+                    tq_mma(acc[mt][nt], a2[mt], b.z, b.w);
                 }
             }
         }
     }
-    if (!live) return;
 
     // Accumulator (mt, nt): c0, c1 = row 16mt + g, tokens 8nt + 2t and +1; c2, c3 = row + 8.
     const int ot = O + O2, col0 = second ? O : 0;
@@ -1016,12 +999,12 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
 }
 
 #define LINEAR_SKINNY_BF16(NT)                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * SKB_WARPS) linear_skinny_bf16_##NT(         \
-        const unsigned char* __restrict__ W, const float* x, float* y, int n, int K, int O,       \
-        const unsigned char* __restrict__ W2, float* y2, int O2, float* part, int splits,         \
-        int per) {                                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * SKB_WARPS, 2) linear_skinny_bf16_##NT(      \
+        const unsigned char* __restrict__ W, const unsigned char* __restrict__ xb, float* y,      \
+        int n, int K, int O, const unsigned char* __restrict__ W2, float* y2, int O2,             \
+        float* part, int splits, int per) {                                                       \
         PDL_WEIGHTS_FIRST();                                                                      \
-        skinny_bf16_body<NT>(W, x, y, n, K, O, W2, y2, O2, part, splits, per);                    \
+        skinny_bf16_body<NT>(W, xb, y, n, K, O, W2, y2, O2, part, splits, per);                   \
     }
 LINEAR_SKINNY_BF16(1)
 LINEAR_SKINNY_BF16(2)

@@ -173,7 +173,7 @@ impl Op for Linear {
                 [n, k] if self.kernel == LinearKernel::Skinny && skinny_takes(w.dtype, k) => {
                     let o = w.shape.first().copied().unwrap_or(0);
                     if w.dtype == DType::BF16 {
-                        Bf16SkinnyPlan::choose(n, k, o, o.div_ceil(32)).scratch_bytes(n, o)
+                        Bf16SkinnyPlan::choose(n, k, o, o.div_ceil(32)).scratch_bytes(n, k, o)
                     } else {
                         crate::moe::prefill::skinny_scratch_bytes(n, k)
                     }
@@ -277,7 +277,7 @@ impl Op for LinearPair {
             return 0;
         }
         if let Some((plan, n, outs)) = Self::skinny_plan(self.kernel, inputs) {
-            return plan.scratch_bytes(n, outs);
+            return plan.scratch_bytes(n, inputs[0].shape[1], outs);
         }
         let one = Linear::with(self.kernel);
         one.cuda_scratch_bytes(&inputs[..2])

@@ -102,32 +102,49 @@ pub(crate) struct Bf16SkinnyPlan {
     pub per: usize,
 }
 
-/// Token-chunk pairs of x a skinny BF16 block stages at once (`SKB_STAGE_PAIRS`): 72 KiB, so
-/// three blocks share a multiprocessor.
-const BF16_SKINNY_STAGE_PAIRS: usize = 512;
-/// Bytes of one staged token-chunk pair (`SKB_XROW`): 32 f32 and 16 bytes that spread a quarter
-/// warp's reads over the banks.
-const BF16_SKINNY_XROW: usize = 144;
-
-/// Warps a skinny BF16 product aims for: about 16 a multiprocessor on a 132-multiprocessor
-/// card, so enough weight loads are in flight to stream at the memory's rate.
-const BF16_SKINNY_WARPS: usize = 2048;
+/// Warps a skinny BF16 block has (`SKB_WARPS`), each a 32-row weight tile.
+const BF16_SKINNY_BLOCK_WARPS: usize = 4;
+/// Shared memory of a block's weight rings (`SKB_WARPS · SKB_STAGES · SKB_WSTAGE`): four
+/// stages of 32 rows × 64 bytes a warp.
+const BF16_SKINNY_RING_BYTES: usize = BF16_SKINNY_BLOCK_WARPS * 4 * 2048;
+/// The most bf16 x a block stages (its 8·nt tokens over its `per` chunks, 64 bytes each), so
+/// that two blocks of 64 tokens share a multiprocessor.
+const BF16_SKINNY_MAX_X_BYTES: usize = 64 << 10;
+/// Multiprocessors a plan fills (an H200's 132) and the shared memory each has for blocks.
+const BF16_SKINNY_SMS: usize = 132;
+const BF16_SKINNY_SM_BYTES: usize = 227 << 10;
+/// Blocks a multiprocessor runs at most (registers: ~100 a thread at nt = 8).
+const BF16_SKINNY_MAX_BLOCKS_PER_SM: usize = 4;
+/// The share of one wave of resident blocks a plan's K split fills before it stops splitting.
+const BF16_SKINNY_FILL: f64 = 0.85;
 
 impl Bf16SkinnyPlan {
     /// The plan for `n` rows, `k` inputs (a multiple of 32) and `outs` output columns in all
-    /// over `tiles` tiles. K is split until about [`BF16_SKINNY_WARPS`] warps run, each with
-    /// at least two chunks, and no further than keeps the partial sums' traffic (written and
-    /// read once, mostly in L2) under the weight's bytes. (Splitting q_a with kv_a 38 ways
-    /// at 64 rows instead of 14, 1,596 warps instead of 588, left it at 21.3 µs a layer on
-    /// an H200 against 21.8: its time there is not the split.)
+    /// over `tiles` tiles. K is split as little as fills [`BF16_SKINNY_FILL`] of one wave of
+    /// the blocks that fit a multiprocessor at once (fewer, longer warps keep their weight
+    /// rings streaming; every block pays a staging of x), and never so far that the partial
+    /// sums' traffic (written and read once, mostly in L2) passes the weight's bytes, that a
+    /// split has fewer than two chunks, or that a block's staged x passes
+    /// [`BF16_SKINNY_MAX_X_BYTES`].
     pub(crate) fn choose(n: usize, k: usize, outs: usize, tiles: usize) -> Bf16SkinnyPlan {
         let nt = n.div_ceil(8).next_power_of_two().clamp(1, 8);
         let token_tiles = n.div_ceil(8 * nt).max(1);
         let nch = (k / 32).max(1);
+        let groups = tiles.div_ceil(BF16_SKINNY_BLOCK_WARPS).max(1);
+        let per_max = (BF16_SKINNY_MAX_X_BYTES / (8 * nt * 64)).max(1);
         let weight_bytes = 2 * k * outs;
-        let by_warps = BF16_SKINNY_WARPS.div_ceil((tiles * token_tiles).max(1));
         let by_traffic = weight_bytes / (2 * 4 * n.max(1) * outs.max(1));
-        let want = by_warps.min(by_traffic).min(nch / 2).max(1);
+        let most = by_traffic.min(nch / 2).max(nch.div_ceil(per_max)).max(1);
+        let fills = |splits: usize| {
+            let per = nch.div_ceil(splits);
+            let smem = BF16_SKINNY_RING_BYTES + per * 8 * nt * 64;
+            let per_sm =
+                (BF16_SKINNY_SM_BYTES / (smem + 1024)).clamp(1, BF16_SKINNY_MAX_BLOCKS_PER_SM);
+            let blocks = nch.div_ceil(per) * groups * token_tiles;
+            blocks as f64 >= BF16_SKINNY_FILL * (BF16_SKINNY_SMS * per_sm) as f64
+        };
+        let least = nch.div_ceil(per_max);
+        let want = (least..=most).find(|&s| fills(s)).unwrap_or(most);
         let per = nch.div_ceil(want);
         Bf16SkinnyPlan {
             nt,
@@ -137,19 +154,20 @@ impl Bf16SkinnyPlan {
         }
     }
 
-    /// Dynamic shared memory of a block: the f32 x it stages a round (`SKB_STAGE_PAIRS`
-    /// token-chunk pairs at most, `SKB_XROW` bytes each, in linear.cu).
+    /// Dynamic shared memory of a block: the weight rings, then the bf16 x of its 8·nt tokens
+    /// over its `per` chunks (64 bytes a token's chunk).
     pub(crate) fn shared_bytes(&self) -> usize {
-        let tok = 8 * self.nt;
-        self.per.min(BF16_SKINNY_STAGE_PAIRS / tok) * tok * BF16_SKINNY_XROW
+        BF16_SKINNY_RING_BYTES + self.per * 8 * self.nt * 64
     }
 
-    /// Scratch for the partial sums (none when K is not split), plus 256 bytes of alignment.
-    pub(crate) fn scratch_bytes(&self, n: usize, outs: usize) -> usize {
+    /// Scratch: x narrowed to bf16 (n·k), then the partial sums when K is split, each at a
+    /// 256-byte boundary (256 spare bytes align the start).
+    pub(crate) fn scratch_bytes(&self, n: usize, k: usize, outs: usize) -> usize {
+        let xb = (n * k * 2).next_multiple_of(256);
         if self.splits <= 1 {
-            0
+            256 + xb
         } else {
-            256 + self.splits * n * outs * 4
+            256 + xb + self.splits * n * outs * 4
         }
     }
 }
