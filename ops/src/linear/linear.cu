@@ -861,11 +861,10 @@ TQ(f32, WT_F32, x1, 1, true)
 // (staged [chunk][token][64 bytes]). A warp owns 32 weight rows (two m16 tiles, the A operand)
 // and streams them through a ring of SKB_STAGES cp.async stages in shared memory (a stage: 32
 // rows × one 32-value chunk), so three chunks of every warp are in flight while one is
-// multiplied. Lane (g, t) reads 16 bytes of rows g and g+8 of each m16 tile and of token
-// 8nt+g, values 8t..8t+7 of the chunk (a warp's read is 512 contiguous bytes: no bank
-// conflicts). The MMA's k slots are a permutation of the chunk's values (slot 2t holds values
-// 8t, 8t+1 and slot 2t+8 values 8t+2, 8t+3; the second MMA the other four), the same for both
-// operands, so the two products add up the chunk's dot products. (The previous form read x as
+// multiplied. Both operands reach the MMA by ldmatrix from 64-byte rows, swizzled so that a
+// phase's eight rows hit distinct banks (and a fragment needs no register moves: loaded as
+// 16-byte words, rows g and g+8 took ~100 moves a chunk at NT = 8 to pair up), k in order as
+// in the tensor-core tiles. (The previous form read x as
 // f32 from shared memory and narrowed it in every warp, and held the weights in a register
 // ring three chunks deep straight from global memory: at 64 rows the attention output took
 // 47.5 µs on an H200 against cuBLAS's 17.4, each block's few chunks a few memory latencies in
@@ -910,7 +909,10 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
     // Lane copies 16-byte piece lane + 32j (j < 4) of each weight stage: row 8j + g of the
     // tile, bytes 16t..16t+15 of the chunk; rows past the matrix are zero-filled.
     const unsigned smem0 = (unsigned)__cvta_generic_to_shared(skb_smem);
-    const unsigned wdst = smem0 + warp * (SKB_STAGES * SKB_WSTAGE) + 16 * lane;
+    // Row r's 16-byte word q sits at word q ^ ((r >> 1) & 3) of its 64 bytes, so the eight
+    // rows an ldmatrix phase reads (two to a 128-byte line) hit distinct banks. Copy j writes
+    // row 8j + g: the same swizzle for every j.
+    const unsigned wdst = smem0 + warp * (SKB_STAGES * SKB_WSTAGE) + 64 * g + 16 * (t ^ ((g >> 1) & 3));
     const unsigned char* wrow = Wm + (live ? r0 + g : 0) * rb + 64ll * c0 + 16 * t;
     unsigned wok = 0;
 #pragma unroll
@@ -928,15 +930,16 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
     for (int s = 0; s < SKB_STAGES - 1; ++s) issue(s, s);
     PDL_WAIT();
 
-    // The block's x: item i copies 16 bytes, piece i % 4 of token (i / 4) % TOK's chunk
+    // The block's x: item i copies 16 bytes, word i % 4 of token (i / 4) % TOK's chunk
     // i / (4·TOK), so four consecutive threads read a token's 64 contiguous bytes; tokens past
-    // n as zeros. One group, waited for with the weights' first stages.
+    // n as zeros. Swizzled as the weights (a chunk's TOK rows start on a 128-byte line). One
+    // group, waited for with the weights' first stages.
     const unsigned xs = smem0 + SKB_WARPS * SKB_STAGES * SKB_WSTAGE;
     for (int i = threadIdx.x; i < nc * TOK * 4; i += 32 * SKB_WARPS) {
         const int q = i & 3, tok = (i >> 2) % TOK, c = i / (4 * TOK);
         const bool ok = tb + tok < n;
         const unsigned char* src = ok ? xb + ((long long)(tb + tok) * K + 32ll * (c0 + c)) * 2 + 16 * q : xb;
-        tq_cp16(xs + (unsigned)(16 * i), src, ok ? 16 : 0);
+        tq_cp16(xs + (unsigned)(16 * (i - q) + 16 * (q ^ ((tok >> 1) & 3))), src, ok ? 16 : 0);
     }
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
     __syncthreads();
@@ -950,32 +953,38 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
     if (!live) return;
 
-    const unsigned char* wsm = skb_smem + warp * (SKB_STAGES * SKB_WSTAGE) + g * 64 + 16 * t;
-    const unsigned char* xsm = skb_smem + SKB_WARPS * SKB_STAGES * SKB_WSTAGE + g * 64 + 16 * t;
+    // ldmatrix rows of this lane: A (weights) row l % 16 of an m16 tile, at word
+    // 2·step + l / 16 of the chunk (x4: rows 0-7 and 8-15 at k 0, then at k 8); B (x) token
+    // l % 8 of an n8 tile at word l / 8 (x4: k 0, 8, 16, 24, i.e. b0 b1 of both k16 steps).
+    // With the swizzle both are one phase a matrix without conflicts.
+    const int ar = lane & 15, bt = lane & 7;
+    const unsigned wsm = smem0 + warp * (SKB_STAGES * SKB_WSTAGE) + 64 * ar;
+    const unsigned aw0 = 16 * ((0 + (lane >> 4)) ^ ((ar >> 1) & 3));
+    const unsigned aw1 = 16 * ((2 + (lane >> 4)) ^ ((ar >> 1) & 3));
+    const unsigned xsm = xs + 64 * bt + 16 * ((lane >> 3) ^ ((bt >> 1) & 3));
     for (int c = 0; c < nc; ++c) {
         // Stage c landed (the SKB_STAGES - 2 groups after it may still be in flight), every
         // lane's copies included; stage c - 1's slot is free for chunk c + SKB_STAGES - 1.
         asm volatile("cp.async.wait_group %0;" ::"n"(SKB_STAGES - 2) : "memory");
         __syncwarp();
         issue(c + SKB_STAGES - 1, (c + SKB_STAGES - 1) % SKB_STAGES);
-        const unsigned char* ws = wsm + (c % SKB_STAGES) * SKB_WSTAGE;
-        unsigned a1[2][4], a2[2][4];
+        const unsigned ws = wsm + (c % SKB_STAGES) * SKB_WSTAGE;
+        unsigned a[2][2][4];  // [m tile][k16 step]
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-            const uint4 lo = *reinterpret_cast<const uint4*>(ws + 16 * mt * 64);
-            const uint4 hi = *reinterpret_cast<const uint4*>(ws + (16 * mt + 8) * 64);
-            a1[mt][0] = lo.x, a1[mt][1] = hi.x, a1[mt][2] = lo.y, a1[mt][3] = hi.y;
-            a2[mt][0] = lo.z, a2[mt][1] = hi.z, a2[mt][2] = lo.w, a2[mt][3] = hi.w;
+            tq_ldsm4(a[mt][0], ws + mt * 16 * 64 + aw0);
+            tq_ldsm4(a[mt][1], ws + mt * 16 * 64 + aw1);
         }
-        const unsigned char* xr = xsm + c * (TOK * 64);
+        const unsigned xr = xsm + c * (TOK * 64);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             if (tb + 8 * nt < n) {  // warp-uniform
-                const uint4 b = *reinterpret_cast<const uint4*>(xr + 8 * nt * 64);
+                unsigned b[4];
+                tq_ldsm4(b, xr + nt * 8 * 64);
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
-                    tq_mma(acc[mt][nt], a1[mt], b.x, b.y);
-                    tq_mma(acc[mt][nt], a2[mt], b.z, b.w);
+                    tq_mma(acc[mt][nt], a[mt][0], b[0], b[1]);
+                    tq_mma(acc[mt][nt], a[mt][1], b[2], b[3]);
                 }
             }
         }
