@@ -147,6 +147,7 @@ pub fn cases() -> Vec<ParityCase> {
         ("attn q_a", DType::BF16, 3584, 768, 7),
         ("attn o", DType::BF16, 4096, 3584, 32),
         ("attn o", DType::BF16, 4096, 3584, 129),
+        ("attn q_b", DType::BF16, 768, 6144, 128),
         ("one split", DType::BF16, 256, 4096, 64),
         ("odd rows", DType::BF16, 96, 1000, 9),
         ("odd rows", DType::BF16, 1184, 40, 17),

@@ -1,7 +1,8 @@
 //! CUDA launches of the linear ops.
 
 use super::plan::{
-    Bf16SkinnyPlan, CUBLAS_WORKSPACE, LinearPath, TqSplit, linear_path, prefill_scratch,
+    BF16_SKINNY_BLOCK_WARPS, Bf16SkinnyPlan, CUBLAS_WORKSPACE, LinearPath, TqSplit, linear_path,
+    prefill_scratch,
 };
 use super::{Linear, LinearPair, NormLinear};
 use crate::check::as_i32;
@@ -441,7 +442,11 @@ unsafe fn launch_bf16_skinny(
             .enqueue()
             .map_err(dev_err)?;
     }
-    let blocks = as_i32(op, "skinny blocks", plan.splits * tiles.div_ceil(4))?;
+    let blocks = as_i32(
+        op,
+        "skinny blocks",
+        plan.splits * tiles.div_ceil(BF16_SKINNY_BLOCK_WARPS),
+    )?;
     let token_tiles = as_i32(op, "token tiles", plan.token_tiles)?;
     if token_tiles > 65535 {
         return Err(OpError::shape(
@@ -464,7 +469,7 @@ unsafe fn launch_bf16_skinny(
         ctx.device
             .launch(&kern)
             .grid((blocks as u32, token_tiles as u32))
-            .block(128)
+            .block((32 * BF16_SKINNY_BLOCK_WARPS) as u32)
             .shared_mem(plan.shared_bytes() as u32)
             .arg(w1)
             .arg(xb)

@@ -856,12 +856,13 @@ TQ(f32, WT_F32, x1, 1, true)
 // bf16, f32 sums). cuBLAS tiles these shapes for prefill: q_a with kv_a (1,344 rows) at 8 rows
 // is a handful of tiles on a 132-multiprocessor chip.
 //
-// x arrives narrowed to bf16 (linear_x_bf16, into the op's scratch), so a block stages the
-// bf16 rows of its 8·NT tokens over its K split with cp.async in one trip, shared by its warps
-// (staged [chunk][token][64 bytes]). A warp owns 32 weight rows (two m16 tiles, the A operand)
-// and streams them through a ring of SKB_STAGES cp.async stages in shared memory (a stage: 32
-// rows × one 32-value chunk), so three chunks of every warp are in flight while one is
-// multiplied. Both operands reach the MMA by ldmatrix from 64-byte rows, swizzled so that a
+// x arrives narrowed to bf16 (linear_x_bf16, into the op's scratch). A warp owns 32 weight
+// rows (two m16 tiles, the A operand); the block streams its K split through a ring of
+// SKB_STAGES cp.async stages in shared memory, a stage one 32-value chunk of every warp's rows
+// and of the block's 8·NT x rows (shared by the warps), so three chunks are in flight while
+// one is multiplied, with one barrier a chunk. (Staging the block's whole x split up front
+// delayed every block's first product by that copy: half the weight's bytes again at 64
+// rows.) Both operands reach the MMA by ldmatrix from 64-byte rows, swizzled so that a
 // phase's eight rows hit distinct banks (and a fragment needs no register moves: loaded as
 // 16-byte words, rows g and g+8 took ~100 moves a chunk at NT = 8 to pair up), k in order as
 // in the tensor-core tiles. (The previous form read x as
@@ -875,7 +876,7 @@ TQ(f32, WT_F32, x1, 1, true)
 // sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so a step
 // repeats bit for bit. With splits == 1 the warp writes y itself.
 // grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, dynamic shared
-// memory SKB_WARPS·SKB_STAGES·SKB_WSTAGE + per·8NT·64 bytes; with O2 > 0 the tiles of W2
+// memory SKB_STAGES·(SKB_WARPS·SKB_WSTAGE + 8NT·64) bytes; with O2 > 0 the tiles of W2
 // (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W, W2 and xb 16-byte
 // aligned.
 #define SKB_WARPS 4
@@ -889,14 +890,16 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
                                                  const unsigned char* __restrict__ W2, float* y2,
                                                  int O2, float* part, int splits, int per) {
     constexpr int TOK = 8 * NT;
-    extern __shared__ __align__(16) unsigned char skb_smem[];  // weight rings, then x
+    // A stage: each warp's 32 weight rows, then the block's TOK x rows, of one chunk.
+    constexpr int STAGE = SKB_WARPS * SKB_WSTAGE + TOK * 64;
+    extern __shared__ __align__(16) unsigned char skb_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles1 = (O + 31) >> 5, tiles = tiles1 + ((O2 + 31) >> 5);
     const int groups = (tiles + SKB_WARPS - 1) / SKB_WARPS;
     const int split = blockIdx.x / groups;
     const int tile = (blockIdx.x - split * groups) * SKB_WARPS + warp;
     if (split >= splits) return;  // block-uniform
-    // A warp past the last tile still stages x and meets the barrier; it multiplies nothing.
+    // A warp past the last tile still copies x and meets the barriers; it multiplies nothing.
     const bool live = tile < tiles;
     const bool second = live && tile >= tiles1;
     const unsigned char* Wm = second ? W2 : W;
@@ -906,43 +909,47 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
     const int tb = blockIdx.y * TOK;
     const long long rb = 2ll * K;
 
-    // Lane copies 16-byte piece lane + 32j (j < 4) of each weight stage: row 8j + g of the
-    // tile, bytes 16t..16t+15 of the chunk; rows past the matrix are zero-filled.
-    const unsigned smem0 = (unsigned)__cvta_generic_to_shared(skb_smem);
     // Row r's 16-byte word q sits at word q ^ ((r >> 1) & 3) of its 64 bytes, so the eight
-    // rows an ldmatrix phase reads (two to a 128-byte line) hit distinct banks. Copy j writes
-    // row 8j + g: the same swizzle for every j.
-    const unsigned wdst = smem0 + warp * (SKB_STAGES * SKB_WSTAGE) + 64 * g + 16 * (t ^ ((g >> 1) & 3));
+    // rows an ldmatrix phase reads (two to a 128-byte line) hit distinct banks. Weight copy j
+    // of a lane writes row 8j + g, word t: the same swizzle for every j.
+    const unsigned smem0 = (unsigned)__cvta_generic_to_shared(skb_smem);
+    const unsigned wdst = smem0 + warp * SKB_WSTAGE + 64 * g + 16 * (t ^ ((g >> 1) & 3));
     const unsigned char* wrow = Wm + (live ? r0 + g : 0) * rb + 64ll * c0 + 16 * t;
     unsigned wok = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) wok |= (live && r0 + g + 8 * j < Om) ? 1u << j : 0u;
-    auto issue = [&](int c, int stage) {
+    auto issue_w = [&](int c, int stage) {
         if (live && c < nc) {
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                tq_cp16(wdst + stage * SKB_WSTAGE + 512 * j,
+                tq_cp16(wdst + stage * STAGE + 512 * j,
                         (wok >> j & 1u) ? wrow + j * 8 * rb + 64ll * c : Wm, (wok >> j & 1u) ? 16 : 0);
         }
-        asm volatile("cp.async.commit_group;" ::: "memory");
     };
+    // x of chunk c: item i (< 4·TOK) copies word i % 4 of token i / 4 (four consecutive
+    // threads read a token's 64 contiguous bytes); tokens past n as zeros.
+    const unsigned xdst = smem0 + SKB_WARPS * SKB_WSTAGE;
+    auto issue_x = [&](int c, int stage) {
+        if (c < nc) {
+            for (int i = threadIdx.x; i < 4 * TOK; i += 32 * SKB_WARPS) {
+                const int q = i & 3, tok = i >> 2;
+                const bool ok = tb + tok < n;
+                const unsigned char* src =
+                    ok ? xb + ((long long)(tb + tok) * K + 32ll * (c0 + c)) * 2 + 16 * q : xb;
+                tq_cp16(xdst + stage * STAGE + 64 * tok + 16 * (q ^ ((tok >> 1) & 3)), src, ok ? 16 : 0);
+            }
+        }
+    };
+    // The weights of the first stages before the wait (they do not depend on the
+    // predecessor), x after it; one group a stage either way.
 #pragma unroll
-    for (int s = 0; s < SKB_STAGES - 1; ++s) issue(s, s);
+    for (int s = 0; s < SKB_STAGES - 1; ++s) issue_w(s, s);
     PDL_WAIT();
-
-    // The block's x: item i copies 16 bytes, word i % 4 of token (i / 4) % TOK's chunk
-    // i / (4·TOK), so four consecutive threads read a token's 64 contiguous bytes; tokens past
-    // n as zeros. Swizzled as the weights (a chunk's TOK rows start on a 128-byte line). One
-    // group, waited for with the weights' first stages.
-    const unsigned xs = smem0 + SKB_WARPS * SKB_STAGES * SKB_WSTAGE;
-    for (int i = threadIdx.x; i < nc * TOK * 4; i += 32 * SKB_WARPS) {
-        const int q = i & 3, tok = (i >> 2) % TOK, c = i / (4 * TOK);
-        const bool ok = tb + tok < n;
-        const unsigned char* src = ok ? xb + ((long long)(tb + tok) * K + 32ll * (c0 + c)) * 2 + 16 * q : xb;
-        tq_cp16(xs + (unsigned)(16 * (i - q) + 16 * (q ^ ((tok >> 1) & 3))), src, ok ? 16 : 0);
+#pragma unroll
+    for (int s = 0; s < SKB_STAGES - 1; ++s) {
+        issue_x(s, s);
+        asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-    __syncthreads();
 
     float acc[2][NT][4];
 #pragma unroll
@@ -951,36 +958,38 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-    if (!live) return;
 
     // ldmatrix rows of this lane: A (weights) row l % 16 of an m16 tile, at word
     // 2·step + l / 16 of the chunk (x4: rows 0-7 and 8-15 at k 0, then at k 8); B (x) token
     // l % 8 of an n8 tile at word l / 8 (x4: k 0, 8, 16, 24, i.e. b0 b1 of both k16 steps).
-    // With the swizzle both are one phase a matrix without conflicts.
     const int ar = lane & 15, bt = lane & 7;
-    const unsigned wsm = smem0 + warp * (SKB_STAGES * SKB_WSTAGE) + 64 * ar;
+    const unsigned wsm = smem0 + warp * SKB_WSTAGE + 64 * ar;
     const unsigned aw0 = 16 * ((0 + (lane >> 4)) ^ ((ar >> 1) & 3));
     const unsigned aw1 = 16 * ((2 + (lane >> 4)) ^ ((ar >> 1) & 3));
-    const unsigned xsm = xs + 64 * bt + 16 * ((lane >> 3) ^ ((bt >> 1) & 3));
+    const unsigned xsm = xdst + 64 * bt + 16 * ((lane >> 3) ^ ((bt >> 1) & 3));
     for (int c = 0; c < nc; ++c) {
-        // Stage c landed (the SKB_STAGES - 2 groups after it may still be in flight), every
-        // lane's copies included; stage c - 1's slot is free for chunk c + SKB_STAGES - 1.
+        // Stage c landed for every thread (the SKB_STAGES - 2 groups after it may still be
+        // in flight), and every warp is done with stage c - 1, whose slot takes chunk
+        // c + SKB_STAGES - 1.
         asm volatile("cp.async.wait_group %0;" ::"n"(SKB_STAGES - 2) : "memory");
-        __syncwarp();
-        issue(c + SKB_STAGES - 1, (c + SKB_STAGES - 1) % SKB_STAGES);
-        const unsigned ws = wsm + (c % SKB_STAGES) * SKB_WSTAGE;
+        __syncthreads();
+        const int nxt = c + SKB_STAGES - 1, slot = nxt % SKB_STAGES;
+        issue_w(nxt, slot);
+        issue_x(nxt, slot);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        if (!live) continue;
+        const unsigned st = (c % SKB_STAGES) * STAGE;
         unsigned a[2][2][4];  // [m tile][k16 step]
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-            tq_ldsm4(a[mt][0], ws + mt * 16 * 64 + aw0);
-            tq_ldsm4(a[mt][1], ws + mt * 16 * 64 + aw1);
+            tq_ldsm4(a[mt][0], wsm + st + mt * 16 * 64 + aw0);
+            tq_ldsm4(a[mt][1], wsm + st + mt * 16 * 64 + aw1);
         }
-        const unsigned xr = xsm + c * (TOK * 64);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             if (tb + 8 * nt < n) {  // warp-uniform
                 unsigned b[4];
-                tq_ldsm4(b, xr + nt * 8 * 64);
+                tq_ldsm4(b, xsm + st + nt * 8 * 64);
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
                     tq_mma(acc[mt][nt], a[mt][0], b[0], b[1]);
@@ -989,6 +998,7 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
             }
         }
     }
+    if (!live) return;
 
     // Accumulator (mt, nt): c0, c1 = row 16mt + g, tokens 8nt + 2t and +1; c2, c3 = row + 8.
     const int ot = O + O2, col0 = second ? O : 0;

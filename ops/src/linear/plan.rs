@@ -103,48 +103,36 @@ pub(crate) struct Bf16SkinnyPlan {
 }
 
 /// Warps a skinny BF16 block has (`SKB_WARPS`), each a 32-row weight tile.
-const BF16_SKINNY_BLOCK_WARPS: usize = 4;
-/// Shared memory of a block's weight rings (`SKB_WARPS · SKB_STAGES · SKB_WSTAGE`): four
-/// stages of 32 rows × 64 bytes a warp.
-const BF16_SKINNY_RING_BYTES: usize = BF16_SKINNY_BLOCK_WARPS * 4 * 2048;
-/// The most bf16 x a block stages (its 8·nt tokens over its `per` chunks, 64 bytes each), so
-/// that two blocks of 64 tokens share a multiprocessor.
-const BF16_SKINNY_MAX_X_BYTES: usize = 64 << 10;
-/// Multiprocessors a plan fills (an H200's 132) and the shared memory each has for blocks.
+pub(crate) const BF16_SKINNY_BLOCK_WARPS: usize = 4;
+/// Stages of a block's cp.async ring (`SKB_STAGES`).
+const BF16_SKINNY_STAGES: usize = 4;
+/// Multiprocessors a plan fills (an H200's 132) and the blocks of each it aims for: two
+/// blocks, 8 warps with three chunks of 32 rows in flight each, keep ~48 KB a multiprocessor
+/// in flight, about what the memory's latency asks at its full rate.
 const BF16_SKINNY_SMS: usize = 132;
-const BF16_SKINNY_SM_BYTES: usize = 227 << 10;
-/// Blocks a multiprocessor runs at most (registers: ~100 a thread at nt = 8).
-const BF16_SKINNY_MAX_BLOCKS_PER_SM: usize = 4;
-/// The share of one wave of resident blocks a plan's K split fills before it stops splitting.
+const BF16_SKINNY_BLOCKS_PER_SM: usize = 2;
+/// The share of that wave a plan's K split fills before it stops splitting.
 const BF16_SKINNY_FILL: f64 = 0.85;
 
 impl Bf16SkinnyPlan {
     /// The plan for `n` rows, `k` inputs (a multiple of 32) and `outs` output columns in all
-    /// over `tiles` tiles. K is split as little as fills [`BF16_SKINNY_FILL`] of one wave of
-    /// the blocks that fit a multiprocessor at once (fewer, longer warps keep their weight
-    /// rings streaming; every block pays a staging of x), and never so far that the partial
-    /// sums' traffic (written and read once, mostly in L2) passes the weight's bytes, that a
-    /// split has fewer than two chunks, or that a block's staged x passes
-    /// [`BF16_SKINNY_MAX_X_BYTES`].
+    /// over `tiles` tiles. K is split as little as fills [`BF16_SKINNY_FILL`] of
+    /// [`BF16_SKINNY_BLOCKS_PER_SM`] blocks a multiprocessor (fewer, longer warps keep their
+    /// rings streaming, and the partial sums cost traffic), and never so far that the partial
+    /// sums' traffic (written and read once, mostly in L2) passes the weight's bytes or that a
+    /// split has fewer than two chunks.
     pub(crate) fn choose(n: usize, k: usize, outs: usize, tiles: usize) -> Bf16SkinnyPlan {
         let nt = n.div_ceil(8).next_power_of_two().clamp(1, 8);
         let token_tiles = n.div_ceil(8 * nt).max(1);
         let nch = (k / 32).max(1);
         let groups = tiles.div_ceil(BF16_SKINNY_BLOCK_WARPS).max(1);
-        let per_max = (BF16_SKINNY_MAX_X_BYTES / (8 * nt * 64)).max(1);
         let weight_bytes = 2 * k * outs;
         let by_traffic = weight_bytes / (2 * 4 * n.max(1) * outs.max(1));
-        let most = by_traffic.min(nch / 2).max(nch.div_ceil(per_max)).max(1);
-        let fills = |splits: usize| {
-            let per = nch.div_ceil(splits);
-            let smem = BF16_SKINNY_RING_BYTES + per * 8 * nt * 64;
-            let per_sm =
-                (BF16_SKINNY_SM_BYTES / (smem + 1024)).clamp(1, BF16_SKINNY_MAX_BLOCKS_PER_SM);
-            let blocks = nch.div_ceil(per) * groups * token_tiles;
-            blocks as f64 >= BF16_SKINNY_FILL * (BF16_SKINNY_SMS * per_sm) as f64
-        };
-        let least = nch.div_ceil(per_max);
-        let want = (least..=most).find(|&s| fills(s)).unwrap_or(most);
+        let most = by_traffic.min(nch / 2).max(1);
+        let wave = BF16_SKINNY_FILL * (BF16_SKINNY_SMS * BF16_SKINNY_BLOCKS_PER_SM) as f64;
+        let want = (1..=most)
+            .find(|&s| (s * groups * token_tiles) as f64 >= wave)
+            .unwrap_or(most);
         let per = nch.div_ceil(want);
         Bf16SkinnyPlan {
             nt,
@@ -154,10 +142,10 @@ impl Bf16SkinnyPlan {
         }
     }
 
-    /// Dynamic shared memory of a block: the weight rings, then the bf16 x of its 8·nt tokens
-    /// over its `per` chunks (64 bytes a token's chunk).
+    /// Dynamic shared memory of a block: its ring, a stage one chunk of every warp's 32 rows
+    /// and of the block's 8·nt x rows (64 bytes each).
     pub(crate) fn shared_bytes(&self) -> usize {
-        BF16_SKINNY_RING_BYTES + self.per * 8 * self.nt * 64
+        BF16_SKINNY_STAGES * (BF16_SKINNY_BLOCK_WARPS * 32 + 8 * self.nt) * 64
     }
 
     /// Scratch: x narrowed to bf16 (n·k), then the partial sums when K is split, each at a
