@@ -501,6 +501,10 @@ pub fn cases() -> Vec<ParityCase> {
         // few-chunk combine.
         let batch: Vec<(i32, i32)> = (0..24).map(|s| (s, 40 + 19 * s)).collect();
         v.push(paged("decode batch of 24", batch, 8, kernel, fc));
+        // 8 sequences over tables of 832 positions: 16 chunks a token, the few-chunk
+        // combine's widest.
+        let batch: Vec<(i32, i32)> = (0..8).map(|s| (s, 500 + 37 * s)).collect();
+        v.push(paged("decode batch of 8", batch, 13, kernel, fc));
     }
     // The f32-class split kernel, the f16 one, and the f16 one over the F16 cache the
     // lowering stores for it.

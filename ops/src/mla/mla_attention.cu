@@ -875,8 +875,10 @@ mla_attn_combine(const float* __restrict__ part_o, const float* __restrict__ par
 // step's): one 128-thread block a (token, head), four columns a thread, the chunks added in
 // chunk order, no shared memory. mla_attn_combine, built for up to 136 chunks (one token over
 // a long context), spends a batched step on its fixed costs: 256 threads and four barriers per
-// 128 columns (H200: 34.5 of the attention's 64.8 µs for 32 tokens of 4 chunks).
-#define ATT_FEW_CHUNKS 8
+// 128 columns (H200: 34.5 of the attention's 64.8 µs for 32 tokens of 4 chunks). Sixteen
+// covers 8 sequences' split (16 chunks each near 768 positions), which took the wide merge
+// while the bound was 8; a thread's 16 loads of 16 bytes stay in flight together.
+#define ATT_FEW_CHUNKS 16
 extern "C" __global__ void __launch_bounds__(128)
 mla_attn_combine_few(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                      const int* __restrict__ positions, float* __restrict__ out, int n_head,

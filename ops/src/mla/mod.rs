@@ -604,7 +604,7 @@ const ATT_TARGET_BLOCKS: usize = 132;
 /// Chunks `mla_attn_combine` merges at most (`ATT_MAX_CHUNKS` there: 17 a warp).
 const ATT_MAX_CHUNKS: usize = 136;
 /// Chunks up to which `mla_attn_combine_few` merges instead (`ATT_FEW_CHUNKS` there).
-const ATT_FEW_CHUNKS: usize = 8;
+const ATT_FEW_CHUNKS: usize = 16;
 
 /// Chunks each token's rows are split into. Fixed by the plan's shapes (tokens, cache rows,
 /// heads), never by the position, so one captured graph serves a whole bucket: the kernel
@@ -923,15 +923,18 @@ mod attention_split_choice {
 
     #[test]
     fn batched_decode_steps_take_the_few_chunk_merge_and_long_contexts_the_wide_one() {
-        // 24 and 32 sequences near 512 positions (the parity case and bench's batches):
-        // a handful of chunks each, merged by mla_attn_combine_few.
-        for (n, rows) in [(24, 512), (32, 1024), (64, 1024), (128, 1024)] {
+        // 8, 24 and 32 sequences near 512 positions (the parity cases and bench's batches):
+        // a handful of chunks each (16 at 8 sequences), merged by mla_attn_combine_few.
+        for (n, rows) in [(8, 832), (8, 1024), (24, 512), (32, 1024), (64, 1024), (128, 1024)] {
             let c = attention_chunks(n, rows, 32);
             assert!(
                 (2..=ATT_FEW_CHUNKS).contains(&c) || c == 1,
                 "{n} tokens: {c}"
             );
         }
+        // 8 sequences take more chunks than the merge's first bound of 8 (they took the wide
+        // merge then).
+        assert!(attention_chunks(8, 832, 32) > 8);
         // One sequence over a long context: a chunk a multiprocessor, the wide merge.
         assert!(attention_chunks(1, 65536, 32) > ATT_FEW_CHUNKS);
         assert!(attention_chunks(1, 65536, 32) <= ATT_MAX_CHUNKS);
