@@ -213,7 +213,11 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     constexpr int ROW_BYTES = CACHE_H ? ATT_WSH * 2 : ATT_WS * 4;
     float* kbuf = reinterpret_cast<float*>(att_smem4);           // [NBUF][T][ATT_WS]
     unsigned short* kbh = reinterpret_cast<unsigned short*>(att_smem4);  // [NBUF][T][ATT_WSH]
-    float4* sp = att_smem4 + NBUF * T * ROW_BYTES / 16;          // [8 warps][MT*4][32 lanes]
+    // The score partials: [2 halves][8 warps][MT*4][32 lanes] float2, half i holding a lane's
+    // accumulators i and 2+i (its head 8nt+2tq+i at rows g and g+8), so the softmax warp of
+    // half i reads 8 bytes a lane (two wavefronts, no bank conflict).
+    float4* sp = att_smem4 + NBUF * T * ROW_BYTES / 16;
+    float2* sp2 = reinterpret_cast<float2*>(sp);
     const float* cache = reinterpret_cast<const float*>(cache_v);
     const unsigned short* cache_h = reinterpret_cast<const unsigned short*>(cache_v);
     float4* pbig = sp + 8 * MT * 4 * 32;                         // [KS][2][32] A fragments
@@ -352,8 +356,11 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
         }
     }
 
-    // Softmax state of warps 0..3: heads 8·warp + 2tq + i.
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    // Softmax state of warp w: head 8·(w&3) + 2tq + (w>>2) (all eight warps run the softmax,
+    // each over one of a lane's two heads: half the sums and exponentials of four warps
+    // doing both, on the path between every tile's products).
+    const int sm_nt = warp & 3, sm_i = warp >> 2;
+    float m_run = NEG_INF, l_run = 0.0f;
     // o[mt][G][j][c]: head 16mt + g + 8(c>>1), column 64·warp + 32G + 8tq + 4(c&1) + j.
     float o[2][2][4][4];
 #pragma unroll
@@ -629,37 +636,34 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt)
-                    sp[(warp * MT * 4 + mt * 4 + nt) * 32 + lane] =
-                        make_float4(sacc[mt][nt][0], sacc[mt][nt][1], sacc[mt][nt][2],
-                                    sacc[mt][nt][3]);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        sp2[((i * 8 + warp) * MT * 4 + mt * 4 + nt) * 32 + lane] =
+                            make_float2(sacc[mt][nt][i], sacc[mt][nt][2 + i]);
         }
         __syncthreads();
         // Every warp is done with tile it-1 (its values above): its buffer takes tile
         // it+NBUF-1.
         if (PIPE) issue(it + NBUF - 1);
 
-        if (warp < 4) {
-            // Lane (g, tq) of warp nt: c0/c1 are row 16mt+g, heads 8nt+2tq+{0,1}; c2/c3 row +8.
-            const int nt = warp;
-            float s[MT][4];
+        {
+            // Lane (g, tq): s[mt][r] is row 16mt+g+8r, head hh = 8nt+2tq+i (nt, i: this
+            // warp's), the 8 warps' partials summed in warp order.
+            const int nt = sm_nt, i = sm_i;
+            float s[MT][2];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                float4 v = sp[(mt * 4 + nt) * 32 + lane];
+                float2 v = sp2[((i * 8) * MT * 4 + mt * 4 + nt) * 32 + lane];
 #pragma unroll
                 for (int k = 1; k < 8; ++k) {
-                    const float4 u = sp[(k * MT * 4 + mt * 4 + nt) * 32 + lane];
+                    const float2 u = sp2[((i * 8 + k) * MT * 4 + mt * 4 + nt) * 32 + lane];
                     v.x += u.x;
                     v.y += u.y;
-                    v.z += u.z;
-                    v.w += u.w;
                 }
                 s[mt][0] = v.x;
                 s[mt][1] = v.y;
-                s[mt][2] = v.z;
-                s[mt][3] = v.w;
             }
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
+            {
                 const int hh = 8 * nt + 2 * tq + i;
                 float sc[MT][2];
                 float tmax = NEG_INF;
@@ -668,14 +672,14 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const int row = 16 * mt + g + 8 * r;
-                        sc[mt][r] = row < jn ? (HALF ? s[mt][i + 2 * r] : kq_scale * s[mt][i + 2 * r]) : NEG_INF;
+                        sc[mt][r] = row < jn ? (HALF ? s[mt][r] : kq_scale * s[mt][r]) : NEG_INF;
                         tmax = fmaxf(tmax, sc[mt][r]);
                     }
 #pragma unroll
                 for (int off = 4; off < 32; off <<= 1)
                     tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
-                const float m_new = fmaxf(m_run[i], tmax);
-                const float corr = expf(m_run[i] - m_new);
+                const float m_new = fmaxf(m_run, tmax);
+                const float corr = expf(m_run - m_new);
                 float psum = 0.0f;
                 // The value product's A fragment: head hh is row (hh&7) + 8((hh>>3)&1) of
                 // m-tile hh>>4; tile row `row` is k index (row&3) + 4((row>>2)&1) of step row>>3.
@@ -699,8 +703,8 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
                             reinterpret_cast<float*>(psmall)[idx] = __uint_as_float(ps);
                         }
                     }
-                l_run[i] = l_run[i] * corr + psum;
-                m_run[i] = m_new;
+                l_run = l_run * corr + psum;
+                m_run = m_new;
                 if (g == 0) corr_s[hh] = corr;
             }
         }
@@ -709,17 +713,14 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,
     }
     if (PIPE) pv(ntiles - 1);
 
-    if (warp < 4) {
+    {
+        float l = l_run;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            float l = l_run[i];
-#pragma unroll
-            for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-            if (g == 0) {
-                const int hh = 8 * warp + 2 * tq + i;
-                m_s[hh] = m_run[i];
-                l_s[hh] = l;
-            }
+        for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+        if (g == 0) {
+            const int hh = 8 * sm_nt + 2 * tq + sm_i;
+            m_s[hh] = m_run;
+            l_s[hh] = l;
         }
     }
     __syncthreads();
