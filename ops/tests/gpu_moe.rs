@@ -889,7 +889,7 @@ fn time_moe(gpu: &GpuCtx, n: usize) {
 #[ignore = "timing table at the real shapes: run on the GPU host with --include-ignored"]
 fn moe_timings_at_the_real_shapes() {
     let Some(gpu) = test_gpu() else { return };
-    for n in [1, 512] {
+    for n in [1, 32, 128, 512] {
         time_moe(&gpu, n);
     }
     // The shared expert's gate, up and SwiGLU for one token: three launches or one.
