@@ -925,7 +925,14 @@ mod attention_split_choice {
     fn batched_decode_steps_take_the_few_chunk_merge_and_long_contexts_the_wide_one() {
         // 8, 24 and 32 sequences near 512 positions (the parity cases and bench's batches):
         // a handful of chunks each (16 at 8 sequences), merged by mla_attn_combine_few.
-        for (n, rows) in [(8, 832), (8, 1024), (24, 512), (32, 1024), (64, 1024), (128, 1024)] {
+        for (n, rows) in [
+            (8, 832),
+            (8, 1024),
+            (24, 512),
+            (32, 1024),
+            (64, 1024),
+            (128, 1024),
+        ] {
             let c = attention_chunks(n, rows, 32);
             assert!(
                 (2..=ATT_FEW_CHUNKS).contains(&c) || c == 1,
