@@ -17,6 +17,34 @@ pub(crate) const LINEAR_CU: &str = concat!(
     include_str!("linear.cu")
 );
 
+/// `linear_x_bf16`: the `total` f32 values at `x` narrowed to bf16 at `dst`.
+///
+/// # Safety
+/// `x` holds `total` f32 values and `dst` has room for `total` bf16 values, both on `ctx`'s
+/// device.
+unsafe fn narrow_to_bf16(
+    ctx: &GpuCtx,
+    op: &'static str,
+    x: u64,
+    dst: u64,
+    total: usize,
+) -> Result<(), OpError> {
+    let narrow = ctx.kernel("linear.cu", LINEAR_CU, "linear_x_bf16")?;
+    // SAFETY: linear_x_bf16(x, dst, total) reads `total` f32 at `x` and writes `total` bf16 at
+    // `dst`, which the caller vouches for.
+    unsafe {
+        ctx.device
+            .launch(&narrow)
+            .grid(as_i32(op, "narrowing blocks", total.div_ceil(2048))? as u32)
+            .block(256)
+            .arg(x)
+            .arg(dst)
+            .arg(total as i64)
+            .enqueue()
+            .map_err(dev_err)
+    }
+}
+
 pub(super) fn kernel_suffix(dtype: DType) -> &'static str {
     match dtype {
         DType::F32 => "f32",
@@ -156,20 +184,8 @@ impl Linear {
                     )));
                 }
                 let total = n * k;
-                let narrow = ctx.kernel("linear.cu", LINEAR_CU, "linear_x_bf16")?;
-                // SAFETY: linear_x_bf16(x, xb, total) reads n·k f32 of x and writes n·k bf16
-                // at `base`, inside the scratch checked above.
-                unsafe {
-                    ctx.device
-                        .launch(&narrow)
-                        .grid(as_i32(op, "narrowing blocks", total.div_ceil(2048))? as u32)
-                        .block(256)
-                        .arg(x.ptr)
-                        .arg(base)
-                        .arg(total as i64)
-                        .enqueue()
-                        .map_err(dev_err)?;
-                }
+                // SAFETY: n·k bf16 at `base` lie inside the scratch checked above.
+                unsafe { narrow_to_bf16(ctx, op, x.ptr, base, total)? };
                 match path {
                     LinearPath::Tiles(fit) => {
                         let grid = (o.div_ceil(128), n.div_ceil(fit.tokens()));
@@ -427,21 +443,8 @@ unsafe fn launch_bf16_skinny(
     } else {
         0
     };
-    let total = n * k;
-    let narrow = ctx.kernel("linear.cu", LINEAR_CU, "linear_x_bf16")?;
-    // SAFETY: linear_x_bf16(x, xb, total) reads n·k f32 of x and writes n·k bf16 at `xb`,
-    // inside the scratch required above.
-    unsafe {
-        ctx.device
-            .launch(&narrow)
-            .grid(as_i32(op, "narrowing blocks", total.div_ceil(2048))? as u32)
-            .block(256)
-            .arg(x)
-            .arg(xb)
-            .arg(total as i64)
-            .enqueue()
-            .map_err(dev_err)?;
-    }
+    // SAFETY: n·k bf16 at `xb` lie inside the scratch required above.
+    unsafe { narrow_to_bf16(ctx, op, x, xb, n * k)? };
     let blocks = as_i32(
         op,
         "skinny blocks",
