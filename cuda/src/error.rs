@@ -35,6 +35,10 @@ pub enum CudaError {
         message: String,
     },
 
+    /// A tensor map asked for a shape the tensor memory accelerator does not take.
+    #[error("tensor map: {detail}")]
+    TensorMap { detail: String },
+
     #[error("CUDA driver call {call} failed: {source}")]
     Driver {
         call: &'static str,

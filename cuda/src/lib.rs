@@ -10,6 +10,7 @@
 //! - [`Launch`]: enqueue a kernel with grid, block, dynamic shared memory and arguments.
 //! - [`Graph`]: capture work enqueued by a closure once, replay it many times.
 //! - [`Timer`]: GPU-side elapsed time between two points of the stream.
+//! - [`TensorMap`]: a TMA descriptor for a row-major f16 tensor, passed to kernels by value.
 //! - [`Blas`]: cuBLAS bf16 GEMM (row-major `C = A·Bᵀ`, f32 accumulation) for prefill.
 //!
 //! Every fallible call returns [`CudaError`]; a missing driver, NVRTC or cuBLAS library is an
@@ -22,6 +23,7 @@ mod graph;
 mod kernels;
 mod launch;
 mod memory;
+mod tma;
 
 pub use blas::{Blas, GemmOutput};
 pub use device::{Device, DeviceInfo};
@@ -33,6 +35,7 @@ pub use kernels::{
 };
 pub use launch::{Dim3, KernelArg, Launch};
 pub use memory::{DeviceArena, DeviceBuffer, DeviceView};
+pub use tma::{TensorMap, tensor_map_f16_2d_swizzle128};
 
 /// The underlying cudarc crate, for anything this layer does not wrap.
 pub use cudarc;
