@@ -2,8 +2,8 @@
 //! F16 latent cache (576 values a row) staged by the tensor memory accelerator in nine boxes of
 //! 64 columns with the 128-byte swizzle, and warpgroup MMAs reading it straight from shared
 //! memory: the scores as the tile (K-major A) times Q, the values as the tile read transposed
-//! (MN-major A) times the weights. Each is held to the CPU; the values probe tries the candidate
-//! descriptor offsets of a transposed swizzled A and names the one that matches.
+//! (MN-major A) times the weights. Each is held to the CPU; the values probe also pins which
+//! descriptor field of a transposed swizzled A carries the stride between its 8-row K groups.
 
 use cuda::{CudaError, compile_offline, tensor_map_f16_2d_swizzle128};
 use half::f16;
@@ -165,32 +165,32 @@ fn wgmma_values_with_the_tile_as_transposed_a_match_the_cpu() {
                 .sum::<f32>()
         })
         .collect();
-    let mut matched = Vec::new();
-    for (lbo, sbo) in [
-        (1024, 16),
-        (16, 1024),
-        (1024, 1024),
-        (8192, 1024),
-        (1024, 8192),
-    ] {
+    let run = |lbo: i32, sbo: i32| {
         launch(&gpu, "probe_wgmma_values", |l| {
             l.arg(p.map)
                 .arg(ROW0 as i32)
                 .arg(&pw)
                 .arg(&o)
-                .arg(lbo as i32)
-                .arg(sbo as i32)
+                .arg(lbo)
+                .arg(sbo)
         })
         .expect("probe_wgmma_values");
         let e = worst(&o.to_vec().expect("download"), &want);
         println!("probe values: LBO {lbo} SBO {sbo}: worst |Δ| {e:.3e}");
-        if e < 1e-3 {
-            matched.push((lbo, sbo));
-        }
-    }
+        e
+    };
+    // The stride between 8-row K groups (1024 bytes) is the stride offset; the leading offset
+    // (between 64-column atoms along M) is unused at M = 64. H100, 2026-12-06: LBO 16 / 1024
+    // / 8192 with SBO 1024 all matched; LBO 1024 with SBO 16 or 8192 gave errors near 9.
+    let e = run(16, 1024);
     assert!(
-        !matched.is_empty(),
-        "no candidate offsets give the transposed product"
+        e < 1e-3,
+        "the transposed product with SBO = 1024 is off by {e}"
     );
-    println!("probe values: matching (LBO, SBO): {matched:?}");
+    let swapped = run(1024, 16);
+    assert!(
+        swapped > 1e-1,
+        "the swapped offsets gave the product too (|Δ| {swapped}): the probe no longer tells \
+         which field is the K-group stride"
+    );
 }
