@@ -68,3 +68,20 @@ pub fn tensor_map_f16_2d_swizzle128(
     })?;
     Ok(TensorMap(map.opaque))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_box_wider_than_the_swizzle_or_a_misaligned_tensor_is_refused_before_the_driver() {
+        let wide = tensor_map_f16_2d_swizzle128(0x1000, 576, 256, 1152, 65, 64).unwrap_err();
+        assert!(wide.to_string().contains("64 rows × 65 f16"), "{wide}");
+        let tall = tensor_map_f16_2d_swizzle128(0x1000, 576, 256, 1152, 64, 257).unwrap_err();
+        assert!(tall.to_string().contains("257 rows"), "{tall}");
+        let base = tensor_map_f16_2d_swizzle128(0x1008, 576, 256, 1152, 64, 64).unwrap_err();
+        assert!(base.to_string().contains("0x1008"), "{base}");
+        let stride = tensor_map_f16_2d_swizzle128(0x1000, 576, 256, 1150, 64, 64).unwrap_err();
+        assert!(stride.to_string().contains("stride 1150"), "{stride}");
+    }
+}
