@@ -137,30 +137,45 @@ __device__ __forceinline__ void pr_stage_b(const unsigned short* __restrict__ b,
     __syncthreads();
 }
 
+// Both products' frame: the tile staged by TMA, B (`b`, [32][k_cols] f16) staged K-major with
+// the 128-byte swizzle after it, `steps` wgmma.m64n32k16 with the descriptors a_at(tile, k) and
+// b_at(B, k), the accumulators to out[64][32].
+template <int TA, class ADesc, class BDesc>
+__device__ __forceinline__ void pr_product(const TmaMap* map, int row0,
+                                           const unsigned short* __restrict__ b, int k_cols,
+                                           int steps, ADesc a_at, BDesc b_at,
+                                           float* __restrict__ out) {
+    extern __shared__ unsigned char pr_dyn[];
+    __shared__ __align__(8) unsigned long long bar;
+    unsigned char* tile = pr_align1024(pr_dyn);
+    unsigned char* bs = tile + 9 * 8192;
+    pr_stage_b(b, k_cols, bs);
+    pr_stage_tile(map, row0, tile, &bar);
+    float d[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) d[i] = 0.0f;
+    pr_wg_fence();
+#pragma unroll 1
+    for (int k = 0; k < steps; ++k) pr_mma_ss<TA>(d, a_at(tile, k), b_at(bs, k), k > 0);
+    pr_wg_commit_wait();
+    pr_store_acc(d, out);
+}
+
 // S^T[64 rows][32 heads] = K·Q^T over the tile's 576 columns: A = the tile (K-major, 128-byte
 // swizzle, SBO 1024), B = Q [32][576] staged the same way; 36 k16 steps, 32 bytes apart inside
 // a box and a box (8 KB of A, 4 KB of B) apart across boxes.
 extern "C" __global__ void __launch_bounds__(128, 1)
 probe_wgmma_scores(const __grid_constant__ TmaMap map, int row0,
                    const unsigned short* __restrict__ q, float* __restrict__ s) {
-    extern __shared__ unsigned char pr_dyn[];
-    __shared__ __align__(8) unsigned long long bar;
-    unsigned char* tile = pr_align1024(pr_dyn);
-    unsigned char* qs = tile + 9 * 8192;
-    pr_stage_b(q, 576, qs);
-    pr_stage_tile(&map, row0, tile, &bar);
-    float d[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) d[i] = 0.0f;
-    pr_wg_fence();
-#pragma unroll 1
-    for (int k = 0; k < 36; ++k) {
-        const int kb = k >> 2, kk = k & 3;
-        pr_mma_ss<0>(d, pr_desc(tile + 8192 * kb + 32 * kk, 16, 1024, 1),
-                     pr_desc(qs + 4096 * kb + 32 * kk, 16, 1024, 1), k > 0);
-    }
-    pr_wg_commit_wait();
-    pr_store_acc(d, s);
+    pr_product<0>(
+        &map, row0, q, 576, 36,
+        [](unsigned char* t, int k) {
+            return pr_desc(t + 8192 * (k >> 2) + 32 * (k & 3), 16, 1024, 1);
+        },
+        [](unsigned char* qs, int k) {
+            return pr_desc(qs + 4096 * (k >> 2) + 32 * (k & 3), 16, 1024, 1);
+        },
+        s);
 }
 
 // O^T[64 columns][32 heads] = V^T·P^T over the tile's first box (columns 0..63, the tile's 64
@@ -170,21 +185,10 @@ probe_wgmma_scores(const __grid_constant__ TmaMap map, int row0,
 extern "C" __global__ void __launch_bounds__(128, 1)
 probe_wgmma_values(const __grid_constant__ TmaMap map, int row0,
                    const unsigned short* __restrict__ p, float* __restrict__ o, int lbo, int sbo) {
-    extern __shared__ unsigned char pr_dyn[];
-    __shared__ __align__(8) unsigned long long bar;
-    unsigned char* tile = pr_align1024(pr_dyn);
-    unsigned char* ps = tile + 9 * 8192;
-    pr_stage_b(p, 64, ps);
-    pr_stage_tile(&map, row0, tile, &bar);
-    float d[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) d[i] = 0.0f;
-    pr_wg_fence();
-#pragma unroll 1
-    for (int k = 0; k < 4; ++k) {
-        pr_mma_ss<1>(d, pr_desc(tile + 2048 * k, (unsigned)lbo, (unsigned)sbo, 1),
-                     pr_desc(ps + 32 * k, 16, 1024, 1), k > 0);
-    }
-    pr_wg_commit_wait();
-    pr_store_acc(d, o);
+    pr_product<1>(
+        &map, row0, p, 64, 4,
+        [=](unsigned char* t, int k) {
+            return pr_desc(t + 2048 * k, (unsigned)lbo, (unsigned)sbo, 1);
+        },
+        [](unsigned char* ps, int k) { return pr_desc(ps + 32 * k, 16, 1024, 1); }, o);
 }
