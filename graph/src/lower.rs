@@ -160,6 +160,11 @@ pub struct LoweringOptions {
     /// decode step reads, twice the positions a pool holds. Every plan of an engine shares the
     /// cache, so this follows the options alone, never a step's shape.
     pub f16_latent_cache: bool,
+    /// Decode steps over an F16 cache take the Hopper warpgroup split kernel (tensor-memory
+    /// copies of whole 64-row pages, warpgroup MMAs) where the attention's shape allows it
+    /// ([`MlaAttention::wg_supports`]); the decode rows beside a chunk on the flash kernel keep
+    /// the other split kernel.
+    pub attention_wg: bool,
     /// The one-token BF16 GEMVs issue their weight loads before waiting for their predecessor.
     pub pdl_weights_first: bool,
 }
@@ -194,6 +199,7 @@ impl Default for LoweringOptions {
             attention_flash_deep_min_rows: 16,
             attention_f16_split: true,
             f16_latent_cache: true,
+            attention_wg: false,
             pdl_weights_first: true,
         }
     }
@@ -215,7 +221,7 @@ impl fmt::Display for LoweringOptions {
              gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes; \
              router tiled>={} router+routes<={} topk inverse>={} \
-             hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={} cache={}; weights first={}",
+             hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
             on(self.pair_linears),
@@ -247,6 +253,7 @@ impl fmt::Display for LoweringOptions {
             } else {
                 "f32"
             },
+            if self.attention_wg { " wg" } else { "" },
             if self.latent_cache_is_f16() {
                 "f16"
             } else {
@@ -597,7 +604,9 @@ fn choose_kernel(
             && lead >= o.attention_flash_deep_min_rows
             && kv >= FLASH_DEEP_KV;
         let flash = (lead >= o.attention_flash_min_rows || deep) && op.flash_supports(width);
-        let split = if o.attention_f16_split {
+        let split = if o.attention_wg && o.latent_cache_is_f16() && op.wg_supports(width) {
+            AttentionPath::SplitKWg
+        } else if o.attention_f16_split {
             AttentionPath::SplitKF16
         } else {
             AttentionPath::SplitK

@@ -633,6 +633,113 @@ fn attention_gives_the_same_bits_on_every_run() {
     }
 }
 
+/// The attention on the warpgroup split kernel (`MlaAttention::cuda_wg`).
+#[derive(Debug)]
+struct Wg(MlaAttention);
+
+impl Op for Wg {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
+        self.0.infer(inputs)
+    }
+    fn cpu(
+        &self,
+        inputs: &[HostTensor<'_>],
+        outputs: &mut [HostTensorMut<'_>],
+    ) -> Result<(), OpError> {
+        self.0.cpu(inputs, outputs)
+    }
+    fn describe(&self) -> String {
+        format!("{} [wg]", self.0.describe())
+    }
+    fn cuda(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        self.0.cuda_wg(ctx, inputs, outputs, scratch)
+    }
+    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
+        self.0.cuda_scratch_bytes(inputs)
+    }
+}
+
+/// `ins` with its cache (input 1, F32) stored as F16, as the lowering stores it for the f16
+/// kernels: NaN rows stay NaN.
+fn with_f16_cache(mut ins: Vec<HostValue>) -> Vec<HostValue> {
+    let meta = TensorMeta::new(ins[1].meta.shape.clone(), DType::F16);
+    let bytes: Vec<u8> = ins[1]
+        .data
+        .bytes()
+        .chunks_exact(4)
+        .flat_map(|c| {
+            half::f16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])).to_le_bytes()
+        })
+        .collect();
+    ins[1] = HostValue::from_bytes(meta, &bytes);
+    ins
+}
+
+/// The warpgroup kernel against the CPU over the same F16 cache, within the f16 kernels'
+/// tolerance, and the same bits on a second run: one token in its first page, at a page's last
+/// and first rows, deep in a long context (many chunks, the wide merge), a few tokens at once
+/// (the few-chunk merge), and a batch of sequences over shuffled blocks of a shared pool, whose
+/// rows no sequence holds are NaN (a page's rows past a position are staged, so they must be
+/// masked, not multiplied by a zero weight).
+#[test]
+fn the_warpgroup_split_kernel_matches_the_cpu_over_an_f16_cache() {
+    let Some(gpu) = test_gpu() else { return };
+    let op = Wg(MlaAttention {
+        kernel: AttentionPath::SplitKWg,
+        ..real_attention()
+    });
+    assert!(op.0.wg_supports(576));
+    let mut cases: Vec<(String, Vec<HostValue>)> = Vec::new();
+    for (bucket, pos) in [
+        (8192usize, vec![0i32]),
+        (8192, vec![63]),
+        (8192, vec![64]),
+        (8192, vec![3000]),
+        (16384, vec![16383]),
+        (4096, vec![4000, 17, 2048, 4095]),
+    ] {
+        let ins = attention_inputs(pos[0] as u64 + 5, 32, 576, bucket, BLOCK, &pos);
+        cases.push((format!("pos={pos:?} bucket={bucket}"), ins));
+    }
+    {
+        let mut r = Rng::new(91);
+        let lens = [700usize, 64, 2500, 1, 130, 1999];
+        let pool = PagedPool::new(&mut r, &lens, BLOCK, 1, true);
+        let seqs: Vec<Vec<f32>> = lens.iter().map(|&l| r.vec(l * 576, -1.0, 1.0)).collect();
+        let mut pos = Vec::new();
+        let mut row_seq = Vec::new();
+        for (s, &l) in lens.iter().enumerate() {
+            for k in 0..3 {
+                pos.push([l - 1, r.below(l), 0][k] as i32);
+                row_seq.push(s as i32);
+            }
+        }
+        let q = r.vec(pos.len() * 32 * 576, -1.0, 1.0);
+        let ins = paged_inputs(&pool, &seqs, &q, 32, 576, &pos, &row_seq);
+        cases.push((
+            format!("{} tokens of 6 sequences, shuffled blocks", pos.len()),
+            ins,
+        ));
+    }
+    for (what, ins) in cases {
+        let ins = with_f16_cache(ins);
+        let r = check(&gpu, &op, &ins, F16_ATT_TOL).unwrap_or_else(|e| panic!("{what}: {e}"));
+        report(&format!("mla_attention wg {what}"), &r);
+        let a = run_gpu(&gpu, &op, &ins).expect("first run");
+        let b = run_gpu(&gpu, &op, &ins).expect("second run");
+        assert!(a[0].1 == b[0].1, "{what}: two runs differ");
+    }
+}
+
 /// The last row of `out` (F32 `[n, 32, 512]`).
 fn last_row(out: &[(TensorMeta, Vec<u8>)]) -> Vec<f32> {
     let b = &out[0].1;
@@ -929,6 +1036,22 @@ fn time_attention(
             Some(k) => op.cuda_with(gpu, &ins, &outs, scratch, k),
         }
     };
+    // The warpgroup kernel over the same caches (its own launch, the same scratch).
+    let launch_wg = |i: usize| {
+        let ins = [
+            view(&qm, &q),
+            view(&cm, &caches[i % layers]),
+            view(&pm, &pb),
+            view(&tm, &tb),
+            view(&rm, &rb),
+        ];
+        let outs = [view(&om, &out)];
+        let scratch = Scratch {
+            ptr: scratch.device_ptr(),
+            bytes: sbytes,
+        };
+        op.cuda_wg(gpu, &ins, &outs, scratch)
+    };
     if timing == Timing::TwoLaunchesForAProfiler {
         for i in 0..2 {
             launch(None, i).expect("attention launch");
@@ -965,6 +1088,18 @@ fn time_attention(
             "{:<64} {:>9.1} TFLOP/s (f32-class math)",
             "",
             flops / us / 1e6
+        );
+    }
+    if cache_f16 && op.wg_supports(w) {
+        let us = time_us(gpu, 4 * layers, &launch_wg);
+        let bytes = (rows * row_bytes + n * 32 * w * 4 + n * 32 * 512 * 4 + 2 * sbytes) as f64;
+        line(
+            &format!(
+                "mla_attention n={n} rows={rows} bucket={bucket} {cache:?} cache wg ({} chunks)",
+                attention_chunks(n, bucket, 32)
+            ),
+            us,
+            bytes,
         );
     }
     let chunks = attention_chunks(n, bucket, 32);

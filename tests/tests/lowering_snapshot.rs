@@ -588,3 +588,59 @@ fn a_mixed_step_s_long_chunk_takes_the_flash_kernel_and_its_decode_rows_the_spli
         "[split-k f16]",
     );
 }
+
+/// The warpgroup split kernel is opt-in and takes the model's attention shape alone (32 heads,
+/// a 512-wide latent, a 64-wide rope key): with it on, that shape's decode steps and short mixed
+/// steps take it, the decode rows beside a chunk on the flash kernel keep the other split
+/// kernel; the tiny preset's shape never takes it, and the options' line names it only when on.
+#[test]
+fn decode_steps_of_the_model_s_attention_shape_take_the_warpgroup_kernel_only_when_asked() {
+    let mut dims = models::synth::Dims::preset(Preset::Tiny);
+    dims.n_head = 32;
+    dims.kv_lora = 512;
+    dims.qk_rope = 64;
+    let real = made(dims, "wg_latent");
+    let wg = LoweringOptions {
+        attention_wg: true,
+        ..LoweringOptions::default()
+    };
+    let labels = |m: &Model, bucket: Bucket, o: &LoweringOptions| -> Vec<String> {
+        let shape = StepShape::single(bucket, LogitRows::Last);
+        build_plan(m, shape, None, HOPPER, o)
+            .unwrap()
+            .to_string()
+            .lines()
+            .filter(|l| l.contains(": mla_attention "))
+            .map(|l| l.to_string())
+            .collect()
+    };
+    let all = |lines: Vec<String>, label: &str| {
+        assert!(!lines.is_empty());
+        for l in &lines {
+            assert!(l.ends_with(label), "{l}");
+        }
+    };
+    let decode = Bucket::Decode { batch: 8, kv: 4096 };
+    all(labels(&real, decode, &wg), "[split-k f16 wg]");
+    all(
+        labels(&real, decode, &LoweringOptions::default()),
+        "[split-k f16]",
+    );
+    let mixed = |chunk| Bucket::Mixed {
+        chunk,
+        batch: 4,
+        kv: 512,
+    };
+    all(labels(&real, mixed(8), &wg), "[split-k f16 wg]");
+    all(
+        labels(&real, mixed(300), &wg),
+        "[flash f16 rows 0..300, then split-k f16]",
+    );
+    all(labels(&tiny(), decode, &wg), "[split-k f16]");
+    assert!(wg.to_string().contains("products=f16 wg cache=f16"), "{wg}");
+    assert!(
+        !LoweringOptions::default().to_string().contains(" wg"),
+        "{}",
+        LoweringOptions::default()
+    );
+}

@@ -738,6 +738,7 @@ impl MlaAttention {
         let flash = match self.kernel {
             AttentionPath::Unlowered => return Err(unlowered(self.name())),
             AttentionPath::SplitK | AttentionPath::SplitKF16 => false,
+            AttentionPath::SplitKWg => return self.cuda_wg(ctx, inputs, outputs, scratch),
             AttentionPath::FlashThenSplit { .. } => unreachable!("handled above"),
             AttentionPath::Flash if !self.flash_supports(w) => {
                 return Err(self.flash_refuses(w));
@@ -1015,41 +1016,179 @@ impl MlaAttention {
         if chunks == 1 {
             return Ok(());
         }
-        let few = chunks <= ATT_FEW_CHUNKS;
-        let combine = ctx.kernel(
-            "mla.cu",
-            MLA_CU,
-            if few {
-                "mla_attn_combine_few"
-            } else {
-                "mla_attn_combine"
-            },
-        )?;
-        let (grid, block) = if few {
-            ((nh as u32, n as u32, 1), 128)
-        } else {
-            ((blocks_for(lora, 128), nh as u32, n as u32), 256)
-        };
-        // SAFETY: argument list matches mla_attn_combine and mla_attn_combine_few; each reads
-        // the partials the split kernel wrote for the chunks the position makes valid (same
-        // tile, same division) and writes the token's heads.
+        launch_combine(
+            ctx, part_o, part_ml, pos.ptr, out.ptr, n, nh, lora, rows, chunks, tile,
+        )
+    }
+
+    /// Whether [`AttentionPath::SplitKWg`]'s kernel takes this attention over cache rows of
+    /// width `w`: the model's shape only (32 heads, a 512-wide latent and a 64-wide rope, blocks
+    /// of at least 64 positions, each 64-row page one run of pool rows).
+    pub fn wg_supports(&self, w: usize) -> bool {
+        w == ATT_MAX_W
+            && self.kv_lora == ATT_MAX_LORA
+            && self.n_head == 32
+            && self.block_size >= 64
+            && self.block_size.is_power_of_two()
+    }
+
+    /// [`AttentionPath::SplitKWg`]: the warpgroup split kernel (`mla_attn_split_wg`, sm_90a)
+    /// over an F16 cache, the chunks of [`attention_chunks`] in whole 64-row pages, then the
+    /// merge the other split kernels use.
+    #[doc(hidden)]
+    pub fn cuda_wg(
+        &self,
+        ctx: &GpuCtx,
+        inputs: &[DeviceTensor<'_>],
+        outputs: &[DeviceTensor<'_>],
+        scratch: Scratch,
+    ) -> Result<(), OpError> {
+        check_device(self, inputs, outputs)?;
+        let op = self.name();
+        let (q, cache, pos, out) = (&inputs[0], &inputs[1], &inputs[2], &outputs[0]);
+        let n = pos.meta.shape[0];
+        let pages = self.pages(inputs);
+        let bshift = pages.block_shift(op)?;
+        let (rows, w) = (pages.table_width * self.block_size, cache.meta.shape[1]);
+        let (nh, lora) = (self.n_head, self.kv_lora);
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.wg_supports(w) || cache.meta.dtype != DType::F16 {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the warpgroup kernel takes an F16 cache of rows of {ATT_MAX_W}, 32 heads, \
+                     kv_lora {ATT_MAX_LORA} and blocks of 64 positions or more; found a {:?} \
+                     cache of rows of {w}, {nh} heads, kv_lora {lora}, blocks of {}",
+                    cache.meta.dtype, self.block_size
+                ),
+            ));
+        }
+        for (what, t) in [("Q", q), ("cache", cache), ("o_lat", out)] {
+            aligned16(op, what, t)?;
+        }
+        if n > 65535 {
+            return Err(OpError::shape(op, format!("{n} tokens exceed the grid")));
+        }
+        let chunks = attention_chunks(n, rows, nh);
+        if chunks > ATT_MAX_CHUNKS {
+            return Err(OpError::shape(
+                op,
+                format!("{chunks} chunks exceed the merge kernel's {ATT_MAX_CHUNKS}"),
+            ));
+        }
+        let need = attention_scratch(n, rows, nh, lora);
+        if scratch.bytes < need || (need > 0 && !scratch.ptr.is_multiple_of(16)) {
+            return Err(OpError::Type(format!(
+                "{op}: scratch of {} bytes at {:#x}, {need} 16-byte aligned bytes needed",
+                scratch.bytes, scratch.ptr
+            )));
+        }
+        let pool_rows = cache.meta.shape[0] as u64;
+        let map = ::cuda::tensor_map_f16_2d_swizzle128(
+            cache.ptr,
+            w as u64,
+            pool_rows,
+            (w * 2) as u64,
+            64,
+            64,
+        )
+        .map_err(|e| OpError::Device(format!("{op}: the cache's tensor map: {e}")))?;
+        let part_o = scratch.ptr;
+        let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
+        let split = ctx.kernel("mla.cu", MLA_CU, "mla_attn_split_wg")?;
+        let i = |what, v| dim_i32(op, what, v);
+        // SAFETY: argument list matches mla_attn_split_wg; the pages it stages are those of
+        // the token's positions (whole blocks of the pool, inside the tensor map); partials
+        // are written only when chunks > 1, into the scratch checked above.
         unsafe {
             ctx.device
-                .launch(&combine)
-                .grid(grid)
-                .block(block)
+                .launch(&split)
+                .grid((chunks as u32, n as u32, 1))
+                .block(160)
+                .shared_mem(ATT_WG_SMEM as u32)
+                .arg(map)
+                .arg(q.ptr)
+                .arg(pos.ptr)
+                .arg(pages.block_table)
+                .arg(pages.row_seq)
+                .arg(i("table width", pages.table_width)?)
+                .arg(bshift)
+                .arg(out.ptr)
                 .arg(part_o)
                 .arg(part_ml)
-                .arg(pos.ptr)
-                .arg(out.ptr)
-                .arg(nh as i32)
-                .arg(lora as i32)
-                .arg(rows as i32)
+                .arg(i("cache rows", rows)?)
                 .arg(chunks as i32)
-                .arg(tile as i32)
+                .arg(self.kq_scale)
                 .enqueue()
-                .map_err(dev_err)
+                .map_err(dev_err)?;
         }
+        if chunks == 1 {
+            return Ok(());
+        }
+        launch_combine(
+            ctx, part_o, part_ml, pos.ptr, out.ptr, n, nh, lora, rows, chunks, 64,
+        )
+    }
+}
+
+/// Dynamic shared memory of `mla_attn_split_wg`: two 64-row pages of 576 f16 (nine 8 KB
+/// boxes each), Q as f16 (32 × 576), the weights P^T (32 × 64 f16), and 1024 bytes to align
+/// the swizzled layouts.
+const ATT_WG_SMEM: usize = 2 * 9 * 8192 + 9 * 4096 + 4096 + 1024;
+
+/// Merges the chunk partials of a split kernel into `out` (`mla_attn_combine_few` up to
+/// [`ATT_FEW_CHUNKS`] chunks, else `mla_attn_combine`); `tile` is the split kernel's, which
+/// fixes how rows were divided among the chunks.
+#[allow(clippy::too_many_arguments)]
+fn launch_combine(
+    ctx: &GpuCtx,
+    part_o: u64,
+    part_ml: u64,
+    pos: u64,
+    out: u64,
+    n: usize,
+    nh: usize,
+    lora: usize,
+    rows: usize,
+    chunks: usize,
+    tile: usize,
+) -> Result<(), OpError> {
+    let few = chunks <= ATT_FEW_CHUNKS;
+    let combine = ctx.kernel(
+        "mla.cu",
+        MLA_CU,
+        if few {
+            "mla_attn_combine_few"
+        } else {
+            "mla_attn_combine"
+        },
+    )?;
+    let (grid, block) = if few {
+        ((nh as u32, n as u32, 1), 128)
+    } else {
+        ((blocks_for(lora, 128), nh as u32, n as u32), 256)
+    };
+    // SAFETY: argument list matches mla_attn_combine and mla_attn_combine_few; each reads
+    // the partials the split kernel wrote for the chunks the position makes valid (same
+    // tile, same division) and writes the token's heads.
+    unsafe {
+        ctx.device
+            .launch(&combine)
+            .grid(grid)
+            .block(block)
+            .arg(part_o)
+            .arg(part_ml)
+            .arg(pos)
+            .arg(out)
+            .arg(nh as i32)
+            .arg(lora as i32)
+            .arg(rows as i32)
+            .arg(chunks as i32)
+            .arg(tile as i32)
+            .enqueue()
+            .map_err(dev_err)
     }
 }
 

@@ -930,3 +930,309 @@ mla_attn_combine_few(const float* __restrict__ part_o, const float* __restrict__
             make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     }
 }
+
+// ---- The warpgroup split kernel (sm_90a): the F16 cache, the model's shape ----------------
+//
+// Block (chunk, token), 160 threads: warps 0..3 are one consumer warpgroup, warp 4 copies.
+// Chunks are whole 64-row pages (the engine's cache blocks), each one run of pool rows that
+// the tensor memory accelerator stages as nine boxes of 64 columns × 64 rows with the
+// 128-byte swizzle (row r of a box at 128·r, its 16-byte chunk c at c ^ (r % 8)). The copy
+// warp fills two page buffers one page ahead (a full and an empty mbarrier each), so the
+// consumers never issue a copy or work out an address of the cache.
+//
+// Per page the consumers run two warpgroup MMAs straight from shared memory, f16 operands
+// and f32 accumulators (the `_hc` kernel's numerics):
+//   S^T[64 rows][32 heads] = K·(Q·kq_scale)^T: 36 wgmma.m64n32k16, A the page (K-major),
+//     B Q staged once as f16 the same way;
+//   O^T[512 columns][32 heads] += V^T·P^T: 8 column tiles × 4 k16 steps, A a box read
+//     transposed (its rows are the K index: the 8-row groups 1024 bytes apart), B the weights
+//     P^T[32 heads][64 rows] as f16 (K-major, swizzled).
+// A lane's accumulators of both products hold the same heads (8j + 2t and +1, j = 0..3), so
+// the online softmax's rescale of O is in registers and only the tile max crosses the four
+// warps (one named barrier); the row sums stay per lane until the end.
+//
+// Rows past the chunk's end inside its last page are zeroed in shared memory after they land
+// (their pool rows hold whatever the pool held: a weight of 0 times NaN bits is NaN).
+
+#define ATT_WG_THREADS 160
+#define ATT_WG_TILE_BYTES (9 * 8192)
+#define ATT_WG_Q_BYTES (9 * 4096)
+#define ATT_WG_P_BYTES 4096
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ATT_WG 1
+#else
+#define ATT_WG 0
+#endif
+
+// An encoded CUtensorMap, passed by value.
+struct __align__(64) AttTensorMap {
+    unsigned long long v[16];
+};
+
+__device__ __forceinline__ void att_wg_mbar_init(unsigned long long* bar, unsigned count) {
+#if ATT_WG
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(att_smem_addr(bar)), "r"(count)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void att_wg_mbar_arrive(unsigned long long* bar) {
+#if ATT_WG
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(att_smem_addr(bar)) : "memory");
+#endif
+}
+// Box (first column c0, first row c1) of `map` into shared `dst`, counted on `bar`.
+__device__ __forceinline__ void att_wg_tma(void* dst, const AttTensorMap* map, int c0, int c1,
+                                           unsigned long long* bar) {
+#if ATT_WG
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+        "{%2, %3}], [%4];" ::"r"(att_smem_addr(dst)),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(att_smem_addr(bar))
+        : "memory");
+#endif
+}
+// A shared-memory matrix descriptor with the 128-byte swizzle: 8-row groups 1024 bytes apart
+// (SBO); LBO is not read by these layouts.
+__device__ __forceinline__ unsigned long long att_wg_desc(unsigned addr) {
+    return (unsigned long long)((addr >> 4) & 0x3fffu) | (1ull << 16) | (64ull << 32) |
+           (1ull << 62);
+}
+__device__ __forceinline__ void att_wg_fence() {
+#if ATT_WG
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void att_wg_commit_wait() {
+#if ATT_WG
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+// The four consumer warps' barrier (warp 4 never joins it).
+__device__ __forceinline__ void att_wg_bar() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+// Generic-proxy writes to shared memory before asynchronous-proxy reads (wgmma) of them.
+__device__ __forceinline__ void att_wg_proxy_fence() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// d (+)= A·B, m64n32k16, f16 operands from shared memory, f32 accumulators; TA: A transposed.
+template <int TA>
+__device__ __forceinline__ void att_wg_mma(float (&d)[16], unsigned long long da,
+                                           unsigned long long db, int accumulate) {
+#if ATT_WG
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, "
+        "%19, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TA));
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WG_THREADS, 1)
+mla_attn_split_wg(const __grid_constant__ AttTensorMap map, const float* __restrict__ q,
+                  const int* __restrict__ positions, const int* __restrict__ block_table,
+                  const int* __restrict__ row_seq, int table_width, int bshift,
+                  float* __restrict__ out, float* __restrict__ part_o,
+                  float* __restrict__ part_ml, int ctx, int n_chunks, float kq_scale) {
+    PDL_ENTER();
+#if ATT_WG
+    constexpr int NH = 32, LORA = ATT_LORA, W = ATT_W;
+    extern __shared__ unsigned char att_wg_dyn[];
+    __shared__ __align__(8) unsigned long long full[2], empty[2];
+    __shared__ float red_max[2][4][NH];
+    __shared__ float red_sum[4][NH];
+    // The swizzled layouts repeat every 1024 bytes: the launch adds 1024 to align them.
+    unsigned char* base =
+        att_wg_dyn + ((1024u - (att_smem_addr(att_wg_dyn) & 1023u)) & 1023u);
+    unsigned char* pages = base;                          // [2][9 boxes][64 rows][128 B]
+    unsigned char* qs = base + 2 * ATT_WG_TILE_BYTES;     // [9 k-blocks][32 heads][128 B]
+    unsigned char* ps = qs + ATT_WG_Q_BYTES;              // [32 heads][64 rows as 128 B]
+
+    const int chunk = blockIdx.x, t = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const int pos = positions[t];
+    const int nrows = pos < 0 ? 0 : min(pos, ctx - 1) + 1;
+    const int per = att_rows_per_chunk(nrows, n_chunks, 64);
+    const int r0 = chunk * per, r1 = min(r0 + per, nrows);
+    if (r0 >= r1) {
+        // Only a position outside the cache leaves the single chunk empty: write zeros.
+        if (n_chunks == 1)
+            for (int idx = tid; idx < NH * LORA; idx += ATT_WG_THREADS)
+                out[(long long)t * NH * LORA + idx] = 0.0f;
+        return;
+    }
+    const int ntiles = (r1 - r0 + 63) >> 6;
+    const int* tbl = block_table + (long long)row_seq[t] * table_width;
+    if (tid == 0) {
+        att_wg_mbar_init(&full[0], 1);
+        att_wg_mbar_init(&full[1], 1);
+        att_wg_mbar_init(&empty[0], 4);
+        att_wg_mbar_init(&empty[1], 4);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 4) {
+        // The copy warp: page `it` into buffer it % 2 once the consumers have released it.
+        if (lane == 0)
+            for (int it = 0; it < ntiles; ++it) {
+                const int b = it & 1;
+                if (it >= 2) att_mbar_wait(&empty[b], ((it >> 1) - 1) & 1);
+                att_mbar_expect(&full[b], ATT_WG_TILE_BYTES);
+                const int prow = (int)att_pool_row(tbl, r0 + 64 * it, bshift);
+#pragma unroll
+                for (int x = 0; x < 9; ++x)
+                    att_wg_tma(pages + b * ATT_WG_TILE_BYTES + 8192 * x, &map, 64 * x, prow,
+                               &full[b]);
+            }
+        return;
+    }
+
+    // Q·kq_scale as f16, K-major with the 128-byte swizzle (head n at 128·n of each 4 KB
+    // k-block): the score product's B operand for every page.
+    for (int i = tid; i < NH * (W / 8); i += 128) {
+        const int n = i / (W / 8), c = i - n * (W / 8);
+        const float* src = q + ((long long)t * NH + n) * W + 8 * c;
+        const float4 a = *reinterpret_cast<const float4*>(src);
+        const float4 b = *reinterpret_cast<const float4*>(src + 4);
+        *reinterpret_cast<uint4*>(qs + 4096 * (c >> 3) + 128 * n + 16 * ((c & 7) ^ (n & 7))) =
+            make_uint4(att_pack_f16(a.x * kq_scale, a.y * kq_scale),
+                       att_pack_f16(a.z * kq_scale, a.w * kq_scale),
+                       att_pack_f16(b.x * kq_scale, b.y * kq_scale),
+                       att_pack_f16(b.z * kq_scale, b.w * kq_scale));
+    }
+    att_wg_proxy_fence();
+    att_wg_bar();
+
+    // Head e of this lane: 8(e >> 1) + 2tq + (e & 1); its scores are s[4j + c] (row
+    // 16·warp + g) and s[4j + 2 + c] (row + 8), j = e >> 1, c = e & 1; o[i] likewise with
+    // columns 64i + 16·warp + g and + 8 for rows.
+    float o[8][16];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) o[i][k] = 0.0f;
+    float m_run[8], l_part[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        m_run[e] = NEG_INF;
+        l_part[e] = 0.0f;
+    }
+    const unsigned qs_a = att_smem_addr(qs), ps_a = att_smem_addr(ps);
+    const int ra = 16 * warp + g, rb = ra + 8;
+
+#pragma unroll 1
+    for (int it = 0; it < ntiles; ++it) {
+        const int b = it & 1;
+        unsigned char* tile = pages + b * ATT_WG_TILE_BYTES;
+        const unsigned tile_a = att_smem_addr(tile);
+        att_mbar_wait(&full[b], (it >> 1) & 1);
+        const int valid = min(64, r1 - (r0 + 64 * it));
+        if (valid < 64) {
+            for (int i = tid; i < (64 - valid) * 72; i += 128) {
+                const int row = valid + i / 72, rem = i - (i / 72) * 72;
+                *reinterpret_cast<uint4*>(tile + 8192 * (rem >> 3) + 128 * row + 16 * (rem & 7)) =
+                    make_uint4(0, 0, 0, 0);
+            }
+            att_wg_proxy_fence();
+            att_wg_bar();
+        }
+
+        float s[16];
+        att_wg_fence();
+#pragma unroll
+        for (int k = 0; k < 36; ++k) {
+            const unsigned off_a = 8192 * (k >> 2) + 32 * (k & 3);
+            const unsigned off_b = 4096 * (k >> 2) + 32 * (k & 3);
+            att_wg_mma<0>(s, att_wg_desc(tile_a + off_a), att_wg_desc(qs_a + off_b), k > 0);
+        }
+        att_wg_commit_wait();
+
+        const bool va = ra < valid, vb = rb < valid;
+        float mx[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int j = e >> 1, c = e & 1;
+            mx[e] = fmaxf(va ? s[4 * j + c] : NEG_INF, vb ? s[4 * j + 2 + c] : NEG_INF);
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1)
+                mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], off));
+        }
+        float(*rm)[NH] = red_max[b];
+        if (g == 0)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) rm[warp][8 * (e >> 1) + 2 * tq + (e & 1)] = mx[e];
+        att_wg_bar();
+        float corr[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int j = e >> 1, c = e & 1, h = 8 * j + 2 * tq + c;
+            const float tmax = fmaxf(fmaxf(rm[0][h], rm[1][h]), fmaxf(rm[2][h], rm[3][h]));
+            const float m_new = fmaxf(m_run[e], tmax);
+            corr[e] = expf(m_run[e] - m_new);
+            m_run[e] = m_new;
+            const float pa = va ? expf(s[4 * j + c] - m_new) : 0.0f;
+            const float pb = vb ? expf(s[4 * j + 2 + c] - m_new) : 0.0f;
+            l_part[e] = l_part[e] * corr[e] + pa + pb;
+            // P^T[h][row]: row k of head h at 128h + 16((k >> 3) ^ (h % 8)) + 2(k % 8).
+            unsigned short* prow = reinterpret_cast<unsigned short*>(ps + 128 * h);
+            prow[8 * ((ra >> 3) ^ (h & 7)) + (ra & 7)] = __half_as_ushort(__float2half_rn(pa));
+            prow[8 * ((rb >> 3) ^ (h & 7)) + (rb & 7)] = __half_as_ushort(__float2half_rn(pb));
+        }
+        att_wg_proxy_fence();
+        att_wg_bar();
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                o[i][4 * (e >> 1) + (e & 1)] *= corr[e];
+                o[i][4 * (e >> 1) + 2 + (e & 1)] *= corr[e];
+            }
+        att_wg_fence();
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                att_wg_mma<1>(o[i], att_wg_desc(tile_a + 8192 * i + 2048 * k),
+                              att_wg_desc(ps_a + 32 * k), 1);
+        att_wg_commit_wait();
+        // This warp is done with the page (and with P^T, which the next page's weights
+        // overwrite only after the next tile-max barrier).
+        __syncwarp();
+        if (lane == 0) att_wg_mbar_arrive(&empty[b]);
+    }
+
+    // The row sums: lanes of a head (g), then the four warps in order.
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        float l = l_part[e];
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+        if (g == 0) red_sum[warp][8 * (e >> 1) + 2 * tq + (e & 1)] = l;
+    }
+    att_wg_bar();
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int h = 8 * (e >> 1) + 2 * tq + (e & 1);
+        const float l = ((red_sum[0][h] + red_sum[1][h]) + red_sum[2][h]) + red_sum[3][h];
+        const long long slot = ((long long)t * n_chunks + chunk) * NH + h;
+        float* dst = n_chunks == 1 ? out + ((long long)t * NH + h) * LORA : part_o + slot * LORA;
+        const float f = n_chunks == 1 ? 1.0f / l : 1.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int col = 64 * i + 16 * warp + g;
+            dst[col] = o[i][4 * (e >> 1) + (e & 1)] * f;
+            dst[col + 8] = o[i][4 * (e >> 1) + 2 + (e & 1)] * f;
+        }
+        if (n_chunks > 1 && warp == 0 && g == 0) {
+            part_ml[2 * slot] = m_run[e];
+            part_ml[2 * slot + 1] = l;
+        }
+    }
+#endif
+}

@@ -442,6 +442,10 @@ pub enum AttentionPath {
     /// alone runs a chunk a token at a time: on the H200 a 4,096-token chunk of a 16k prompt
     /// joining 64 decoding sequences made steps of 1.2–2.5 s.
     FlashThenSplit { lead: usize, f16: bool },
+    /// [`AttentionPath::SplitKF16`]'s numerics on the Hopper warpgroup kernel: 64-row pages
+    /// staged by the tensor memory accelerator, both products on warpgroup MMAs from shared
+    /// memory (an F16 cache and the model's shape only, see [`MlaAttention::wg_supports`]).
+    SplitKWg,
 }
 
 impl AttentionPath {
@@ -450,6 +454,7 @@ impl AttentionPath {
             AttentionPath::Unlowered => String::new(),
             AttentionPath::SplitK => " [split-k]".to_string(),
             AttentionPath::SplitKF16 => " [split-k f16]".to_string(),
+            AttentionPath::SplitKWg => " [split-k f16 wg]".to_string(),
             AttentionPath::Flash => " [flash f16]".to_string(),
             AttentionPath::FlashThenSplit { lead, f16 } => format!(
                 " [flash f16 rows 0..{lead}, then split-k{}]",
