@@ -161,7 +161,10 @@ pub struct LoweringOptions {
     /// cache, so this follows the options alone, never a step's shape.
     pub f16_latent_cache: bool,
     /// Decode steps over an F16 cache take the Hopper warpgroup split kernel (tensor-memory
-    /// copies of whole 64-row pages, warpgroup MMAs) where the attention's shape allows it
+    /// copies of whole 64-row pages, warpgroup MMAs) on compute capability 9.0 where the
+    /// attention's shape allows it. H100, full checkpoint (bench/RESULTS.md 2026-12-06 (d)):
+    /// tg128 @ d131072 136.0 → 148.6 tok/s, @ d65536 164.7 → 176.0; batches of 8 to 128
+    /// +0.7 to +1.5%
     /// ([`MlaAttention::wg_supports`]); the decode rows beside a chunk on the flash kernel keep
     /// the other split kernel.
     pub attention_wg: bool,
@@ -199,7 +202,7 @@ impl Default for LoweringOptions {
             attention_flash_deep_min_rows: 16,
             attention_f16_split: true,
             f16_latent_cache: true,
-            attention_wg: false,
+            attention_wg: true,
             pdl_weights_first: true,
         }
     }
@@ -604,7 +607,14 @@ fn choose_kernel(
             && lead >= o.attention_flash_deep_min_rows
             && kv >= FLASH_DEEP_KV;
         let flash = (lead >= o.attention_flash_min_rows || deep) && op.flash_supports(width);
-        let split = if o.attention_wg && o.latent_cache_is_f16() && op.wg_supports(width) {
+        let hopper = matches!(
+            target,
+            Target::Cuda {
+                compute_capability: (9, 0)
+            }
+        );
+        let split = if o.attention_wg && hopper && o.latent_cache_is_f16() && op.wg_supports(width)
+        {
             AttentionPath::SplitKWg
         } else if o.attention_f16_split {
             AttentionPath::SplitKF16

@@ -363,3 +363,108 @@ fn a_max_model_len_beyond_the_card_is_refused_at_load_with_the_numbers() {
         "{msg}"
     );
 }
+
+/// A tiny checkpoint with the model's attention shape (32 heads, a 512-wide latent, a 64-wide
+/// rope key): the one the warpgroup split kernel takes.
+fn real_attention_tiny() -> Arc<Model> {
+    let mut dims = models::synth::Dims::preset(Preset::Tiny);
+    dims.n_head = 32;
+    dims.kv_lora = 512;
+    dims.qk_rope = 64;
+    support::synthetic_dims(dims, "tiny_real_attention", 7, "gpu_model")
+}
+
+/// Over the model's attention shape, decode and short prefill chunks take the warpgroup split
+/// kernel (the lowering's default there): teacher-forced on the CPU's greedy ids, the GPU picks
+/// the CPU's token wherever the CPU's top-2 gap exceeds twice the largest logit difference,
+/// and its logits stay as close to the CPU's as those of the other split kernel do (within
+/// twice its worst difference, plus the f16 operands' slack).
+#[test]
+fn the_warpgroup_attention_follows_the_cpu_like_the_other_split_kernel() {
+    if !gpu_present() {
+        return;
+    }
+    let n = 32;
+    let with = |device, lowering: graph::LoweringOptions| {
+        let config = EngineConfig {
+            max_model_len: 256,
+            prefill_chunk: 16,
+            device,
+            cuda_graphs: true,
+            lowering,
+            ..EngineConfig::default()
+        };
+        Engine::new(real_attention_tiny(), config).unwrap_or_else(|e| panic!("{device}: {e}"))
+    };
+    let wg = graph::LoweringOptions::default();
+    assert!(wg.attention_wg, "the warpgroup kernel is the default");
+    let other = graph::LoweringOptions {
+        attention_wg: false,
+        ..wg.clone()
+    };
+    let mut cpu = with(Device::Cpu, wg.clone());
+    let req = GenerateRequest {
+        prompt: prompt(),
+        max_tokens: n,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: vec![],
+        stop_strings: vec![],
+        want_logits: true,
+    };
+    let mut cpu_rows = Vec::new();
+    let g = cpu
+        .generate(&req, None, |ev| {
+            cpu_rows.push(ev.logits.to_vec());
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    let cpu_ids = g.tokens;
+    assert_eq!(cpu_rows.len(), n);
+    let forced = |lowering: graph::LoweringOptions| -> Vec<Vec<f32>> {
+        let mut e = with(Device::Cuda(0), lowering);
+        let mut rows = vec![e.forward(&prompt(), LogitRows::Last).unwrap()];
+        for &id in &cpu_ids[..n - 1] {
+            rows.push(e.forward(&[id], LogitRows::Last).unwrap());
+        }
+        rows
+    };
+    let (wg_rows, other_rows) = (forced(wg), forced(other));
+    let worst = |rows: &[Vec<f32>]| -> Vec<f32> {
+        rows.iter()
+            .zip(&cpu_rows)
+            .map(|(g, c)| {
+                g.iter()
+                    .zip(c)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max)
+            })
+            .collect()
+    };
+    let (wg_err, other_err) = (worst(&wg_rows), worst(&other_rows));
+    let (wg_max, other_max) = (
+        wg_err.iter().copied().fold(0f32, f32::max),
+        other_err.iter().copied().fold(0f32, f32::max),
+    );
+    eprintln!(
+        "{n} teacher-forced steps: worst max |Δlogit| vs the CPU {wg_max:.3e} (warpgroup) and \
+         {other_max:.3e} (the other split kernel)"
+    );
+    assert!(
+        wg_max <= 2.0 * other_max + 1e-2,
+        "the warpgroup kernel's logits drift: {wg_max:.3e} against {other_max:.3e}"
+    );
+    let mut clear = 0;
+    for k in 0..n {
+        let gap = top2_gap(&cpu_rows[k]);
+        if gap > 2.0 * wg_err[k] {
+            clear += 1;
+            assert_eq!(
+                engine::sampling::argmax(&wg_rows[k]) as u32,
+                cpu_ids[k],
+                "step {k}: cpu gap {gap:.3e} > 2 × max |Δ| {:.3e}, yet the GPU picked another id",
+                wg_err[k]
+            );
+        }
+    }
+    assert!(clear >= n / 2, "only {clear} of {n} steps clear");
+}

@@ -589,30 +589,33 @@ fn a_mixed_step_s_long_chunk_takes_the_flash_kernel_and_its_decode_rows_the_spli
     );
 }
 
-/// The warpgroup split kernel is opt-in and takes the model's attention shape alone (32 heads,
-/// a 512-wide latent, a 64-wide rope key): with it on, that shape's decode steps and short mixed
-/// steps take it, the decode rows beside a chunk on the flash kernel keep the other split
-/// kernel; the tiny preset's shape never takes it, and the options' line names it only when on.
+/// The warpgroup split kernel is the default on compute capability 9.0 for the model's
+/// attention shape alone (32 heads, a 512-wide latent, a 64-wide rope key): that shape's decode
+/// steps and short mixed steps take it, the decode rows beside a chunk on the flash kernel keep
+/// the other split kernel, and so do the tiny preset's shape, another compute capability and
+/// the options with it turned off (whose line then does not name it).
 #[test]
-fn decode_steps_of_the_model_s_attention_shape_take_the_warpgroup_kernel_only_when_asked() {
+fn decode_steps_of_the_model_s_attention_shape_take_the_warpgroup_kernel_on_hopper() {
     let mut dims = models::synth::Dims::preset(Preset::Tiny);
     dims.n_head = 32;
     dims.kv_lora = 512;
     dims.qk_rope = 64;
     let real = made(dims, "wg_latent");
-    let wg = LoweringOptions {
-        attention_wg: true,
+    let wg = LoweringOptions::default();
+    assert!(wg.attention_wg);
+    let off = LoweringOptions {
+        attention_wg: false,
         ..LoweringOptions::default()
     };
-    let labels = |m: &Model, bucket: Bucket, o: &LoweringOptions| -> Vec<String> {
+    let labels = |m: &Model, bucket: Bucket, o: &LoweringOptions, target: Target| {
         let shape = StepShape::single(bucket, LogitRows::Last);
-        build_plan(m, shape, None, HOPPER, o)
+        build_plan(m, shape, None, target, o)
             .unwrap()
             .to_string()
             .lines()
             .filter(|l| l.contains(": mla_attention "))
             .map(|l| l.to_string())
-            .collect()
+            .collect::<Vec<String>>()
     };
     let all = |lines: Vec<String>, label: &str| {
         assert!(!lines.is_empty());
@@ -621,26 +624,23 @@ fn decode_steps_of_the_model_s_attention_shape_take_the_warpgroup_kernel_only_wh
         }
     };
     let decode = Bucket::Decode { batch: 8, kv: 4096 };
-    all(labels(&real, decode, &wg), "[split-k f16 wg]");
-    all(
-        labels(&real, decode, &LoweringOptions::default()),
-        "[split-k f16]",
-    );
     let mixed = |chunk| Bucket::Mixed {
         chunk,
         batch: 4,
         kv: 512,
     };
-    all(labels(&real, mixed(8), &wg), "[split-k f16 wg]");
+    all(labels(&real, decode, &wg, HOPPER), "[split-k f16 wg]");
+    all(labels(&real, mixed(8), &wg, HOPPER), "[split-k f16 wg]");
     all(
-        labels(&real, mixed(300), &wg),
+        labels(&real, mixed(300), &wg, HOPPER),
         "[flash f16 rows 0..300, then split-k f16]",
     );
-    all(labels(&tiny(), decode, &wg), "[split-k f16]");
+    all(labels(&real, decode, &off, HOPPER), "[split-k f16]");
+    let ada = Target::Cuda {
+        compute_capability: (8, 9),
+    };
+    all(labels(&real, decode, &wg, ada), "[split-k f16]");
+    all(labels(&tiny(), decode, &wg, HOPPER), "[split-k f16]");
     assert!(wg.to_string().contains("products=f16 wg cache=f16"), "{wg}");
-    assert!(
-        !LoweringOptions::default().to_string().contains(" wg"),
-        "{}",
-        LoweringOptions::default()
-    );
+    assert!(!off.to_string().contains(" wg"), "{off}");
 }

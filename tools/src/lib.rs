@@ -99,10 +99,11 @@ pub struct LoweringArgs {
     /// default it is stored as F16 there: the same values, half the bytes).
     #[arg(long)]
     pub latent_cache_f32: bool,
-    /// Decode attention over the F16 cache on the Hopper warpgroup kernel (64-row pages by
-    /// tensor-memory copies, warpgroup MMAs; the model's shape only). Off by default.
+    /// Decode attention over the F16 cache on the other split kernel instead of the Hopper
+    /// warpgroup one (64-row pages by tensor-memory copies, warpgroup MMAs), which compute
+    /// capability 9.0 and the model's attention shape take by default.
     #[arg(long)]
-    pub attention_wg: bool,
+    pub no_attention_wg: bool,
 }
 
 impl LoweringArgs {
@@ -144,7 +145,7 @@ impl LoweringArgs {
                 .router_routes_max_rows
                 .unwrap_or(d.router_routes_max_rows),
             f16_latent_cache: !self.latent_cache_f32,
-            attention_wg: self.attention_wg,
+            attention_wg: !self.no_attention_wg,
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self

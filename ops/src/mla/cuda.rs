@@ -1065,6 +1065,14 @@ impl MlaAttention {
                 ),
             ));
         }
+        let cc = ctx.device.compute_capability();
+        if cc != (9, 0) {
+            return Err(OpError::Type(format!(
+                "{op}: the warpgroup kernel needs compute capability 9.0 (sm_90a), the device \
+                 has {}.{}",
+                cc.0, cc.1
+            )));
+        }
         for (what, t) in [("Q", q), ("cache", cache), ("o_lat", out)] {
             aligned16(op, what, t)?;
         }
@@ -1085,16 +1093,8 @@ impl MlaAttention {
                 scratch.bytes, scratch.ptr
             )));
         }
-        let pool_rows = cache.meta.shape[0] as u64;
-        let map = ::cuda::tensor_map_f16_2d_swizzle128(
-            cache.ptr,
-            w as u64,
-            pool_rows,
-            (w * 2) as u64,
-            64,
-            64,
-        )
-        .map_err(|e| OpError::Device(format!("{op}: the cache's tensor map: {e}")))?;
+        let map = cache_tensor_map(cache.ptr, cache.meta.shape[0], w)
+            .map_err(|e| OpError::Device(format!("{op}: the cache's tensor map: {e}")))?;
         let part_o = scratch.ptr;
         let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
         let split = ctx.kernel("mla.cu", MLA_CU, "mla_attn_split_wg")?;
@@ -1131,6 +1131,34 @@ impl MlaAttention {
             ctx, part_o, part_ml, pos.ptr, out.ptr, n, nh, lora, rows, chunks, 64,
         )
     }
+}
+
+/// The tensor map of a pool of `rows` F16 cache rows of `w` values at `ptr`, in boxes of 64
+/// rows × 64 values with the 128-byte swizzle. Encoded once a (pool, shape): an eager step
+/// launches the kernel once a layer, each layer over its own pool.
+fn cache_tensor_map(
+    ptr: u64,
+    rows: usize,
+    w: usize,
+) -> Result<::cuda::TensorMap, ::cuda::CudaError> {
+    use std::sync::Mutex;
+    /// Maps kept: a model's layers' pools, with room for a second engine's.
+    const KEPT: usize = 512;
+    /// (pool address, rows, width) and its map.
+    type Kept = Vec<((u64, usize, usize), ::cuda::TensorMap)>;
+    static MAPS: Mutex<Kept> = Mutex::new(Vec::new());
+    let key = (ptr, rows, w);
+    let mut maps = MAPS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, m)) = maps.iter().find(|(k, _)| *k == key) {
+        return Ok(*m);
+    }
+    let m =
+        ::cuda::tensor_map_f16_2d_swizzle128(ptr, w as u64, rows as u64, (w * 2) as u64, 64, 64)?;
+    if maps.len() == KEPT {
+        maps.clear();
+    }
+    maps.push((key, m));
+    Ok(m)
 }
 
 /// Dynamic shared memory of `mla_attn_split_wg`: two 64-row pages of 576 f16 (nine 8 KB
