@@ -162,11 +162,10 @@ pub struct LoweringOptions {
     pub f16_latent_cache: bool,
     /// Decode steps over an F16 cache take the Hopper warpgroup split kernel (tensor-memory
     /// copies of whole 64-row pages, warpgroup MMAs) on compute capability 9.0 where the
-    /// attention's shape allows it. H100, full checkpoint (bench/RESULTS.md 2026-12-06 (d)):
-    /// tg128 @ d131072 136.0 → 148.6 tok/s, @ d65536 164.7 → 176.0; batches of 8 to 128
-    /// +0.7 to +1.5%
-    /// ([`MlaAttention::wg_supports`]); the decode rows beside a chunk on the flash kernel keep
-    /// the other split kernel.
+    /// attention's shape allows it ([`MlaAttention::wg_supports`]); the decode rows beside a
+    /// chunk on the flash kernel keep the other split kernel. H100, full checkpoint
+    /// (bench/RESULTS.md 2026-12-06 (d)): tg128 @ d131072 136.0 → 148.6 tok/s, @ d65536
+    /// 164.7 → 176.0, batches of 8 to 128 +0.7 to +1.5%.
     pub attention_wg: bool,
     /// The one-token BF16 GEMVs issue their weight loads before waiting for their predecessor.
     pub pdl_weights_first: bool,
