@@ -633,41 +633,6 @@ fn attention_gives_the_same_bits_on_every_run() {
     }
 }
 
-/// The attention on the warpgroup split kernel (`MlaAttention::cuda_wg`).
-#[derive(Debug)]
-struct Wg(MlaAttention);
-
-impl Op for Wg {
-    fn name(&self) -> &'static str {
-        self.0.name()
-    }
-    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>, OpError> {
-        self.0.infer(inputs)
-    }
-    fn cpu(
-        &self,
-        inputs: &[HostTensor<'_>],
-        outputs: &mut [HostTensorMut<'_>],
-    ) -> Result<(), OpError> {
-        self.0.cpu(inputs, outputs)
-    }
-    fn describe(&self) -> String {
-        format!("{} [wg]", self.0.describe())
-    }
-    fn cuda(
-        &self,
-        ctx: &GpuCtx,
-        inputs: &[DeviceTensor<'_>],
-        outputs: &[DeviceTensor<'_>],
-        scratch: Scratch,
-    ) -> Result<(), OpError> {
-        self.0.cuda_wg(ctx, inputs, outputs, scratch)
-    }
-    fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
-        self.0.cuda_scratch_bytes(inputs)
-    }
-}
-
 /// `ins` with its cache (input 1, F32) stored as F16, as the lowering stores it for the f16
 /// kernels: NaN rows stay NaN.
 fn with_f16_cache(mut ins: Vec<HostValue>) -> Vec<HostValue> {
@@ -693,11 +658,11 @@ fn with_f16_cache(mut ins: Vec<HostValue>) -> Vec<HostValue> {
 #[test]
 fn the_warpgroup_split_kernel_matches_the_cpu_over_an_f16_cache() {
     let Some(gpu) = test_gpu() else { return };
-    let op = Wg(MlaAttention {
+    let op = MlaAttention {
         kernel: AttentionPath::SplitKWg,
         ..real_attention()
-    });
-    assert!(op.0.wg_supports(576));
+    };
+    assert!(op.wg_supports(576));
     let mut cases: Vec<(String, Vec<HostValue>)> = Vec::new();
     for (bucket, pos) in [
         (8192usize, vec![0i32]),
@@ -947,12 +912,6 @@ fn line(what: &str, us: f64, bytes: f64) {
     println!("{what:<64} {us:>9.2} µs {:>7.0} GB/s", bytes / us / 1e3);
 }
 
-/// Per call one of enough caches of `bucket` rows that the rows read exceed the 60 MB L2, the
-/// op on the lowering's kernel and every split kernel; `first_pos` is the first token's
-/// position.
-/// Times the attention of `n` tokens from `first_pos` over one sequence's `bucket` positions,
-/// the cache stored as `cache` (F32, or F16 as the lowering stores it for the f16 kernels:
-/// only those kernels then run).
 /// What [`time_attention`] does with its case: time every kernel, or launch the default one
 /// twice without a graph, so a profiler's kernel filter sees exactly those launches.
 #[derive(Clone, Copy, PartialEq)]
@@ -961,6 +920,18 @@ enum Timing {
     TwoLaunchesForAProfiler,
 }
 
+/// A kernel [`time_attention`] times beside the op's own.
+#[derive(Clone, Copy)]
+enum Timed {
+    Split(AttentionKernel),
+    Warpgroup,
+}
+
+/// Times the attention of `n` tokens from `first_pos` over one sequence's `bucket` positions,
+/// the cache stored as `cache` (F32, or F16 as the lowering stores it for the f16 kernels:
+/// only those kernels then run, and the warpgroup kernel where the shape allows it). Per call
+/// one of enough caches of `bucket` rows that the rows read exceed the 60 MB L2: the op on the
+/// lowering's kernel, then each other kernel.
 fn time_attention(
     gpu: &GpuCtx,
     n: usize,
@@ -1018,7 +989,9 @@ fn time_attention(
     let scratch = upload(gpu, &vec![0u8; sbytes.max(16)]);
     let default = attention_tile(n, bucket, 32);
     // One launch over layer copy i % layers: the op's own kernels, or `kernel`.
-    let launch = |kernel: Option<AttentionKernel>, i: usize| {
+    // One launch over layer copy i % layers: the op's own kernels (None), a split kernel, or
+    // the warpgroup one.
+    let launch = |kernel: Option<Timed>, i: usize| {
         let ins = [
             view(&qm, &q),
             view(&cm, &caches[i % layers]),
@@ -1033,24 +1006,9 @@ fn time_attention(
         };
         match kernel {
             None => op.cuda(gpu, &ins, &outs, scratch),
-            Some(k) => op.cuda_with(gpu, &ins, &outs, scratch, k),
+            Some(Timed::Split(k)) => op.cuda_with(gpu, &ins, &outs, scratch, k),
+            Some(Timed::Warpgroup) => op.cuda_wg(gpu, &ins, &outs, scratch),
         }
-    };
-    // The warpgroup kernel over the same caches (its own launch, the same scratch).
-    let launch_wg = |i: usize| {
-        let ins = [
-            view(&qm, &q),
-            view(&cm, &caches[i % layers]),
-            view(&pm, &pb),
-            view(&tm, &tb),
-            view(&rm, &rb),
-        ];
-        let outs = [view(&om, &out)];
-        let scratch = Scratch {
-            ptr: scratch.device_ptr(),
-            bytes: sbytes,
-        };
-        op.cuda_wg(gpu, &ins, &outs, scratch)
     };
     if timing == Timing::TwoLaunchesForAProfiler {
         for i in 0..2 {
@@ -1063,7 +1021,7 @@ fn time_attention(
         .into_iter()
         .filter(|k| !cache_f16 || k.products == SplitProducts::F16);
     for kernel in std::iter::once(None).chain(kernels.map(Some)) {
-        let call = |i: usize| launch(kernel, i);
+        let call = |i: usize| launch(kernel.map(Timed::Split), i);
         let us = time_us(gpu, 4 * layers, &call);
         // Rows read: the union over the tokens (each token's rows are read by its own blocks,
         // from L2 after the first); Q, the output and the partials written and read back.
@@ -1091,7 +1049,9 @@ fn time_attention(
         );
     }
     if cache_f16 && op.wg_supports(w) {
-        let us = time_us(gpu, 4 * layers, &launch_wg);
+        let us = time_us(gpu, 4 * layers, &|i: usize| {
+            launch(Some(Timed::Warpgroup), i)
+        });
         let bytes = (rows * row_bytes + n * 32 * w * 4 + n * 32 * 512 * 4 + 2 * sbytes) as f64;
         line(
             &format!(

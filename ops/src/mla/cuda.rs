@@ -876,6 +876,33 @@ impl MlaAttention {
         }
     }
 
+    /// The split of `n` tokens over `rows` table positions: its chunks a token and where the
+    /// chunk partials (o, then (m, l)) go in `scratch`, which must hold them.
+    fn split_partials(
+        &self,
+        n: usize,
+        rows: usize,
+        scratch: Scratch,
+    ) -> Result<(usize, u64, u64), OpError> {
+        let (op, nh, lora) = (self.name(), self.n_head, self.kv_lora);
+        let chunks = attention_chunks(n, rows, nh);
+        if chunks > ATT_MAX_CHUNKS {
+            return Err(OpError::shape(
+                op,
+                format!("{chunks} chunks exceed the merge kernel's {ATT_MAX_CHUNKS}"),
+            ));
+        }
+        let need = attention_scratch(n, rows, nh, lora);
+        if scratch.bytes < need || (need > 0 && !scratch.ptr.is_multiple_of(16)) {
+            return Err(OpError::Type(format!(
+                "{op}: scratch of {} bytes at {:#x}, {need} 16-byte aligned bytes needed",
+                scratch.bytes, scratch.ptr
+            )));
+        }
+        let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
+        Ok((chunks, scratch.ptr, part_ml))
+    }
+
     /// Why the flash kernel does not take cache rows of width `w`.
     fn flash_refuses(&self, w: usize) -> OpError {
         OpError::shape(
@@ -968,22 +995,7 @@ impl MlaAttention {
                 format!("{n} tokens × {groups} head groups exceed the grid"),
             ));
         }
-        let chunks = attention_chunks(n, rows, nh);
-        if chunks > ATT_MAX_CHUNKS {
-            return Err(OpError::shape(
-                op,
-                format!("{chunks} chunks exceed the merge kernel's {ATT_MAX_CHUNKS}"),
-            ));
-        }
-        let need = attention_scratch(n, rows, nh, lora);
-        if scratch.bytes < need || (need > 0 && !scratch.ptr.is_multiple_of(16)) {
-            return Err(OpError::Type(format!(
-                "{op}: scratch of {} bytes at {:#x}, {need} 16-byte aligned bytes needed",
-                scratch.bytes, scratch.ptr
-            )));
-        }
-        let part_o = scratch.ptr;
-        let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
+        let (chunks, part_o, part_ml) = self.split_partials(n, rows, scratch)?;
         let split = ctx.kernel("mla.cu", MLA_CU, &name)?;
         let i = |what, v| dim_i32(op, what, v);
         // SAFETY: argument list matches mla_attn_split_t*; rows read are clamped to the
@@ -1079,24 +1091,9 @@ impl MlaAttention {
         if n > 65535 {
             return Err(OpError::shape(op, format!("{n} tokens exceed the grid")));
         }
-        let chunks = attention_chunks(n, rows, nh);
-        if chunks > ATT_MAX_CHUNKS {
-            return Err(OpError::shape(
-                op,
-                format!("{chunks} chunks exceed the merge kernel's {ATT_MAX_CHUNKS}"),
-            ));
-        }
-        let need = attention_scratch(n, rows, nh, lora);
-        if scratch.bytes < need || (need > 0 && !scratch.ptr.is_multiple_of(16)) {
-            return Err(OpError::Type(format!(
-                "{op}: scratch of {} bytes at {:#x}, {need} 16-byte aligned bytes needed",
-                scratch.bytes, scratch.ptr
-            )));
-        }
+        let (chunks, part_o, part_ml) = self.split_partials(n, rows, scratch)?;
         let map = cache_tensor_map(cache.ptr, cache.meta.shape[0], w)
             .map_err(|e| OpError::Device(format!("{op}: the cache's tensor map: {e}")))?;
-        let part_o = scratch.ptr;
-        let part_ml = scratch.ptr + (n * chunks * nh * lora * 4) as u64;
         let split = ctx.kernel("mla.cu", MLA_CU, "mla_attn_split_wg")?;
         let i = |what, v| dim_i32(op, what, v);
         // SAFETY: argument list matches mla_attn_split_wg; the pages it stages are those of
