@@ -128,6 +128,13 @@ pub struct LoweringOptions {
     /// Routes up to which the routed experts past the GEMV take the skinny grouped kernel
     /// (a decode step's few routes an expert); more take the grouped GEMM.
     pub expert_skinny_max_routes: usize,
+    /// Routes an expert averages up to which the skinny products take the integer path
+    /// (`ExpertKernel::SkinnyInt`: inputs quantized to 16 bits a row, codes as signed bytes,
+    /// 8-route tiles of integer MMAs; 0: never). A tile of at most four routes costs a k-tile
+    /// 839 instructions a warp there against the f16 path's 1,063 (SASS, NVRTC 13.0), eight
+    /// routes about the same; past five an expert the f16 path's 16-route tiles decode fewer
+    /// weights twice.
+    pub expert_skinny_int_routes_an_expert: usize,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
@@ -192,6 +199,7 @@ impl Default for LoweringOptions {
             bf16_skinny_max_rows: 16,
             bf16_skinny_narrow_max_rows: 32,
             expert_skinny_max_routes: 512,
+            expert_skinny_int_routes_an_expert: 5,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
@@ -221,7 +229,7 @@ impl fmt::Display for LoweringOptions {
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
-             <={} routes; \
+             <={} routes (int <={} an expert); \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
@@ -242,6 +250,7 @@ impl fmt::Display for LoweringOptions {
             self.bf16_skinny_max_rows,
             self.bf16_skinny_narrow_max_rows,
             self.expert_skinny_max_routes,
+            self.expert_skinny_int_routes_an_expert,
             self.router_tiled_min_rows,
             self.router_routes_max_rows,
             self.topk_inverse_min_rows,
@@ -384,6 +393,11 @@ impl LoweringOptions {
             return ExpertKernel::Gemv;
         }
         if routes <= self.expert_skinny_max_routes && ops::moe_prefill::skinny_supports(n_in) {
+            // The stacked weight's first dimension: its experts.
+            let n_expert = w.and_then(|w| w.shape.first().copied()).unwrap_or(0);
+            if routes <= self.expert_skinny_int_routes_an_expert * n_expert {
+                return ExpertKernel::SkinnyInt;
+            }
             return ExpertKernel::Skinny;
         }
         ExpertKernel::Grouped(match target {
@@ -1131,7 +1145,7 @@ impl Fusions {
             let skinny = |n_in: usize, w: ValueId| {
                 matches!(
                     o.experts(routes, n_in, Some(meta(w)), target),
-                    ExpertKernel::Skinny | ExpertKernel::IntGemv
+                    ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::IntGemv
                 )
             };
             if !skinny(d, w_gate) || !skinny(nf, dnn.inputs[1]) {

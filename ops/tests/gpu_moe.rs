@@ -532,11 +532,15 @@ fn real_router(n: usize) -> Router {
 /// inputs, each op's inputs being the CPU reference's outputs of the op before (so each op is
 /// judged on identical inputs) and the tolerance it is held to.
 fn real_chain(gpu: &GpuCtx, n: usize) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
+    real_chain_on(n, experts_on(gpu, n * TOPK))
+}
+
+/// [`real_chain`] with the expert products on `experts`.
+fn real_chain_on(n: usize, experts: ExpertKernel) -> Vec<(Box<dyn Op>, Vec<HostValue>, Tolerance)> {
     let w = real_weights();
     let mut r = Rng::new(n as u64 + 99);
     let z = HostValue::f32([n, EMBD], &r.vec(n * EMBD, -1.0, 1.0));
     let router = real_router(n);
-    let experts = experts_on(gpu, n * TOPK);
     let r_ins = vec![z.clone(), w.router_w.clone(), w.bias.clone()];
     let routed = cpu(&router, &r_ins);
     let plan_op = RoutePlan {
@@ -621,6 +625,85 @@ fn the_grouped_expert_path_is_bit_reproducible_at_top_four() {
                     op.name()
                 );
             }
+        }
+    }
+}
+
+/// The skinny kernel's f16 and integer paths at the real shapes, for the decode batches that
+/// take them (8, 32 and 64 tokens: on the integer path tiles of one and of two n8 tiles of
+/// routes): the CPU's products within the f16 inputs' bounds, and the same bits a second run.
+#[test]
+fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches() {
+    let Some(gpu) = test_gpu() else { return };
+    for n in [8, 32, 64] {
+        for kernel in [ExpertKernel::Skinny, ExpertKernel::SkinnyInt] {
+            for (op, ins, tol) in real_chain_on(n, kernel) {
+                if !op.name().starts_with("expert_") {
+                    continue;
+                }
+                let what = format!("{}{} n={n}", op.name(), kernel_tag(kernel));
+                let r = check(&gpu, op.as_ref(), &ins, tol).expect("parity");
+                report(&what, &r);
+                let a = run_gpu(&gpu, op.as_ref(), &ins).expect("first run");
+                let b = run_gpu(&gpu, op.as_ref(), &ins).expect("second run");
+                assert!(a[0].1 == b[0].1, "{what}: the output differs between runs");
+            }
+        }
+    }
+}
+
+/// On the integer path a token's 16-bit inputs share one scale, so a NaN or an infinity must
+/// reach every output of that token's routes (as in the f32 products) and no other route's.
+#[test]
+fn a_non_finite_input_poisons_only_its_own_tokens_routes_on_the_integer_path() {
+    let Some(gpu) = test_gpu() else { return };
+    let w = real_weights();
+    let n = 8;
+    let mut r = Rng::new(77);
+    let mut zv = r.vec(n * EMBD, -1.0, 1.0);
+    zv[3 * EMBD + 100] = f32::NAN;
+    zv[5 * EMBD + 7] = f32::INFINITY;
+    let z = HostValue::f32([n, EMBD], &zv);
+    let ids: Vec<i32> = (0..n).flat_map(|_| r.distinct(TOPK, NE)).collect();
+    let plan = cpu(
+        &RoutePlan {
+            n_expert: NE,
+            top_k: TOPK,
+        },
+        &[HostValue::i32([n, TOPK], &ids)],
+    );
+    let sw = ExpertSwiGlu {
+        n_expert: NE,
+        n_ff: NFF,
+        kernel: ExpertKernel::SkinnyInt,
+    };
+    let ins = vec![
+        z,
+        w.gate.clone(),
+        w.up.clone(),
+        plan[0].clone(),
+        plan[1].clone(),
+    ];
+    let out = run_gpu(&gpu, &sw, &ins).expect("expert_swiglu");
+    let act: Vec<f32> = out[0]
+        .1
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let route_token = plan[1].data.bytes();
+    for (route, t) in route_token.chunks_exact(4).enumerate() {
+        let token = i32::from_le_bytes([t[0], t[1], t[2], t[3]]);
+        let row = &act[route * NFF..(route + 1) * NFF];
+        if token == 3 || token == 5 {
+            assert!(
+                row.iter().all(|v| v.is_nan()),
+                "route {route} of token {token}: an output escaped the non-finite input"
+            );
+        } else {
+            assert!(
+                row.iter().all(|v| v.is_finite()),
+                "route {route} of token {token}: a non-finite output from finite inputs"
+            );
         }
     }
 }
@@ -1031,6 +1114,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             ExpertKernel::IntGemv,
             ExpertKernel::Gemv,
             ExpertKernel::Skinny,
+            ExpertKernel::SkinnyInt,
             ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
         ];
         for kernel in kernels {
@@ -1117,8 +1201,11 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
         (1, ExpertKernel::Skinny),
         (2, ExpertKernel::IntGemv),
         (8, ExpertKernel::Skinny),
+        (8, ExpertKernel::SkinnyInt),
         (32, ExpertKernel::Skinny),
+        (32, ExpertKernel::SkinnyInt),
         (64, ExpertKernel::Skinny),
+        (64, ExpertKernel::SkinnyInt),
         (128, ExpertKernel::Skinny),
     ];
     for (n, kernel) in shapes {
@@ -1181,6 +1268,7 @@ fn scratch_for(gpu: &GpuCtx, bytes: usize) -> (DeviceBuffer<u8>, Scratch) {
 fn kernel_tag(kernel: ExpertKernel) -> &'static str {
     match kernel {
         ExpertKernel::Skinny => " [skinny]",
+        ExpertKernel::SkinnyInt => " [skinny int]",
         ExpertKernel::Gemv => " [gemv]",
         ExpertKernel::IntGemv => " [int gemv]",
         _ => " [grouped]",

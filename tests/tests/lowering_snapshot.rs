@@ -644,3 +644,40 @@ fn decode_steps_of_the_model_s_attention_shape_take_the_warpgroup_kernel_on_hopp
     assert!(wg.to_string().contains("products=f16 wg cache=f16"), "{wg}");
     assert!(!off.to_string().contains(" wg"), "{off}");
 }
+
+/// Decode steps whose experts average at most five routes take the skinny kernel's integer
+/// path, busier ones its f16 path's 16-route tiles, and the option turns the integer path off
+/// (the tiny model: 8 experts, top 4, so 3 to 10 sequences; 1 or 2 take the integer GEMV).
+#[test]
+fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
+    let m = tiny();
+    let on = LoweringOptions::default();
+    assert_eq!(on.expert_skinny_int_routes_an_expert, 5);
+    let off = LoweringOptions {
+        expert_skinny_int_routes_an_expert: 0,
+        ..LoweringOptions::default()
+    };
+    let labels = |batch: usize, o: &LoweringOptions| {
+        let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
+        let lines: Vec<String> = build_plan(&m, shape, None, HOPPER, o)
+            .unwrap()
+            .to_string()
+            .lines()
+            .filter(|l| l.contains(": expert_swiglu "))
+            .map(|l| l.to_string())
+            .collect();
+        assert!(!lines.is_empty());
+        lines
+    };
+    let all = |lines: Vec<String>, label: &str| {
+        for l in &lines {
+            assert!(l.ends_with(label), "{l}");
+        }
+    };
+    all(labels(3, &on), "[skinny int]");
+    all(labels(10, &on), "[skinny int]");
+    all(labels(11, &on), "[skinny]");
+    all(labels(8, &off), "[skinny]");
+    all(labels(2, &on), "[int gemv]");
+    assert!(on.to_string().contains("(int <=5 an expert)"), "{on}");
+}

@@ -70,6 +70,10 @@ pub struct LoweringArgs {
     /// tensor-core kernel; 0 turns it off; default 512).
     #[arg(long, value_name = "N")]
     pub expert_skinny_max_routes: Option<usize>,
+    /// Routes an expert averages up to which the skinny expert products run on integer MMAs
+    /// with 16-bit inputs (0: never, the f16 path throughout; default 5).
+    #[arg(long, value_name = "N")]
+    pub expert_skinny_int_routes_an_expert: Option<usize>,
     /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass (default 32).
     #[arg(long, value_name = "N")]
     pub hc_rows_min_rows: Option<usize>,
@@ -171,6 +175,9 @@ impl LoweringArgs {
             expert_skinny_max_routes: self
                 .expert_skinny_max_routes
                 .unwrap_or(d.expert_skinny_max_routes),
+            expert_skinny_int_routes_an_expert: self
+                .expert_skinny_int_routes_an_expert
+                .unwrap_or(d.expert_skinny_int_routes_an_expert),
             ..d
         };
         opts.validate().map_err(|e| {

@@ -137,6 +137,7 @@ impl Linear {
                         o,
                         n,
                         None,
+                        false,
                         scratch,
                     )
                 }

@@ -85,6 +85,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::Gemv => "gemv",
         ExpertKernel::IntGemv => "int gemv",
         ExpertKernel::Skinny => "skinny",
+        ExpertKernel::SkinnyInt => "skinny int",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
@@ -243,7 +244,9 @@ fn ids_for(r: &mut Rng, n: usize, ne: usize, k: usize, crowd: bool) -> Vec<i32> 
 /// The integer GEMV (at most [`crate::moe::GEMV_ROUTES_LIMIT`] routes) takes the same cases up
 /// to 32 routes, among them a crowded one, with its inputs quantized to 16 bits a value
 /// (within the f16 inputs' bounds); the shared down projection of 7 tokens, 2 routes a round,
-/// takes four rounds.
+/// takes four rounds. The skinny kernel's integer path takes every case the f16 path does: its
+/// 8-route tiles with one or two n8 tiles of routes, and the crowded and 512-route plans' experts
+/// over many tiles.
 fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: bool) {
     let t_sw = (X_D as f64).sqrt() * IQ4_WRMS * U_RMS;
     let t_down = (X_FF as f64).sqrt() * IQ4_WRMS * U_RMS;
@@ -255,9 +258,13 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
     } else {
         ("", 0x5c1, 0x5d1)
     };
-    if kernel != ExpertKernel::Skinny {
+    if kernel == ExpertKernel::IntGemv {
         seed_sw += 0x400;
         seed_down += 0x400;
+    }
+    if kernel == ExpertKernel::SkinnyInt {
+        seed_sw += 0x800;
+        seed_down += 0x800;
     }
     let name = expert_label(kernel);
     for (n, k, crowd) in [
@@ -275,7 +282,10 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
             continue;
         }
         // The skinny kernel's crowded case is the 160-route one.
-        if kernel == ExpertKernel::Skinny && crowd && routes <= crate::moe::GEMV_ROUTES_LIMIT {
+        if matches!(kernel, ExpertKernel::Skinny | ExpertKernel::SkinnyInt)
+            && crowd
+            && routes <= crate::moe::GEMV_ROUTES_LIMIT
+        {
             continue;
         }
         let tag = if crowd { " crowded" } else { "" };
@@ -424,7 +434,11 @@ fn generic_expert_cases(v: &mut Vec<ParityCase>) {
 pub fn cases() -> Vec<ParityCase> {
     let mut v = Vec::new();
     router_cases(&mut v);
-    for kernel in [ExpertKernel::Skinny, ExpertKernel::IntGemv] {
+    for kernel in [
+        ExpertKernel::Skinny,
+        ExpertKernel::SkinnyInt,
+        ExpertKernel::IntGemv,
+    ] {
         grouped_expert_cases(&mut v, kernel, false);
         grouped_expert_cases(&mut v, kernel, true);
     }

@@ -387,7 +387,12 @@ pub(super) fn expert_launch(
     kernel: ExpertKernel,
     a: &Experts<'_>,
 ) -> Result<(), OpError> {
-    if a.shared.is_some() && !matches!(kernel, ExpertKernel::Skinny | ExpertKernel::IntGemv) {
+    if a.shared.is_some()
+        && !matches!(
+            kernel,
+            ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::IntGemv
+        )
+    {
         return Err(OpError::shape(
             op,
             format!(
@@ -412,7 +417,7 @@ pub(super) fn expert_launch(
         }
         ExpertKernel::Gemv | ExpertKernel::IntGemv => None,
         ExpertKernel::Grouped(tc) => Some(tc),
-        ExpertKernel::Skinny => None,
+        ExpertKernel::Skinny | ExpertKernel::SkinnyInt => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     iq4_expert_weights(op, a)?;
@@ -434,7 +439,7 @@ pub(super) fn expert_launch(
     let wb = a.wb.map_or(0, |w| w.ptr);
     let slots = a.n_expert.min(a.routes);
     let i = |what, v| dim_i32(op, what, v);
-    if kernel == ExpertKernel::Skinny {
+    if matches!(kernel, ExpertKernel::Skinny | ExpertKernel::SkinnyInt) {
         // SAFETY: the weights, inputs, route table and output were checked by check_device
         // against the op's shapes, the scratch is the op's own (cuda_scratch_bytes).
         return unsafe {
@@ -455,6 +460,7 @@ pub(super) fn expert_launch(
                 a.n_out,
                 a.routes,
                 a.shared,
+                kernel == ExpertKernel::SkinnyInt,
                 scratch,
             )
         };
@@ -739,6 +745,7 @@ impl GateUpSwiGlu {
                     ff,
                     n,
                     None,
+                    false,
                     scratch,
                 )
             };

@@ -131,6 +131,10 @@ pub enum ExpertKernel {
     /// The skinny grouped product for a decode step's few routes an expert (weights as the
     /// MMA's A operand, routes padded to 8 or 16, the input width split over warps).
     Skinny,
+    /// The skinny kernel on integer MMAs (`expert_skinny_iq4_q`): codes as signed bytes, each
+    /// input row quantized to 16 bits a value in two bytes (one scale a row), a route's two
+    /// bytes as two MMA columns, 8-route tiles; carries the shared expert as `Skinny` does.
+    SkinnyInt,
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.
     Generic,
@@ -145,6 +149,7 @@ impl ExpertKernel {
             ExpertKernel::Grouped(TcKernel::MmaSync) => " [grouped mma.sync]",
             ExpertKernel::Grouped(TcKernel::Wgmma) => " [grouped wgmma]",
             ExpertKernel::Skinny => " [skinny]",
+            ExpertKernel::SkinnyInt => " [skinny int]",
             ExpertKernel::Generic => " [generic]",
         }
     }
@@ -426,7 +431,9 @@ impl Op for ExpertSwiGlu {
     /// The skinny kernel's f16 copy of z (the shared expert reads the same rows).
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         match (self.kernel, inputs.first().map(|z| z.shape.as_slice())) {
-            (ExpertKernel::Skinny, Some(&[n, d])) => prefill::skinny_scratch_bytes(n, d),
+            (ExpertKernel::Skinny | ExpertKernel::SkinnyInt, Some(&[n, d])) => {
+                prefill::skinny_scratch_bytes(n, d)
+            }
             _ => 0,
         }
     }
@@ -535,7 +542,7 @@ impl Op for ExpertDown {
             _ => 0,
         };
         match (self.kernel, inputs.first().map(|a| a.shape.as_slice())) {
-            (ExpertKernel::Skinny, Some(&[r, nf])) => {
+            (ExpertKernel::Skinny | ExpertKernel::SkinnyInt, Some(&[r, nf])) => {
                 prefill::skinny_scratch_bytes(r + shared_rows, nf)
             }
             _ => 0,

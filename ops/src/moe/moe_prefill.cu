@@ -895,6 +895,118 @@ __device__ __forceinline__ float sk_h2f(unsigned short h) {
     return f;
 }
 
+// ---- The skinny kernel on integer MMAs (8-route tiles) ----------------------------------------
+//
+// The f16 path above spends ~19 instructions decoding a lane's 8 weights of a block, 12 of
+// them on the half-rate ALU pipe (ten byte permutes and the masks), and the pipe bounds the
+// loop. Here the codes stay the codebook's signed bytes (three permutes for four, no f16
+// placement or subtraction) and enter mma.m16n8k32.s8 as the A operand; the inputs are
+// quantized per row to 16 bits held as two signed bytes, q = 256·hi + lo with |q| ≤ 32512
+// and s = amax/32512 (as moe.cu's integer GEMV, but one scale a row, so a block's sum needs
+// no scale of its own), and a route's hi and lo bytes are two B columns: an n8 tile takes four
+// routes, an 8-route tile two n8 tiles. The MMA's accumulator input is 1.5·2^23's bits, so a
+// column's exact integer sum c (|c| ≤ 32·127·128 < 2^22) comes out as the f32 1.5·2^23 + c,
+// one exact subtraction from c: no integer-to-float conversion. A block's 256·c_hi + c_lo is
+// then scaled by its d in f32 and added in K order, as the f16 path does; the row's scale s is
+// applied once at the end. An input value is off by at most s/2 = amax/65024 of its row's
+// largest, against f16's 2^-12 of each value.
+#define SKQ_Q 32512.0f
+#define SKQ_MAGIC 0x4B400000
+#define SKQ_MAGIC_F 12582912.0f
+
+// xq (uint2 a lane's pair) of row r: n_in/32 blocks of 64 bytes, the hi bytes' 32 then the lo
+// bytes'; in each, word 2t is lane t's b0 (values 4t, 4t+16, 4t+1, 4t+17 of the block: the
+// order the codes' permutes give) and word 2t+1 its b1 (4t+2, 4t+18, 4t+3, 4t+19). sx[r] = s,
+// NaN where the row holds a NaN or an infinity so that every output it reaches is NaN, as the
+// f32 path's would be. Rows of x2 (rows2 of them) follow those of x. One block a row.
+extern "C" __global__ void __launch_bounds__(128)
+expert_x_q16(const float* __restrict__ x, uint2* __restrict__ xq, float* __restrict__ sx, int rows,
+             int n_in, const float* __restrict__ x2, int rows2) {
+    PDL_ENTER();
+    __shared__ float s_max[4], s_poison[4];
+    const int row = blockIdx.x, tid = threadIdx.x;
+    if (row >= rows + rows2) return;
+    const float* xr = row < rows ? x + (long long)row * n_in : x2 + (long long)(row - rows) * n_in;
+    float amax = 0.0f, poison = 0.0f;
+    for (int i = tid; i < n_in; i += blockDim.x) {
+        const float v = xr[i];
+        amax = fmaxf(amax, fabsf(v));
+        poison += v * 0.0f;  // NaN for a NaN or an infinity, else 0
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        poison += __shfl_xor_sync(0xffffffffu, poison, o);
+    }
+    if ((tid & 31) == 0) {
+        s_max[tid >> 5] = amax;
+        s_poison[tid >> 5] = poison;
+    }
+    __syncthreads();
+    amax = fmaxf(fmaxf(s_max[0], s_max[1]), fmaxf(s_max[2], s_max[3]));
+    poison = s_poison[0] + s_poison[1] + s_poison[2] + s_poison[3];
+    if (tid == 0) sx[row] = __fdiv_rn(amax, SKQ_Q) + poison;
+    const float inv = amax > 0.0f ? __fdiv_rn(SKQ_Q, amax) : 0.0f;
+    uint2* out = xq + (long long)row * (n_in >> 2);
+    // One thread a (block, lane t) pair: its b0 and b1 of both parts.
+    for (int p = tid; p < (n_in >> 3); p += blockDim.x) {
+        const int b = p >> 2, t = p & 3;
+        const float* xb = xr + 32 * b + 4 * t;
+        unsigned hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            // Word k/4, byte k%4: values 4t + 2(k/4) + (k%4)/2, plus 16 for odd k.
+            const int off = 2 * (k >> 2) + ((k & 3) >> 1) + 16 * (k & 1);
+            const int q = max(-32512, min(32512, __float2int_rn(__fmul_rn(xb[off], inv))));
+            const int hi = (q + 128) >> 8, lo = q - hi * 256;
+            hw[k >> 2] |= ((unsigned)hi & 0xffu) << (8 * (k & 3));
+            lw[k >> 2] |= ((unsigned)lo & 0xffu) << (8 * (k & 3));
+        }
+        out[8 * b + t] = make_uint2(hw[0], hw[1]);
+        out[8 * b + 4 + t] = make_uint2(lw[0], lw[1]);
+    }
+}
+
+// The codebook as signed bytes (entries 0-3, 4-7, 8-11, 12-15) and the last permute's selector
+// base, read from memory once a thread, as sk_consts.
+__device__ unsigned skq_consts[5] = {0xbfad9881u, 0xf6eaddcfu, 0x26190d01u, 0x71594535u,
+                                     0x32103210u};
+
+// The 8 codes of qs bytes 4t..4t+3 (q) as signed bytes: c[0] = values 4t, 4t+16, 4t+1, 4t+17
+// (the low 16 bits' nibbles in order), c[1] = 4t+2, 4t+18, 4t+3, 4t+19. Entries 0-7 and 8-15
+// by a nibble's low 3 bits, then its bit 3 picks between them.
+__device__ __forceinline__ void skq_codes(unsigned q, const unsigned k[5], unsigned c[2]) {
+    const unsigned mm = q & 0x77777777u;
+    const unsigned sl = (sk_shr(q, 0x80000000u) & 0x44444444u) | k[4];
+    c[0] = sk_prmt(sk_prmt(k[0], k[1], mm), sk_prmt(k[2], k[3], mm), sl);
+    const unsigned mh = sk_shr(mm, 0x10000u), sh = sk_shr(sl, 0x10000u);
+    c[1] = sk_prmt(sk_prmt(k[0], k[1], mh), sk_prmt(k[2], k[3], mh), sh);
+}
+
+template <bool B, class T, class F>
+struct sk_pick {
+    using type = T;
+};
+template <class T, class F>
+struct sk_pick<false, T, F> {
+    using type = F;
+};
+
+// d = a·b + (magic in every element): four column sums as 1.5·2^23 + c in f32 bits.
+__device__ __forceinline__ void skq_mma(unsigned d[4], const unsigned a[4], unsigned b0,
+                                        unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %10, %10, %10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(SKQ_MAGIC));
+}
+
+// 256·c_hi + c_lo of a column pair the MMA gave as magic-biased f32 bits.
+__device__ __forceinline__ float skq_pair(unsigned hi, unsigned lo) {
+    return __fmaf_rn(256.0f, __fsub_rn(__uint_as_float(hi), SKQ_MAGIC_F),
+                     __fsub_rn(__uint_as_float(lo), SKQ_MAGIC_F));
+}
+
 __device__ __forceinline__ void sk_cp16(unsigned dst, const unsigned char* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
                  : "memory");
@@ -914,10 +1026,13 @@ __device__ __forceinline__ void sk_wait() {
 // from xh row sh_x0 + r (SwiGLU: the token's own row, sh_x0 = 0; down: its activation row
 // after the routes'), outputs to y_sh. Its tiles are the dense product's, so one launch reads
 // the routed and the shared weights and no launch of its own waits for the routed one.
-template <int NT>
+//
+// Q8: the integer path (NT = 1: an 8-route tile as two n8 tiles of four routes' hi and lo
+// columns), xh holding expert_x_q16's rows and sx their scales; y_scale is unused.
+template <int NT, bool Q8>
 __device__ __forceinline__ void expert_skinny_body(
     const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
-    const uint4* __restrict__ xh, const int* __restrict__ offsets,
+    const uint4* __restrict__ xh, const float* __restrict__ sx, const int* __restrict__ offsets,
     const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out, int n_expert,
     int n_x_rows, int n_routes, float y_scale, int kw, const unsigned char* __restrict__ Sa,
     const unsigned char* __restrict__ Sb, float* __restrict__ y_sh, int sh_tile0, int n_sh,
@@ -955,7 +1070,9 @@ __device__ __forceinline__ void expert_skinny_body(
     const unsigned char* eb =
         swiglu ? (shared ? Sb : Wb + (long long)e * n_out * row_bytes) : ea;
     float* __restrict__ yo = shared ? y_sh : y;
-    const int n_active = (rn + 7) >> 3;
+    static_assert(!Q8 || NT == 1, "the integer path takes 8-route tiles");
+    // n8 tiles with routes: 8 routes each, or on the integer path 4 (hi and lo columns).
+    const int n_active = Q8 ? (rn + 3) >> 2 : (rn + 7) >> 3;
 
     const unsigned wbase = (unsigned)__cvta_generic_to_shared(sk_smem) + warp * SK_WARP_SMEM;
     // Stage row i's 16-byte word p is chunk 9i + p of the stage; lane takes chunks lane + 32j
@@ -1016,35 +1133,49 @@ __device__ __forceinline__ void expert_skinny_body(
         tc_commit();
     }
 
-    // This lane's route of each n8 tile (B column g) as an xh row, -1 for none.
-    int xrow[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int r = 8 * nt + g;
+    // The xh row of route r of the tile, -1 for none.
+    auto x_row = [&](int r) {
         int src = -1;
         if (r < rn)
             src = shared ? sh_x0 + rb + r
                          : (swiglu && route_token != nullptr) ? route_token[rb + r] : rb + r;
-        xrow[nt] = (src >= 0 && src < n_x_rows) ? src : -1;
-    }
+        return (src >= 0 && src < n_x_rows) ? src : -1;
+    };
+    // This lane's route of each n8 tile (B column g) as an xh row, -1 for none; on the integer
+    // path column g is route g/2's hi (even g) or lo bytes.
+    constexpr int NB = Q8 ? 2 : NT;
+    int xrow[NB];
+#pragma unroll
+    for (int nt = 0; nt < NB; ++nt) xrow[nt] = x_row(Q8 ? 4 * nt + (g >> 1) : 8 * nt + g);
     // B fragments of block b of k-tile kt: four blocks are in flight while one is multiplied
     // (window slot b % 4), so an input's L2 latency hides behind three blocks of decoding.
-    uint4 xq[4][NT];
-    auto load_x = [&](int kt, int b, int q) {
+    using XFrag = typename sk_pick<Q8, uint2, uint4>::type;
+    XFrag xq[4][NB];
+    // The integer path's lane offsets into xh in uint2 (the scratch stays under 4 GiB), ~0u
+    // for none: addressed once here, a load is one add.
+    const uint2* __restrict__ xq2 = reinterpret_cast<const uint2*>(xh);
+    unsigned xoff[NB];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (nt < n_active && xrow[nt] >= 0)
-                v = __ldg(xh + (long long)xrow[nt] * xw + (kt * 8 + b) * 4 + t);
+    for (int nt = 0; nt < NB; ++nt)
+        xoff[nt] = xrow[nt] >= 0 ? (unsigned)xrow[nt] * (unsigned)(n_in >> 2) + (g & 1) * 4 + t : ~0u;
+    // TA: the n8 tiles a loop multiplies (the integer path's loop is built for one or two, so
+    // that a tile of at most four routes skips the second's MMAs without a branch a block).
+    auto load_x = [&](int ta, int kt, int b, int q) {
+#pragma unroll
+        for (int nt = 0; nt < NB; ++nt) {
+            if (nt >= ta) continue;
+            XFrag v{};
+            if constexpr (Q8) {
+                if (xoff[nt] != ~0u) v = __ldg(xq2 + xoff[nt] + (kt * 8 + b) * 8);
+            } else {
+                if (nt < n_active && xrow[nt] >= 0)
+                    v = __ldg(xh + (long long)xrow[nt] * xw + (kt * 8 + b) * 4 + t);
+            }
 #pragma unroll
             for (int q2 = 0; q2 < 4; ++q2)
                 if (q2 == q) xq[q2][nt] = v;
         }
     };
-    if (mine > 0) {
-#pragma unroll
-        for (int b = 0; b < 4; ++b) load_x(kp, b, b);
-    }
 
     float acc[SK_MT][NT][4];
 #pragma unroll
@@ -1053,52 +1184,86 @@ __device__ __forceinline__ void expert_skinny_body(
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int k = 0; k < 4; ++k) acc[mt][nt][k] = 0.0f;
-    unsigned kc[4];
+    unsigned kc[5];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) kc[i] = sk_consts[i];
+    for (int i = 0; i < 5; ++i) kc[i] = Q8 ? skq_consts[i] : i < 4 ? sk_consts[i] : 0u;
 
-    for (int it = 0; it < mine; ++it) {
-        const int kt = kp + kw * it;
-        const bool more = it + 1 < mine;
-        sk_wait();
-        __syncwarp();  // every lane's copies of stage `it` landed; stage it-1 is read by all
-        if (it + SK_STAGES - 1 < mine) issue(kt + kw * (SK_STAGES - 1), (it + SK_STAGES - 1) % SK_STAGES);
-        tc_commit();
+    // Called with a constant ta, so each call inlines a loop of its own.
+    auto k_loop = [&](int ta) {
+        if (mine > 0) {
+#pragma unroll
+            for (int b = 0; b < 4; ++b) load_x(ta, kp, b, b);
+        }
+        for (int it = 0; it < mine; ++it) {
+            const int kt = kp + kw * it;
+            const bool more = it + 1 < mine;
+            sk_wait();
+            __syncwarp();  // every lane's copies of stage `it` landed; stage it-1 is read by all
+            if (it + SK_STAGES - 1 < mine) issue(kt + kw * (SK_STAGES - 1), (it + SK_STAGES - 1) % SK_STAGES);
+            tc_commit();
 
-        const unsigned char* wst = sk_smem + warp * SK_WARP_SMEM + (it % SK_STAGES) * SK_WSTAGE + g * SK_ROWB;
+            const unsigned char* wst = sk_smem + warp * SK_WARP_SMEM + (it % SK_STAGES) * SK_WSTAGE + g * SK_ROWB;
 #pragma unroll
-        for (int b = 0; b < 8; ++b) {
+            for (int b = 0; b < 8; ++b) {
 #pragma unroll
-            for (int mt = 0; mt < SK_MT; ++mt) {
-                const unsigned char* rp = wst + 16 * mt * SK_ROWB + 18 * b;
-                const unsigned char* rq = rp + 8 * SK_ROWB;
-                unsigned wl[4], wh[4];
-                sk_codes(tc_load_qs(rp, b, t), kc, wl);
-                sk_codes(tc_load_qs(rq, b, t), kc, wh);
-                const float dl = sk_h2f(*reinterpret_cast<const unsigned short*>(rp));
-                const float dh = sk_h2f(*reinterpret_cast<const unsigned short*>(rq));
-                const unsigned a0[4] = {wl[0], wh[0], wl[1], wh[1]};
-                const unsigned a1[4] = {wl[2], wh[2], wl[3], wh[3]};
+                for (int mt = 0; mt < SK_MT; ++mt) {
+                    const unsigned char* rp = wst + 16 * mt * SK_ROWB + 18 * b;
+                    const unsigned char* rq = rp + 8 * SK_ROWB;
+                    if constexpr (Q8) {
+                        unsigned cl[2], ch[2];
+                        skq_codes(tc_load_qs(rp, b, t), kc, cl);
+                        skq_codes(tc_load_qs(rq, b, t), kc, ch);
+                        const float dl = sk_h2f(*reinterpret_cast<const unsigned short*>(rp));
+                        const float dh = sk_h2f(*reinterpret_cast<const unsigned short*>(rq));
+                        const unsigned a[4] = {cl[0], ch[0], cl[1], ch[1]};
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    if (nt < n_active) {
-                        // The block's sum of 16·code·x, exact products in f32, then its scale.
-                        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        tc_mma(p, a0, xq[b & 3][nt].x, xq[b & 3][nt].y);
-                        tc_mma(p, a1, xq[b & 3][nt].z, xq[b & 3][nt].w);
-                        acc[mt][nt][0] = fmaf(dl, p[0], acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(dl, p[1], acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(dh, p[2], acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(dh, p[3], acc[mt][nt][3]);
+                        for (int j = 0; j < 2; ++j) {
+                            if (j >= ta) continue;
+                            // Lane (g, t) gets route 4j + t's hi and lo sums of rows g, g + 8.
+                            unsigned d[4];
+                            skq_mma(d, a, xq[b & 3][j].x, xq[b & 3][j].y);
+                            acc[mt][0][2 * j] = __fmaf_rn(dl, skq_pair(d[0], d[1]), acc[mt][0][2 * j]);
+                            acc[mt][0][2 * j + 1] =
+                                __fmaf_rn(dh, skq_pair(d[2], d[3]), acc[mt][0][2 * j + 1]);
+                        }
+                    } else {
+                        unsigned wl[4], wh[4];
+                        sk_codes(tc_load_qs(rp, b, t), kc, wl);
+                        sk_codes(tc_load_qs(rq, b, t), kc, wh);
+                        const float dl = sk_h2f(*reinterpret_cast<const unsigned short*>(rp));
+                        const float dh = sk_h2f(*reinterpret_cast<const unsigned short*>(rq));
+                        const unsigned a0[4] = {wl[0], wh[0], wl[1], wh[1]};
+                        const unsigned a1[4] = {wl[2], wh[2], wl[3], wh[3]};
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            if (nt < n_active) {
+                                // The block's sum of 16·code·x, exact products in f32, then its scale.
+                                float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                                tc_mma(p, a0, xq[b & 3][nt].x, xq[b & 3][nt].y);
+                                tc_mma(p, a1, xq[b & 3][nt].z, xq[b & 3][nt].w);
+                                acc[mt][nt][0] = fmaf(dl, p[0], acc[mt][nt][0]);
+                                acc[mt][nt][1] = fmaf(dl, p[1], acc[mt][nt][1]);
+                                acc[mt][nt][2] = fmaf(dh, p[2], acc[mt][nt][2]);
+                                acc[mt][nt][3] = fmaf(dh, p[3], acc[mt][nt][3]);
+                            }
+                        }
                     }
                 }
-            }
-            if (b < 4) {
-                load_x(kt, b + 4, b & 3);
-            } else if (more) {
-                load_x(kt + kw, b - 4, b & 3);
+                if (b < 4) {
+                    load_x(ta, kt, b + 4, b & 3);
+                } else if (more) {
+                    load_x(ta, kt + kw, b - 4, b & 3);
+                }
             }
         }
+    };
+    if constexpr (Q8) {
+        if (n_active > 1)
+            k_loop(2);
+        else
+            k_loop(1);
+    } else {
+        k_loop(NT);
     }
 
     // A sub-tile's partials, added in k-phase order by its phase-0 warp.
@@ -1129,6 +1294,31 @@ __device__ __forceinline__ void expert_skinny_body(
         }
     }
 
+    if constexpr (Q8) {
+        // acc[mt][0][2j + h]: route 4j + t, m-row g + 8h, in units of its row's scale.
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int r = 4 * j + t;
+            if (j >= n_active || r >= rn) continue;
+            const int src = x_row(r);
+            const float s = src >= 0 ? sx[src] : 0.0f;
+            float* yr = yo + (long long)(rb + r) * n_out;
+#pragma unroll
+            for (int mt = 0; mt < SK_MT; ++mt) {
+                const float v0 = __fmul_rn(acc[mt][0][2 * j], s);
+                const float v1 = __fmul_rn(acc[mt][0][2 * j + 1], s);
+                if (swiglu) {
+                    const int o = c0 + 8 * mt + g;
+                    if (o < n_out) yr[o] = tc_silu_times(v0, v1);
+                } else {
+                    const int o = c0 + 16 * mt + g;
+                    if (o < n_out) yr[o] = v0;
+                    if (o + 8 < n_out) yr[o + 8] = v1;
+                }
+            }
+        }
+        return;
+    }
     // Accumulator (mt, nt): c0, c1 = m-row g, routes 8nt + 2t and +1; c2, c3 = m-row g + 8.
 #pragma unroll
     for (int mt = 0; mt < SK_MT; ++mt) {
@@ -1157,19 +1347,22 @@ __device__ __forceinline__ void expert_skinny_body(
     }
 }
 
-#define EXPERT_SKINNY(NT, MINB)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, MINB) expert_skinny_iq4_##NT(              \
+#define EXPERT_SKINNY(NAME, NT, Q8, MINB)                                                         \
+    extern "C" __global__ void __launch_bounds__(128, MINB) NAME(                                \
         const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,              \
-        const uint4* __restrict__ xh, const int* __restrict__ offsets,                           \
+        const uint4* __restrict__ xh, const float* __restrict__ sx,                              \
+        const int* __restrict__ offsets,                                                         \
         const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,         \
         int n_expert, int n_x_rows, int n_routes, float y_scale, int kw,                         \
         const unsigned char* __restrict__ Sa, const unsigned char* __restrict__ Sb,              \
         float* __restrict__ y_sh, int sh_tile0, int n_sh, int sh_x0) {                           \
         PDL_ENTER();                                                                             \
-        expert_skinny_body<NT>(Wa, Wb, xh, offsets, route_token, y, n_in, n_out, n_expert,       \
+        expert_skinny_body<NT, Q8>(Wa, Wb, xh, sx, offsets, route_token, y, n_in, n_out,        \
+                                   n_expert,                                                     \
                                n_x_rows, n_routes, y_scale, kw, Sa, Sb, y_sh, sh_tile0, n_sh,    \
                                sh_x0);                                                           \
     }
-EXPERT_SKINNY(1, 4)
-EXPERT_SKINNY(2, 3)
+EXPERT_SKINNY(expert_skinny_iq4_1, 1, false, 4)
+EXPERT_SKINNY(expert_skinny_iq4_2, 2, false, 3)
+EXPERT_SKINNY(expert_skinny_iq4_q, 1, true, 4)
 #undef EXPERT_SKINNY

@@ -304,9 +304,10 @@ pub fn skinny_supports(n_in: usize) -> bool {
 }
 
 /// Scratch the skinny kernel needs: `x_rows × n_in` f16 inputs (narrowed in the kernel's
-/// K order) at a 256-byte boundary.
+/// K order) at a 256-byte boundary, or on the integer path as many 16-bit inputs (two bytes
+/// each) and a scale a row after them.
 pub fn skinny_scratch_bytes(x_rows: usize, n_in: usize) -> usize {
-    256 + (x_rows * n_in * 2).next_multiple_of(256)
+    256 + (x_rows * n_in * 2).next_multiple_of(256) + (x_rows * 4).next_multiple_of(256)
 }
 
 /// Where the rows a skinny product reads come from.
@@ -373,7 +374,9 @@ impl SkinnyShared {
 
 /// The grouped (or dense) product of [`launch_expert_gemm_tc`]'s contract for a decode step's
 /// few routes an expert: the inputs narrowed to f16 into the scratch (`expert_x_f16`), then
-/// `expert_skinny_iq4_<NT>` (weights as the MMA's A operand, routes in tiles of 8·NT).
+/// `expert_skinny_iq4_<NT>` (weights as the MMA's A operand, routes in tiles of 8·NT). With
+/// `int_inputs` the inputs are quantized to 16 bits a row (`expert_x_q16`) and multiplied on
+/// integer MMAs in 8-route tiles (`expert_skinny_iq4_q`), whatever the routes an expert.
 ///
 /// # Safety
 /// As [`launch_expert_gemm_tc`], with `x` holding `x_rows × n_in` f32 (SwiGLU mode with a
@@ -395,6 +398,7 @@ pub(crate) unsafe fn launch_expert_skinny(
     n_out: usize,
     routes: usize,
     shared: Option<SkinnyShared>,
+    int_inputs: bool,
     scratch: crate::gpu::Scratch,
 ) -> Result<(), OpError> {
     let shared = shared.filter(|s| s.rows > 0);
@@ -450,30 +454,53 @@ pub(crate) unsafe fn launch_expert_skinny(
     let need = skinny_scratch_bytes(x_rows + x2_rows, n_in);
     scratch.require(op, need)?;
     let xh = scratch.ptr.next_multiple_of(256);
-    let words = (x_rows * n_in / 2) as i64;
-    let words2 = (x2_rows * n_in / 2) as i64;
-    let narrow = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_x_f16")?;
-    let x_scale = if wb.is_some() {
-        SWIGLU_X_SCALE
-    } else {
-        DOWN_X_SCALE
-    };
+    // The integer path's row scales, after the inputs.
+    let sx = xh + ((x_rows + x2_rows) * n_in * 2).next_multiple_of(256) as u64;
     let y_scale = if wb.is_some() { 1.0f32 } else { 16.0 };
-    // SAFETY: reads x_rows·n_in f32 of x (and x2_rows·n_in of x2), writes as many f16 at
-    // xh, inside the scratch checked above (xh is its first 256-byte boundary).
-    unsafe {
-        ctx.device
-            .launch(&narrow)
-            .grid(((words + words2) as usize).div_ceil(256).clamp(1, 4096) as u32)
-            .block(256)
-            .arg(x)
-            .arg(xh)
-            .arg(words)
-            .arg(x_scale)
-            .arg(x2)
-            .arg(words2)
-            .enqueue()
-            .map_err(dev_err)?;
+    if int_inputs {
+        let quantize = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_x_q16")?;
+        // SAFETY: reads x_rows·n_in f32 of x (and x2_rows·n_in of x2), writes two bytes a value
+        // at xh and a float a row at sx, inside the scratch checked above.
+        unsafe {
+            ctx.device
+                .launch(&quantize)
+                .grid(i("input rows", x_rows + x2_rows)? as u32)
+                .block(128)
+                .arg(x)
+                .arg(xh)
+                .arg(sx)
+                .arg(i("input rows", x_rows)?)
+                .arg(i("input width", n_in)?)
+                .arg(x2)
+                .arg(i("shared input rows", x2_rows)?)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
+    } else {
+        let words = (x_rows * n_in / 2) as i64;
+        let words2 = (x2_rows * n_in / 2) as i64;
+        let narrow = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_x_f16")?;
+        let x_scale = if wb.is_some() {
+            SWIGLU_X_SCALE
+        } else {
+            DOWN_X_SCALE
+        };
+        // SAFETY: reads x_rows·n_in f32 of x (and x2_rows·n_in of x2), writes as many f16 at
+        // xh, inside the scratch checked above (xh is its first 256-byte boundary).
+        unsafe {
+            ctx.device
+                .launch(&narrow)
+                .grid(((words + words2) as usize).div_ceil(256).clamp(1, 4096) as u32)
+                .block(256)
+                .arg(x)
+                .arg(xh)
+                .arg(words)
+                .arg(x_scale)
+                .arg(x2)
+                .arg(words2)
+                .enqueue()
+                .map_err(dev_err)?;
+        }
     }
     let (offsets, route_token, n_expert) = match routes_from {
         SkinnyRoutes::Grouped {
@@ -486,7 +513,11 @@ pub(crate) unsafe fn launch_expert_skinny(
         }
         SkinnyRoutes::Dense => (0, 0, 1),
     };
-    let nt = skinny_route_tile(routes, (offsets != 0).then_some(n_expert));
+    let nt = if int_inputs {
+        1
+    } else {
+        skinny_route_tile(routes, (offsets != 0).then_some(n_expert))
+    };
     let tm = 8 * nt;
     let routed_tiles = if offsets != 0 {
         routes.div_ceil(tm) + n_expert.min(routes)
@@ -511,11 +542,12 @@ pub(crate) unsafe fn launch_expert_skinny(
     let kw = skinny_k_warps(n_in / SKINNY_K_TILE, row_tiles * pairs);
     let subtiles = SK_WARPS / kw;
     let smem = SK_WARPS * SK_WARP_SMEM + subtiles * (kw - 1) * 2 * nt * 4 * 32 * 4;
-    let kern = ctx.kernel(
-        "moe_prefill.cu",
-        MOE_PREFILL_CU,
-        &format!("expert_skinny_iq4_{nt}"),
-    )?;
+    let name = if int_inputs {
+        "expert_skinny_iq4_q".to_string()
+    } else {
+        format!("expert_skinny_iq4_{nt}")
+    };
+    let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, &name)?;
     // SAFETY: the argument list matches expert_skinny_iq4_<NT>; the caller guarantees the
     // buffers, xh was written above, and the kernel bounds every route, token and row index
     // by the sizes passed.
@@ -531,6 +563,7 @@ pub(crate) unsafe fn launch_expert_skinny(
             .arg(wa)
             .arg(wb.unwrap_or(0))
             .arg(xh)
+            .arg(if int_inputs { sx } else { 0 })
             .arg(offsets)
             .arg(route_token)
             .arg(y)
