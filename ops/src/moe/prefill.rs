@@ -265,8 +265,12 @@ pub unsafe fn launch_expert_gemm_tc_with(
 pub const SKINNY_K_TILE: usize = 256;
 /// Weight rows a skinny block covers (`SK_ROWS`): 16 outputs in SwiGLU mode, 32 in down mode.
 const SK_ROWS: usize = 32;
-/// Shared memory of one warp's weight ring (`SK_WARP_SMEM`): three stages of 32 rows × 144 bytes.
-const SK_WARP_SMEM: usize = 3 * SK_ROWS * 144;
+/// One stage of a warp's weight ring (`SK_WSTAGE`): 32 rows × 144 bytes (a 256-input k-tile).
+const SK_WSTAGE: usize = SK_ROWS * 144;
+/// Stages of a warp's ring: three on the f16 path, two on the integer path (whose kernel
+/// takes five blocks a multiprocessor where the f16 one takes four).
+const SK_STAGES: usize = 3;
+const SK_STAGES_INT: usize = 2;
 /// Warps a skinny block has: `kw` of them share a row tile's K, so a block covers 4/kw tiles.
 const SK_WARPS: usize = 4;
 
@@ -541,7 +545,8 @@ pub(crate) unsafe fn launch_expert_skinny(
     };
     let kw = skinny_k_warps(n_in / SKINNY_K_TILE, row_tiles * pairs);
     let subtiles = SK_WARPS / kw;
-    let smem = SK_WARPS * SK_WARP_SMEM + subtiles * (kw - 1) * 2 * nt * 4 * 32 * 4;
+    let stages = if int_inputs { SK_STAGES_INT } else { SK_STAGES };
+    let smem = SK_WARPS * stages * SK_WSTAGE + subtiles * (kw - 1) * 2 * nt * 4 * 32 * 4;
     let name = if int_inputs {
         "expert_skinny_iq4_q".to_string()
     } else {
