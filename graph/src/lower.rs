@@ -135,6 +135,16 @@ pub struct LoweringOptions {
     /// routes about the same; past five an expert the f16 path's 16-route tiles decode fewer
     /// weights twice.
     pub expert_skinny_int_routes_an_expert: usize,
+    /// Routes an expert averages up to which, past one, the routed gate+up products on the
+    /// integer path take its deep ring (`ExpertKernel::SkinnyIntDeep`: three stages at four
+    /// blocks a multiprocessor, where the default takes two at five; 0: never). With more
+    /// routes than experts nearly every expert is touched, so the launcher gives each warp
+    /// the whole input width (14 k-tiles) on one n8 tile: its copies' latency, not its
+    /// neighbours, holds it. H100 (bench/RESULTS.md 2026-12-06 (h)), gate+up a layer, deep
+    /// against default ring: 32 sequences (2 routes an expert) 139.2 against 148.3 µs; 64 (4,
+    /// half the experts on two n8 tiles) 176.2 against 164.4; 8 (0.5, K split over two
+    /// warps) 78.6 against 76.7.
+    pub expert_int_deep_ring_routes_an_expert: usize,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
@@ -200,6 +210,7 @@ impl Default for LoweringOptions {
             bf16_skinny_narrow_max_rows: 32,
             expert_skinny_max_routes: 512,
             expert_skinny_int_routes_an_expert: 5,
+            expert_int_deep_ring_routes_an_expert: 3,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
@@ -229,7 +240,7 @@ impl fmt::Display for LoweringOptions {
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
-             <={} routes (int <={} an expert); \
+             <={} routes (int <={} an expert, deep ring <={}); \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
@@ -251,6 +262,7 @@ impl fmt::Display for LoweringOptions {
             self.bf16_skinny_narrow_max_rows,
             self.expert_skinny_max_routes,
             self.expert_skinny_int_routes_an_expert,
+            self.expert_int_deep_ring_routes_an_expert,
             self.router_tiled_min_rows,
             self.router_routes_max_rows,
             self.topk_inverse_min_rows,
@@ -374,10 +386,13 @@ impl LoweringOptions {
         }
     }
 
+    /// The routed experts' kernel for `routes` routes of `n_in` inputs (`swiglu`: the gate+up
+    /// product, else the down projection) over the stacked weight `w`.
     fn experts(
         &self,
         routes: usize,
         n_in: usize,
+        swiglu: bool,
         w: Option<&TensorMeta>,
         target: Target,
     ) -> ExpertKernel {
@@ -396,7 +411,14 @@ impl LoweringOptions {
             // The stacked weight's first dimension: its experts.
             let n_expert = w.and_then(|w| w.shape.first().copied()).unwrap_or(0);
             if routes <= self.expert_skinny_int_routes_an_expert * n_expert {
-                return ExpertKernel::SkinnyInt;
+                let deep = swiglu
+                    && routes > n_expert
+                    && routes <= self.expert_int_deep_ring_routes_an_expert * n_expert;
+                return if deep {
+                    ExpertKernel::SkinnyIntDeep
+                } else {
+                    ExpertKernel::SkinnyInt
+                };
             }
             return ExpertKernel::Skinny;
         }
@@ -677,13 +699,13 @@ fn choose_kernel(
     }
     if let Some(op) = op_as::<ExpertSwiGlu>(node) {
         return Some(Arc::new(ExpertSwiGlu {
-            kernel: o.experts(rows(g, node, 4), width(0), meta(g, node, 1), target),
+            kernel: o.experts(rows(g, node, 4), width(0), true, meta(g, node, 1), target),
             ..op.clone()
         }));
     }
     if let Some(op) = op_as::<ExpertDown>(node) {
         return Some(Arc::new(ExpertDown {
-            kernel: o.experts(r0, width(0), meta(g, node, 1), target),
+            kernel: o.experts(r0, width(0), false, meta(g, node, 1), target),
             ..op.clone()
         }));
     }
@@ -1142,13 +1164,16 @@ impl Fusions {
                 continue;
             }
             let routes = meta(route_token).shape.first().copied().unwrap_or(0);
-            let skinny = |n_in: usize, w: ValueId| {
+            let skinny = |n_in: usize, swiglu: bool, w: ValueId| {
                 matches!(
-                    o.experts(routes, n_in, Some(meta(w)), target),
-                    ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::IntGemv
+                    o.experts(routes, n_in, swiglu, Some(meta(w)), target),
+                    ExpertKernel::Skinny
+                        | ExpertKernel::SkinnyInt
+                        | ExpertKernel::SkinnyIntDeep
+                        | ExpertKernel::IntGemv
                 )
             };
-            if !skinny(d, w_gate) || !skinny(nf, dnn.inputs[1]) {
+            if !skinny(d, true, w_gate) || !skinny(nf, false, dnn.inputs[1]) {
                 continue;
             }
             let (at_act, at_down) = (e.max(g), dn.max(l));

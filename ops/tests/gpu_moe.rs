@@ -632,21 +632,36 @@ fn the_grouped_expert_path_is_bit_reproducible_at_top_four() {
 /// The skinny kernel's f16 and integer paths at the real shapes, for the decode batches that
 /// take them (8, 32 and 64 tokens: on the integer path tiles of one and of two n8 tiles of
 /// routes): the CPU's products within the f16 inputs' bounds, and the same bits a second run.
+/// The integer path's deep ring adds the same products in the same order as its default, so
+/// it gives the same bits.
 #[test]
 fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches() {
     let Some(gpu) = test_gpu() else { return };
     for n in [8, 32, 64] {
-        for kernel in [ExpertKernel::Skinny, ExpertKernel::SkinnyInt] {
-            for (op, ins, tol) in real_chain_on(n, kernel) {
-                if !op.name().starts_with("expert_") {
-                    continue;
-                }
+        let mut int_bits: Vec<Vec<u8>> = Vec::new();
+        for kernel in [
+            ExpertKernel::Skinny,
+            ExpertKernel::SkinnyInt,
+            ExpertKernel::SkinnyIntDeep,
+        ] {
+            let experts = real_chain_on(n, kernel)
+                .into_iter()
+                .filter(|(op, _, _)| op.name().starts_with("expert_"));
+            for (i, (op, ins, tol)) in experts.enumerate() {
                 let what = format!("{}{} n={n}", op.name(), kernel_tag(kernel));
                 let r = check(&gpu, op.as_ref(), &ins, tol).expect("parity");
                 report(&what, &r);
                 let a = run_gpu(&gpu, op.as_ref(), &ins).expect("first run");
                 let b = run_gpu(&gpu, op.as_ref(), &ins).expect("second run");
                 assert!(a[0].1 == b[0].1, "{what}: the output differs between runs");
+                match kernel {
+                    ExpertKernel::SkinnyInt => int_bits.push(a[0].1.clone()),
+                    ExpertKernel::SkinnyIntDeep => assert!(
+                        int_bits.get(i) == Some(&a[0].1),
+                        "{what}: the deep ring's bits differ from the integer path's"
+                    ),
+                    _ => {}
+                }
             }
         }
     }
@@ -1115,6 +1130,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             ExpertKernel::Gemv,
             ExpertKernel::Skinny,
             ExpertKernel::SkinnyInt,
+            ExpertKernel::SkinnyIntDeep,
             ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
         ];
         for kernel in kernels {
@@ -1204,6 +1220,7 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
         (8, ExpertKernel::SkinnyInt),
         (32, ExpertKernel::Skinny),
         (32, ExpertKernel::SkinnyInt),
+        (32, ExpertKernel::SkinnyIntDeep),
         (64, ExpertKernel::Skinny),
         (64, ExpertKernel::SkinnyInt),
         (128, ExpertKernel::Skinny),
@@ -1269,6 +1286,7 @@ fn kernel_tag(kernel: ExpertKernel) -> &'static str {
     match kernel {
         ExpertKernel::Skinny => " [skinny]",
         ExpertKernel::SkinnyInt => " [skinny int]",
+        ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
         ExpertKernel::Gemv => " [gemv]",
         ExpertKernel::IntGemv => " [int gemv]",
         _ => " [grouped]",

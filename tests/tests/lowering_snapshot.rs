@@ -657,6 +657,10 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
         expert_skinny_int_routes_an_expert: 0,
         ..LoweringOptions::default()
     };
+    let no_deep_ring = LoweringOptions {
+        expert_int_deep_ring_routes_an_expert: 0,
+        ..LoweringOptions::default()
+    };
     let labels = |batch: usize, o: &LoweringOptions| {
         let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
         let lines: Vec<String> = build_plan(&m, shape, None, HOPPER, o)
@@ -674,10 +678,17 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
             assert!(l.ends_with(label), "{l}");
         }
     };
-    all(labels(3, &on), "[skinny int]");
+    // The tiny model routes top-4 of 8 experts: 3 tokens are 1.5 routes an expert, past one
+    // and within the deep ring's 3; 10 tokens are 5.
+    all(labels(3, &on), "[skinny int deep]");
+    all(labels(3, &no_deep_ring), "[skinny int]");
     all(labels(10, &on), "[skinny int]");
     all(labels(11, &on), "[skinny]");
     all(labels(8, &off), "[skinny]");
     all(labels(2, &on), "[int gemv]");
-    assert!(on.to_string().contains("(int <=5 an expert)"), "{on}");
+    assert!(
+        on.to_string()
+            .contains("(int <=5 an expert, deep ring <=3)"),
+        "{on}"
+    );
 }

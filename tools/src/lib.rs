@@ -74,6 +74,10 @@ pub struct LoweringArgs {
     /// with 16-bit inputs (0: never, the f16 path throughout; default 5).
     #[arg(long, value_name = "N")]
     pub expert_skinny_int_routes_an_expert: Option<usize>,
+    /// Routes an expert averages up to which, past one, the routed gate+up products on the
+    /// integer path take its deep ring (three stages at four blocks; 0 = never).
+    #[arg(long, value_name = "N")]
+    pub expert_int_deep_ring_routes_an_expert: Option<usize>,
     /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass (default 32).
     #[arg(long, value_name = "N")]
     pub hc_rows_min_rows: Option<usize>,
@@ -178,6 +182,9 @@ impl LoweringArgs {
             expert_skinny_int_routes_an_expert: self
                 .expert_skinny_int_routes_an_expert
                 .unwrap_or(d.expert_skinny_int_routes_an_expert),
+            expert_int_deep_ring_routes_an_expert: self
+                .expert_int_deep_ring_routes_an_expert
+                .unwrap_or(d.expert_int_deep_ring_routes_an_expert),
             ..d
         };
         opts.validate().map_err(|e| {

@@ -137,7 +137,7 @@ impl Linear {
                         o,
                         n,
                         None,
-                        false,
+                        crate::moe::prefill::SkinnyPath::F16,
                         scratch,
                     )
                 }

@@ -86,6 +86,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::IntGemv => "int gemv",
         ExpertKernel::Skinny => "skinny",
         ExpertKernel::SkinnyInt => "skinny int",
+        ExpertKernel::SkinnyIntDeep => "skinny int deep",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
@@ -266,6 +267,10 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_sw += 0x800;
         seed_down += 0x800;
     }
+    if kernel == ExpertKernel::SkinnyIntDeep {
+        seed_sw += 0xc00;
+        seed_down += 0xc00;
+    }
     let name = expert_label(kernel);
     for (n, k, crowd) in [
         (1, 1, false),
@@ -282,8 +287,10 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
             continue;
         }
         // The skinny kernel's crowded case is the 160-route one.
-        if matches!(kernel, ExpertKernel::Skinny | ExpertKernel::SkinnyInt)
-            && crowd
+        if matches!(
+            kernel,
+            ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep
+        ) && crowd
             && routes <= crate::moe::GEMV_ROUTES_LIMIT
         {
             continue;
@@ -437,6 +444,7 @@ pub fn cases() -> Vec<ParityCase> {
     for kernel in [
         ExpertKernel::Skinny,
         ExpertKernel::SkinnyInt,
+        ExpertKernel::SkinnyIntDeep,
         ExpertKernel::IntGemv,
     ] {
         grouped_expert_cases(&mut v, kernel, false);

@@ -1,7 +1,7 @@
 //! CUDA launches of the MoE ops.
 
 use super::prefill::{
-    SkinnyRoutes, SkinnyShared, launch_expert_gemm_tc_with, launch_expert_skinny,
+    SkinnyPath, SkinnyRoutes, SkinnyShared, launch_expert_gemm_tc_with, launch_expert_skinny,
 };
 use super::*;
 use crate::check::{aligned16, dim_i32, unlowered};
@@ -390,7 +390,10 @@ pub(super) fn expert_launch(
     if a.shared.is_some()
         && !matches!(
             kernel,
-            ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::IntGemv
+            ExpertKernel::Skinny
+                | ExpertKernel::SkinnyInt
+                | ExpertKernel::SkinnyIntDeep
+                | ExpertKernel::IntGemv
         )
     {
         return Err(OpError::shape(
@@ -417,7 +420,7 @@ pub(super) fn expert_launch(
         }
         ExpertKernel::Gemv | ExpertKernel::IntGemv => None,
         ExpertKernel::Grouped(tc) => Some(tc),
-        ExpertKernel::Skinny | ExpertKernel::SkinnyInt => None,
+        ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     iq4_expert_weights(op, a)?;
@@ -439,7 +442,10 @@ pub(super) fn expert_launch(
     let wb = a.wb.map_or(0, |w| w.ptr);
     let slots = a.n_expert.min(a.routes);
     let i = |what, v| dim_i32(op, what, v);
-    if matches!(kernel, ExpertKernel::Skinny | ExpertKernel::SkinnyInt) {
+    if matches!(
+        kernel,
+        ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep
+    ) {
         // SAFETY: the weights, inputs, route table and output were checked by check_device
         // against the op's shapes, the scratch is the op's own (cuda_scratch_bytes).
         return unsafe {
@@ -460,7 +466,11 @@ pub(super) fn expert_launch(
                 a.n_out,
                 a.routes,
                 a.shared,
-                kernel == ExpertKernel::SkinnyInt,
+                match kernel {
+                    ExpertKernel::SkinnyInt => SkinnyPath::Int,
+                    ExpertKernel::SkinnyIntDeep => SkinnyPath::IntDeep,
+                    _ => SkinnyPath::F16,
+                },
                 scratch,
             )
         };
@@ -745,7 +755,7 @@ impl GateUpSwiGlu {
                     ff,
                     n,
                     None,
-                    false,
+                    SkinnyPath::F16,
                     scratch,
                 )
             };

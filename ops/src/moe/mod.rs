@@ -135,6 +135,10 @@ pub enum ExpertKernel {
     /// input row quantized to 16 bits a value in two bytes (one scale a row), a route's two
     /// bytes as two MMA columns, 8-route tiles; carries the shared expert as `Skinny` does.
     SkinnyInt,
+    /// `SkinnyInt` on a three-stage weight ring at four blocks a multiprocessor
+    /// (`expert_skinny_iq4_q3`) where its default takes two stages at five: a step whose every
+    /// expert has a route or two, where each warp walks the whole input width alone.
+    SkinnyIntDeep,
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.
     Generic,
@@ -150,6 +154,7 @@ impl ExpertKernel {
             ExpertKernel::Grouped(TcKernel::Wgmma) => " [grouped wgmma]",
             ExpertKernel::Skinny => " [skinny]",
             ExpertKernel::SkinnyInt => " [skinny int]",
+            ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
             ExpertKernel::Generic => " [generic]",
         }
     }
@@ -431,9 +436,10 @@ impl Op for ExpertSwiGlu {
     /// The skinny kernel's f16 copy of z (the shared expert reads the same rows).
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         match (self.kernel, inputs.first().map(|z| z.shape.as_slice())) {
-            (ExpertKernel::Skinny | ExpertKernel::SkinnyInt, Some(&[n, d])) => {
-                prefill::skinny_scratch_bytes(n, d)
-            }
+            (
+                ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep,
+                Some(&[n, d]),
+            ) => prefill::skinny_scratch_bytes(n, d),
             _ => 0,
         }
     }
@@ -542,9 +548,10 @@ impl Op for ExpertDown {
             _ => 0,
         };
         match (self.kernel, inputs.first().map(|a| a.shape.as_slice())) {
-            (ExpertKernel::Skinny | ExpertKernel::SkinnyInt, Some(&[r, nf])) => {
-                prefill::skinny_scratch_bytes(r + shared_rows, nf)
-            }
+            (
+                ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep,
+                Some(&[r, nf]),
+            ) => prefill::skinny_scratch_bytes(r + shared_rows, nf),
             _ => 0,
         }
     }

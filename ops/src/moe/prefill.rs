@@ -267,10 +267,29 @@ pub const SKINNY_K_TILE: usize = 256;
 const SK_ROWS: usize = 32;
 /// One stage of a warp's weight ring (`SK_WSTAGE`): 32 rows × 144 bytes (a 256-input k-tile).
 const SK_WSTAGE: usize = SK_ROWS * 144;
-/// Stages of a warp's ring: three on the f16 path, two on the integer path (whose kernel
-/// takes five blocks a multiprocessor where the f16 one takes four).
+/// Stages of a warp's ring: three on the f16 path and the integer deep ring, two on the
+/// integer path (whose kernel takes five blocks a multiprocessor where the others take four).
 const SK_STAGES: usize = 3;
 const SK_STAGES_INT: usize = 2;
+
+/// How the skinny kernel takes its inputs, and so which of its kernels runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SkinnyPath {
+    /// Inputs narrowed to f16 (`expert_x_f16`), `expert_skinny_iq4_<NT>`: 8- or 16-route
+    /// tiles of f16 MMAs, three stages.
+    F16,
+    /// Inputs quantized to 16 bits a row (`expert_x_q16`), `expert_skinny_iq4_q`: 8-route
+    /// tiles of integer MMAs, two stages at five blocks a multiprocessor.
+    Int,
+    /// The integer path on three stages at four blocks (`expert_skinny_iq4_q3`).
+    IntDeep,
+}
+
+impl SkinnyPath {
+    fn int_inputs(self) -> bool {
+        self != SkinnyPath::F16
+    }
+}
 /// Warps a skinny block has: `kw` of them share a row tile's K, so a block covers 4/kw tiles.
 const SK_WARPS: usize = 4;
 
@@ -379,8 +398,9 @@ impl SkinnyShared {
 /// The grouped (or dense) product of [`launch_expert_gemm_tc`]'s contract for a decode step's
 /// few routes an expert: the inputs narrowed to f16 into the scratch (`expert_x_f16`), then
 /// `expert_skinny_iq4_<NT>` (weights as the MMA's A operand, routes in tiles of 8·NT). With
-/// `int_inputs` the inputs are quantized to 16 bits a row (`expert_x_q16`) and multiplied on
-/// integer MMAs in 8-route tiles (`expert_skinny_iq4_q`), whatever the routes an expert.
+/// an integer `path` the inputs are quantized to 16 bits a row (`expert_x_q16`) and multiplied on
+/// integer MMAs in 8-route tiles (`expert_skinny_iq4_q` or, on the deep ring,
+/// `expert_skinny_iq4_q3`), whatever the routes an expert.
 ///
 /// # Safety
 /// As [`launch_expert_gemm_tc`], with `x` holding `x_rows × n_in` f32 (SwiGLU mode with a
@@ -402,7 +422,7 @@ pub(crate) unsafe fn launch_expert_skinny(
     n_out: usize,
     routes: usize,
     shared: Option<SkinnyShared>,
-    int_inputs: bool,
+    path: SkinnyPath,
     scratch: crate::gpu::Scratch,
 ) -> Result<(), OpError> {
     let shared = shared.filter(|s| s.rows > 0);
@@ -461,6 +481,7 @@ pub(crate) unsafe fn launch_expert_skinny(
     // The integer path's row scales, after the inputs.
     let sx = xh + ((x_rows + x2_rows) * n_in * 2).next_multiple_of(256) as u64;
     let y_scale = if wb.is_some() { 1.0f32 } else { 16.0 };
+    let int_inputs = path.int_inputs();
     if int_inputs {
         let quantize = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_x_q16")?;
         // SAFETY: reads x_rows·n_in f32 of x (and x2_rows·n_in of x2), writes two bytes a value
@@ -545,12 +566,16 @@ pub(crate) unsafe fn launch_expert_skinny(
     };
     let kw = skinny_k_warps(n_in / SKINNY_K_TILE, row_tiles * pairs);
     let subtiles = SK_WARPS / kw;
-    let stages = if int_inputs { SK_STAGES_INT } else { SK_STAGES };
-    let smem = SK_WARPS * stages * SK_WSTAGE + subtiles * (kw - 1) * 2 * nt * 4 * 32 * 4;
-    let name = if int_inputs {
-        "expert_skinny_iq4_q".to_string()
+    let stages = if path == SkinnyPath::Int {
+        SK_STAGES_INT
     } else {
-        format!("expert_skinny_iq4_{nt}")
+        SK_STAGES
+    };
+    let smem = SK_WARPS * stages * SK_WSTAGE + subtiles * (kw - 1) * 2 * nt * 4 * 32 * 4;
+    let name = match path {
+        SkinnyPath::F16 => format!("expert_skinny_iq4_{nt}"),
+        SkinnyPath::Int => "expert_skinny_iq4_q".to_string(),
+        SkinnyPath::IntDeep => "expert_skinny_iq4_q3".to_string(),
     };
     let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, &name)?;
     // SAFETY: the argument list matches expert_skinny_iq4_<NT>; the caller guarantees the
