@@ -414,10 +414,9 @@ impl NormLinear {
     }
 }
 
-/// `linear_x_bf16` narrowing x into `scratch`, then `linear_skinny_bf16_<nt>` over one BF16
-/// weight, or two (`second`: its row tiles follow the first's), then, when K is split,
-/// `linear_skinny_reduce` over the partial sums after the narrowed x. Each of `first` and
-/// `second` is (weight, output, rows).
+/// `linear_skinny_bf16_<nt>` over one BF16 weight, or two (`second`: its row tiles follow the
+/// first's), reading x as f32, then, when K is split, `linear_skinny_reduce` over the partial
+/// sums in `scratch`. Each of `first` and `second` is (weight, output, rows).
 ///
 /// # Safety
 /// `x` holds n×k f32, each weight `rows` BF16 rows of k values at a 16-byte-aligned address,
@@ -437,15 +436,14 @@ unsafe fn launch_bf16_skinny(
     let (w1, y1, o1) = first;
     let (w2, y2, o2) = second.unwrap_or((0, 0, 0));
     let (tiles, outs) = (o1.div_ceil(32) + o2.div_ceil(32), o1 + o2);
-    scratch.require(op, plan.scratch_bytes(n, k, outs))?;
-    let xb = scratch.ptr.next_multiple_of(256);
     let part = if plan.splits > 1 {
-        xb + (n * k * 2).next_multiple_of(256) as u64
+        scratch.require(op, plan.scratch_bytes(n, k, outs))?;
+        scratch.ptr.next_multiple_of(256)
     } else {
         0
     };
-    // SAFETY: n·k bf16 at `xb` lie inside the scratch required above.
-    unsafe { narrow_to_bf16(ctx, op, x, xb, n * k)? };
+    // The kernel copies x in 16-byte words where its rows allow, else value by value.
+    let xvec = i32::from(x.is_multiple_of(16) && k.is_multiple_of(4));
     let blocks = as_i32(
         op,
         "skinny blocks",
@@ -467,8 +465,8 @@ unsafe fn launch_bf16_skinny(
         &format!("linear_skinny_bf16_{}", plan.nt),
     )?;
     // SAFETY: the arguments follow linear_skinny_bf16's C signature; the caller vouches for
-    // the weights and the outputs, xb holds the n·k bf16 written just above, and the partial
-    // sums (splits·n·outs f32) after it fit the scratch required above.
+    // the weights, x (n·k f32) and the outputs, and the partial sums (splits·n·outs f32) fit
+    // the scratch required above.
     unsafe {
         ctx.device
             .launch(&kern)
@@ -476,7 +474,8 @@ unsafe fn launch_bf16_skinny(
             .block((32 * BF16_SKINNY_BLOCK_WARPS) as u32)
             .shared_mem(plan.shared_bytes() as u32)
             .arg(w1)
-            .arg(xb)
+            .arg(x)
+            .arg(xvec)
             .arg(y1)
             .arg(ni)
             .arg(ki)

@@ -862,10 +862,13 @@ TQ(f32, WT_F32, x1, 1, true)
 // and of the block's 8·NT x rows (shared by the warps), so three chunks are in flight while
 // one is multiplied, with one barrier a chunk. (Staging the block's whole x split up front
 // delayed every block's first product by that copy: half the weight's bytes again at 64
-// rows.) Both operands reach the MMA by ldmatrix from 64-byte rows, swizzled so that a
-// phase's eight rows hit distinct banks (and a fragment needs no register moves: loaded as
-// 16-byte words, rows g and g+8 took ~100 moves a chunk at NT = 8 to pair up), k in order as
-// in the tensor-core tiles. (The previous form read x as
+// rows.) The weights reach the MMA by ldmatrix from 64-byte rows, swizzled so that a phase's
+// eight rows hit distinct banks (and a fragment needs no register moves: loaded as 16-byte
+// words, rows g and g+8 took ~100 moves a chunk at NT = 8 to pair up), k in order as in the
+// tensor-core tiles. x is staged as the f32 it is (rows padded to 160 bytes, so a B
+// fragment's 8-byte reads hit distinct banks) and each warp rounds its fragments to bf16 as
+// it reads them, as linear_x_bf16 would have: no narrowing launch before this one, whose
+// latency sat between the predecessor and every block's first product. (The previous form read x as
 // f32 from shared memory and narrowed it in every warp, and held the weights in a register
 // ring three chunks deep straight from global memory: at 64 rows the attention output took
 // 47.5 µs on an H200 against cuBLAS's 17.4, each block's few chunks a few memory latencies in
@@ -876,22 +879,37 @@ TQ(f32, WT_F32, x1, 1, true)
 // sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so a step
 // repeats bit for bit. With splits == 1 the warp writes y itself.
 // grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, dynamic shared
-// memory SKB_STAGES·(SKB_WARPS·SKB_WSTAGE + 8NT·64) bytes; with O2 > 0 the tiles of W2
-// (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W, W2 and xb 16-byte
-// aligned.
+// memory SKB_STAGES·(SKB_WARPS·SKB_WSTAGE + 8NT·SKB_XROW) bytes; with O2 > 0 the tiles of W2
+// (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W and W2 16-byte
+// aligned; x (f32) 16-byte aligned where xvec, else 4.
 #define SKB_WARPS 4
 #define SKB_STAGES 4
 #define SKB_WSTAGE 2048
+#define SKB_XROW 160
+
+__device__ __forceinline__ void skb_cp4(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
+
+// Values k and k + 1 of a staged f32 x row as the bf16 pair of a B fragment (k in the low half).
+__device__ __forceinline__ unsigned skb_x_pair(unsigned addr) {
+    float lo, hi;
+    unsigned r;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lo), "=f"(hi) : "r"(addr));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
 
 template <int NT>
 __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict__ W,
-                                                 const unsigned char* __restrict__ xb, float* y,
+                                                 const float* __restrict__ x, int xvec, float* y,
                                                  int n, int K, int O,
                                                  const unsigned char* __restrict__ W2, float* y2,
                                                  int O2, float* part, int splits, int per) {
     constexpr int TOK = 8 * NT;
     // A stage: each warp's 32 weight rows, then the block's TOK x rows, of one chunk.
-    constexpr int STAGE = SKB_WARPS * SKB_WSTAGE + TOK * 64;
+    constexpr int STAGE = SKB_WARPS * SKB_WSTAGE + TOK * SKB_XROW;
     extern __shared__ __align__(16) unsigned char skb_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles1 = (O + 31) >> 5, tiles = tiles1 + ((O2 + 31) >> 5);
@@ -926,17 +944,27 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
                         (wok >> j & 1u) ? wrow + j * 8 * rb + 64ll * c : Wm, (wok >> j & 1u) ? 16 : 0);
         }
     };
-    // x of chunk c: item i (< 4·TOK) copies word i % 4 of token i / 4 (four consecutive
-    // threads read a token's 64 contiguous bytes); tokens past n as zeros.
+    // x of chunk c: item i (< 8·TOK) copies word i % 8 of token i / 8 (eight consecutive
+    // threads read a token's 128 contiguous bytes), or without xvec value i % 32; tokens past
+    // n as zeros.
     const unsigned xdst = smem0 + SKB_WARPS * SKB_WSTAGE;
     auto issue_x = [&](int c, int stage) {
         if (c < nc) {
-            for (int i = threadIdx.x; i < 4 * TOK; i += 32 * SKB_WARPS) {
-                const int q = i & 3, tok = i >> 2;
-                const bool ok = tb + tok < n;
-                const unsigned char* src =
-                    ok ? xb + ((long long)(tb + tok) * K + 32ll * (c0 + c)) * 2 + 16 * q : xb;
-                tq_cp16(xdst + stage * STAGE + 64 * tok + 16 * (q ^ ((tok >> 1) & 3)), src, ok ? 16 : 0);
+            const unsigned dst = xdst + stage * STAGE;
+            if (xvec) {
+                for (int i = threadIdx.x; i < 8 * TOK; i += 32 * SKB_WARPS) {
+                    const int q = i & 7, tok = i >> 3;
+                    const bool ok = tb + tok < n;
+                    const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (c0 + c) + 4 * q : x;
+                    tq_cp16(dst + SKB_XROW * tok + 16 * q, src, ok ? 16 : 0);
+                }
+            } else {
+                for (int i = threadIdx.x; i < 32 * TOK; i += 32 * SKB_WARPS) {
+                    const int e = i & 31, tok = i >> 5;
+                    const bool ok = tb + tok < n;
+                    const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (c0 + c) + e : x;
+                    skb_cp4(dst + SKB_XROW * tok + 4 * e, src, ok ? 4 : 0);
+                }
             }
         }
     };
@@ -960,13 +988,14 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
     // ldmatrix rows of this lane: A (weights) row l % 16 of an m16 tile, at word
-    // 2·step + l / 16 of the chunk (x4: rows 0-7 and 8-15 at k 0, then at k 8); B (x) token
-    // l % 8 of an n8 tile at word l / 8 (x4: k 0, 8, 16, 24, i.e. b0 b1 of both k16 steps).
-    const int ar = lane & 15, bt = lane & 7;
+    // 2·step + l / 16 of the chunk (x4: rows 0-7 and 8-15 at k 0, then at k 8). B (x): lane
+    // (g, t) holds token g's values 8j + 2t and 8j + 2t + 1 in b[j] (j = 0..3: b0 b1 of both
+    // k16 steps), as ldmatrix gave them from bf16 rows.
+    const int ar = lane & 15;
     const unsigned wsm = smem0 + warp * SKB_WSTAGE + 64 * ar;
     const unsigned aw0 = 16 * ((0 + (lane >> 4)) ^ ((ar >> 1) & 3));
     const unsigned aw1 = 16 * ((2 + (lane >> 4)) ^ ((ar >> 1) & 3));
-    const unsigned xsm = xdst + 64 * bt + 16 * ((lane >> 3) ^ ((bt >> 1) & 3));
+    const unsigned xsm = xdst + SKB_XROW * g + 8 * t;
     for (int c = 0; c < nc; ++c) {
         // Stage c landed for every thread (the SKB_STAGES - 2 groups after it may still be
         // in flight), and every warp is done with stage c - 1, whose slot takes chunk
@@ -989,7 +1018,8 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
         for (int nt = 0; nt < NT; ++nt) {
             if (tb + 8 * nt < n) {  // warp-uniform
                 unsigned b[4];
-                tq_ldsm4(b, xsm + st + nt * 8 * 64);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) b[j] = skb_x_pair(xsm + st + nt * 8 * SKB_XROW + 32 * j);
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
                     tq_mma(acc[mt][nt], a[mt][0], b[0], b[1]);
@@ -1019,11 +1049,11 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
 
 #define LINEAR_SKINNY_BF16(NT)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * SKB_WARPS, 2) linear_skinny_bf16_##NT(      \
-        const unsigned char* __restrict__ W, const unsigned char* __restrict__ xb, float* y,      \
+        const unsigned char* __restrict__ W, const float* __restrict__ x, int xvec, float* y,     \
         int n, int K, int O, const unsigned char* __restrict__ W2, float* y2, int O2,             \
         float* part, int splits, int per) {                                                       \
         PDL_WEIGHTS_FIRST();                                                                      \
-        skinny_bf16_body<NT>(W, xb, y, n, K, O, W2, y2, O2, part, splits, per);                   \
+        skinny_bf16_body<NT>(W, x, xvec, y, n, K, O, W2, y2, O2, part, splits, per);              \
     }
 LINEAR_SKINNY_BF16(1)
 LINEAR_SKINNY_BF16(2)
