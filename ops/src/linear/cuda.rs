@@ -415,8 +415,10 @@ impl NormLinear {
 }
 
 /// `linear_skinny_bf16_<nt>` over one BF16 weight, or two (`second`: its row tiles follow the
-/// first's), reading x as f32, then, when K is split, `linear_skinny_reduce` over the partial
-/// sums in `scratch`. Each of `first` and `second` is (weight, output, rows).
+/// first's), reading x as f32. When K is split the partial sums go to `scratch` and each
+/// (row group, token tile)'s last block adds them (on the context's arrival counters), or,
+/// past the counters, `linear_skinny_reduce` after. Each of `first` and `second` is (weight,
+/// output, rows).
 ///
 /// # Safety
 /// `x` holds n×k f32, each weight `rows` BF16 rows of k values at a 16-byte-aligned address,
@@ -444,11 +446,12 @@ unsafe fn launch_bf16_skinny(
     };
     // The kernel copies x in 16-byte words where its rows allow, else value by value.
     let xvec = i32::from(x.is_multiple_of(16) && k.is_multiple_of(4));
-    let blocks = as_i32(
-        op,
-        "skinny blocks",
-        plan.splits * tiles.div_ceil(BF16_SKINNY_BLOCK_WARPS),
-    )?;
+    let groups = tiles.div_ceil(BF16_SKINNY_BLOCK_WARPS);
+    let blocks = as_i32(op, "skinny blocks", plan.splits * groups)?;
+    // A split product's last block adds the partial sums where a counter a (row group, token
+    // tile) is to be had; otherwise linear_skinny_reduce does, one launch later.
+    let fused_sum = plan.splits > 1 && groups * plan.token_tiles <= crate::gpu::ARRIVAL_COUNTERS;
+    let arrive = if fused_sum { ctx.arrivals() } else { 0 };
     let token_tiles = as_i32(op, "token tiles", plan.token_tiles)?;
     if token_tiles > 65535 {
         return Err(OpError::shape(
@@ -486,10 +489,11 @@ unsafe fn launch_bf16_skinny(
             .arg(part)
             .arg(splits)
             .arg(as_i32(op, "chunks a split", plan.per)?)
+            .arg(arrive)
             .enqueue()
             .map_err(dev_err)?;
     }
-    if plan.splits <= 1 {
+    if plan.splits <= 1 || fused_sum {
         return Ok(());
     }
     // SAFETY: the splits·n·outs partial sums were written just above; the caller vouches for

@@ -876,8 +876,11 @@ TQ(f32, WT_F32, x1, 1, true)
 //
 // A matrix of few row tiles (q_a with kv_a: 42) cannot fill the chip with one warp a tile, so K
 // is split `splits` ways (linear/plan.rs `Bf16SkinnyPlan`); each warp then writes its partial
-// sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so a step
-// repeats bit for bit. With splits == 1 the warp writes y itself.
+// sums to part[split][n][O + O2], and the last block of a (row group, token tile) to arrive
+// (counted on arrive[token tile][row group], which it sets back to zero) adds them in split
+// order as linear_skinny_reduce would, so a step repeats bit for bit and no launch of its own
+// waits for this one's tail; without counters (arrive null) linear_skinny_reduce runs after.
+// With splits == 1 the warp writes y itself.
 // grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, dynamic shared
 // memory SKB_STAGES·(SKB_WARPS·SKB_WSTAGE + 8NT·SKB_XROW) bytes; with O2 > 0 the tiles of W2
 // (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W and W2 16-byte
@@ -886,6 +889,8 @@ TQ(f32, WT_F32, x1, 1, true)
 #define SKB_STAGES 4
 #define SKB_WSTAGE 2048
 #define SKB_XROW 160
+// Partial sums a thread loads before it adds any (the split sums' batches).
+#define SKB_RED 8
 
 __device__ __forceinline__ void skb_cp4(unsigned dst, const void* src, int bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes)
@@ -906,7 +911,8 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
                                                  const float* __restrict__ x, int xvec, float* y,
                                                  int n, int K, int O,
                                                  const unsigned char* __restrict__ W2, float* y2,
-                                                 int O2, float* part, int splits, int per) {
+                                                 int O2, float* part, int splits, int per,
+                                                 unsigned* arrive) {
     constexpr int TOK = 8 * NT;
     // A stage: each warp's 32 weight rows, then the block's TOK x rows, of one chunk.
     constexpr int STAGE = SKB_WARPS * SKB_WSTAGE + TOK * SKB_XROW;
@@ -1028,32 +1034,70 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
             }
         }
     }
-    if (!live) return;
 
     // Accumulator (mt, nt): c0, c1 = row 16mt + g, tokens 8nt + 2t and +1; c2, c3 = row + 8.
     const int ot = O + O2, col0 = second ? O : 0;
+    if (live) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = r0 + 16 * mt + g + 8 * (i >> 1), tok = tb + 8 * nt + 2 * t + (i & 1);
-                if (r >= Om || tok >= n) continue;
-                if (splits == 1)
-                    (second ? y2 : y)[(long long)tok * Om + r] = acc[mt][nt][i];
-                else
-                    part[((long long)split * n + tok) * ot + col0 + r] = acc[mt][nt][i];
-            }
+                for (int i = 0; i < 4; ++i) {
+                    const int r = r0 + 16 * mt + g + 8 * (i >> 1), tok = tb + 8 * nt + 2 * t + (i & 1);
+                    if (r >= Om || tok >= n) continue;
+                    if (splits == 1)
+                        (second ? y2 : y)[(long long)tok * Om + r] = acc[mt][nt][i];
+                    else
+                        part[((long long)split * n + tok) * ot + col0 + r] = acc[mt][nt][i];
+                }
+    }
+    if (splits == 1 || arrive == nullptr) return;
+
+    // The last split to arrive adds every split's partials of the block's outputs.
+    __shared__ int s_last;
+    const int grp = blockIdx.x - split * groups;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned* ctr = arrive + blockIdx.y * groups + grp;
+        const bool last = atomicAdd(ctr, 1u) == (unsigned)(splits - 1);
+        if (last) *ctr = 0u;  // every split has counted: ready for the next launch
+        s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const long long all = (long long)n * ot;
+    for (int i = threadIdx.x; i < TOK * SKB_WARPS * 32; i += 32 * SKB_WARPS) {
+        const int tok = tb + i / (SKB_WARPS * 32), cl = i % (SKB_WARPS * 32);
+        const int tl = grp * SKB_WARPS + cl / 32;
+        if (tok >= n || tl >= tiles) continue;
+        const bool sec = tl >= tiles1;
+        const int om = sec ? O2 : O, r = (sec ? tl - tiles1 : tl) * 32 + (cl & 31);
+        if (r >= om) continue;
+        // Past L1 (__ldcg): the other blocks' partials were written through L2.
+        const float* src = part + (long long)tok * ot + (sec ? O : 0) + r;
+        float v = __ldcg(src);
+        for (int s0 = 1; s0 < splits; s0 += SKB_RED) {
+            float b[SKB_RED];
+#pragma unroll
+            for (int u = 0; u < SKB_RED; ++u) b[u] = s0 + u < splits ? __ldcg(src + (s0 + u) * all) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < SKB_RED; ++u)
+                if (s0 + u < splits) v += b[u];
+        }
+        (sec ? y2 : y)[(long long)tok * om + r] = v;
+    }
 }
 
 #define LINEAR_SKINNY_BF16(NT)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * SKB_WARPS, 2) linear_skinny_bf16_##NT(      \
         const unsigned char* __restrict__ W, const float* __restrict__ x, int xvec, float* y,     \
         int n, int K, int O, const unsigned char* __restrict__ W2, float* y2, int O2,             \
-        float* part, int splits, int per) {                                                       \
+        float* part, int splits, int per, unsigned* arrive) {                                     \
         PDL_WEIGHTS_FIRST();                                                                      \
-        skinny_bf16_body<NT>(W, x, xvec, y, n, K, O, W2, y2, O2, part, splits, per);              \
+        skinny_bf16_body<NT>(W, x, xvec, y, n, K, O, W2, y2, O2, part, splits, per, arrive);      \
     }
 LINEAR_SKINNY_BF16(1)
 LINEAR_SKINNY_BF16(2)
@@ -1064,7 +1108,6 @@ LINEAR_SKINNY_BF16(8)
 // y (and y2 past column O) = Σ_split part[split], in split order. One thread an output; a
 // batch of SKB_RED partials is loaded before any is added, so a thread waits on L2 once a
 // batch rather than once a split.
-#define SKB_RED 8
 extern "C" __global__ void __launch_bounds__(256)
     linear_skinny_reduce(const float* part, float* y, float* y2, int n, int O, int O2, int splits) {
     PDL_ENTER();
