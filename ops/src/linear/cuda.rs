@@ -444,8 +444,15 @@ unsafe fn launch_bf16_skinny(
     } else {
         0
     };
-    // The kernel copies x in 16-byte words where its rows allow, else value by value.
-    let xvec = i32::from(x.is_multiple_of(16) && k.is_multiple_of(4));
+    // The kernel copies x in 16-byte words (K % 32 == 0 keeps every row aligned).
+    if !x.is_multiple_of(16) {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the skinny BF16 product reads x in 16-byte words; x at 0x{x:x} is not aligned"
+            ),
+        ));
+    }
     let groups = tiles.div_ceil(BF16_SKINNY_BLOCK_WARPS);
     let blocks = as_i32(op, "skinny blocks", plan.splits * groups)?;
     // A split product's last block adds the partial sums where a counter a (row group, token
@@ -478,7 +485,6 @@ unsafe fn launch_bf16_skinny(
             .shared_mem(plan.shared_bytes() as u32)
             .arg(w1)
             .arg(x)
-            .arg(xvec)
             .arg(y1)
             .arg(ni)
             .arg(ki)

@@ -856,8 +856,7 @@ TQ(f32, WT_F32, x1, 1, true)
 // bf16, f32 sums). cuBLAS tiles these shapes for prefill: q_a with kv_a (1,344 rows) at 8 rows
 // is a handful of tiles on a 132-multiprocessor chip.
 //
-// x arrives narrowed to bf16 (linear_x_bf16, into the op's scratch). A warp owns 32 weight
-// rows (two m16 tiles, the A operand); the block streams its K split through a ring of
+// A warp owns 32 weight rows (two m16 tiles, the A operand); the block streams its K split through a ring of
 // SKB_STAGES cp.async stages in shared memory, a stage one 32-value chunk of every warp's rows
 // and of the block's 8·NT x rows (shared by the warps), so three chunks are in flight while
 // one is multiplied, with one barrier a chunk. (Staging the block's whole x split up front
@@ -884,18 +883,15 @@ TQ(f32, WT_F32, x1, 1, true)
 // grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, dynamic shared
 // memory SKB_STAGES·(SKB_WARPS·SKB_WSTAGE + 8NT·SKB_XROW) bytes; with O2 > 0 the tiles of W2
 // (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W and W2 16-byte
-// aligned; x (f32) 16-byte aligned where xvec, else 4.
+// aligned; x (f32) 16-byte aligned (linear_path and LinearPair send other views elsewhere).
 #define SKB_WARPS 4
 #define SKB_STAGES 4
 #define SKB_WSTAGE 2048
 #define SKB_XROW 160
-// Partial sums a thread loads before it adds any (the split sums' batches).
+// Partial sums a thread loads before it adds any (the split sums' batches), and the splits a
+// batch of a split product's fused tail takes (two tokens, four columns each).
 #define SKB_RED 8
-
-__device__ __forceinline__ void skb_cp4(unsigned dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes)
-                 : "memory");
-}
+#define SKB_TAIL 4
 
 // Values k and k + 1 of a staged f32 x row as the bf16 pair of a B fragment (k in the low half).
 __device__ __forceinline__ unsigned skb_x_pair(unsigned addr) {
@@ -908,7 +904,7 @@ __device__ __forceinline__ unsigned skb_x_pair(unsigned addr) {
 
 template <int NT>
 __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict__ W,
-                                                 const float* __restrict__ x, int xvec, float* y,
+                                                 const float* __restrict__ x, float* y,
                                                  int n, int K, int O,
                                                  const unsigned char* __restrict__ W2, float* y2,
                                                  int O2, float* part, int splits, int per,
@@ -951,26 +947,15 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
         }
     };
     // x of chunk c: item i (< 8·TOK) copies word i % 8 of token i / 8 (eight consecutive
-    // threads read a token's 128 contiguous bytes), or without xvec value i % 32; tokens past
-    // n as zeros.
+    // threads read a token's 128 contiguous bytes); tokens past n as zeros.
     const unsigned xdst = smem0 + SKB_WARPS * SKB_WSTAGE;
     auto issue_x = [&](int c, int stage) {
         if (c < nc) {
-            const unsigned dst = xdst + stage * STAGE;
-            if (xvec) {
-                for (int i = threadIdx.x; i < 8 * TOK; i += 32 * SKB_WARPS) {
-                    const int q = i & 7, tok = i >> 3;
-                    const bool ok = tb + tok < n;
-                    const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (c0 + c) + 4 * q : x;
-                    tq_cp16(dst + SKB_XROW * tok + 16 * q, src, ok ? 16 : 0);
-                }
-            } else {
-                for (int i = threadIdx.x; i < 32 * TOK; i += 32 * SKB_WARPS) {
-                    const int e = i & 31, tok = i >> 5;
-                    const bool ok = tb + tok < n;
-                    const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (c0 + c) + e : x;
-                    skb_cp4(dst + SKB_XROW * tok + 4 * e, src, ok ? 4 : 0);
-                }
+            for (int i = threadIdx.x; i < 8 * TOK; i += 32 * SKB_WARPS) {
+                const int q = i & 7, tok = i >> 3;
+                const bool ok = tb + tok < n;
+                const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (c0 + c) + 4 * q : x;
+                tq_cp16(xdst + stage * STAGE + SKB_XROW * tok + 16 * q, src, ok ? 16 : 0);
             }
         }
     };
@@ -1068,36 +1053,65 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
     __syncthreads();
     if (!s_last) return;
     __threadfence();
+    // Lane q of a warp takes columns 4(q % 8).. of the group's tile q / 8, warp w tokens w,
+    // w + 4, ..., two at a time: each thread's loads of a batch of splits are all in flight
+    // before it adds any (a column at a time, the tail was a chain of L2 round trips).
     const long long all = (long long)n * ot;
-    for (int i = threadIdx.x; i < TOK * SKB_WARPS * 32; i += 32 * SKB_WARPS) {
-        const int tok = tb + i / (SKB_WARPS * 32), cl = i % (SKB_WARPS * 32);
-        const int tl = grp * SKB_WARPS + cl / 32;
-        if (tok >= n || tl >= tiles) continue;
-        const bool sec = tl >= tiles1;
-        const int om = sec ? O2 : O, r = (sec ? tl - tiles1 : tl) * 32 + (cl & 31);
-        if (r >= om) continue;
-        // Past L1 (__ldcg): the other blocks' partials were written through L2.
-        const float* src = part + (long long)tok * ot + (sec ? O : 0) + r;
-        float v = __ldcg(src);
-        for (int s0 = 1; s0 < splits; s0 += SKB_RED) {
-            float b[SKB_RED];
+    const int q = lane, tl = grp * SKB_WARPS + (q >> 3);
+    if (tl >= tiles) return;
+    const bool sec = tl >= tiles1;
+    const int om = sec ? O2 : O, r = (sec ? tl - tiles1 : tl) * 32 + 4 * (q & 7);
+    if (r >= om) return;
+    float* yo = sec ? y2 : y;
+    // Past L1 (__ldcg): the other blocks' partials were written through L2.
+    const float* colp = part + (sec ? O : 0) + r;
+    const int cols = min(4, om - r);
+    for (int k0 = warp; k0 < TOK && tb + k0 < n; k0 += 8) {
+        const int t0 = tb + k0, t1 = t0 + 4;
+        const bool two = k0 + 4 < TOK && t1 < n;
+        const float* p0 = colp + (long long)t0 * ot;
+        const float* p1 = colp + (long long)(two ? t1 : t0) * ot;
+        float v0[4], v1[4];
 #pragma unroll
-            for (int u = 0; u < SKB_RED; ++u) b[u] = s0 + u < splits ? __ldcg(src + (s0 + u) * all) : 0.0f;
-#pragma unroll
-            for (int u = 0; u < SKB_RED; ++u)
-                if (s0 + u < splits) v += b[u];
+        for (int c = 0; c < 4; ++c) {
+            v0[c] = c < cols ? __ldcg(p0 + c) : 0.0f;
+            v1[c] = c < cols ? __ldcg(p1 + c) : 0.0f;
         }
-        (sec ? y2 : y)[(long long)tok * om + r] = v;
+        for (int s0 = 1; s0 < splits; s0 += SKB_TAIL) {
+            float b0[SKB_TAIL][4], b1[SKB_TAIL][4];
+#pragma unroll
+            for (int u = 0; u < SKB_TAIL; ++u)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const bool ok = s0 + u < splits && c < cols;
+                    b0[u][c] = ok ? __ldcg(p0 + (s0 + u) * all + c) : 0.0f;
+                    b1[u][c] = ok ? __ldcg(p1 + (s0 + u) * all + c) : 0.0f;
+                }
+#pragma unroll
+            for (int u = 0; u < SKB_TAIL; ++u)
+                if (s0 + u < splits)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        v0[c] += b0[u][c];
+                        v1[c] += b1[u][c];
+                    }
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if (c >= cols) continue;
+            yo[(long long)t0 * om + r + c] = v0[c];
+            if (two) yo[(long long)t1 * om + r + c] = v1[c];
+        }
     }
 }
 
 #define LINEAR_SKINNY_BF16(NT)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * SKB_WARPS, 2) linear_skinny_bf16_##NT(      \
-        const unsigned char* __restrict__ W, const float* __restrict__ x, int xvec, float* y,     \
+        const unsigned char* __restrict__ W, const float* __restrict__ x, float* y,               \
         int n, int K, int O, const unsigned char* __restrict__ W2, float* y2, int O2,             \
         float* part, int splits, int per, unsigned* arrive) {                                     \
         PDL_WEIGHTS_FIRST();                                                                      \
-        skinny_bf16_body<NT>(W, x, xvec, y, n, K, O, W2, y2, O2, part, splits, per, arrive);      \
+        skinny_bf16_body<NT>(W, x, y, n, K, O, W2, y2, O2, part, splits, per, arrive);            \
     }
 LINEAR_SKINNY_BF16(1)
 LINEAR_SKINNY_BF16(2)
