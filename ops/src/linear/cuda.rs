@@ -414,11 +414,10 @@ impl NormLinear {
     }
 }
 
-/// `linear_skinny_bf16_<nt>` over one BF16 weight, or two (`second`: its row tiles follow the
-/// first's), reading x as f32. When K is split the partial sums go to `scratch` and each
-/// (row group, token tile)'s last block adds them (on the context's arrival counters), or,
-/// past the counters, `linear_skinny_reduce` after. Each of `first` and `second` is (weight,
-/// output, rows).
+/// `linear_x_bf16` narrowing x into `scratch`, then `linear_skinny_bf16_<nt>` over one BF16
+/// weight, or two (`second`: its row tiles follow the first's), then, when K is split,
+/// `linear_skinny_reduce` over the partial sums after the narrowed x. Each of `first` and
+/// `second` is (weight, output, rows).
 ///
 /// # Safety
 /// `x` holds n×k f32, each weight `rows` BF16 rows of k values at a 16-byte-aligned address,
@@ -438,27 +437,20 @@ unsafe fn launch_bf16_skinny(
     let (w1, y1, o1) = first;
     let (w2, y2, o2) = second.unwrap_or((0, 0, 0));
     let (tiles, outs) = (o1.div_ceil(32) + o2.div_ceil(32), o1 + o2);
+    scratch.require(op, plan.scratch_bytes(n, k, outs))?;
+    let xb = scratch.ptr.next_multiple_of(256);
     let part = if plan.splits > 1 {
-        scratch.require(op, plan.scratch_bytes(n, k, outs))?;
-        scratch.ptr.next_multiple_of(256)
+        xb + (n * k * 2).next_multiple_of(256) as u64
     } else {
         0
     };
-    // The kernel copies x in 16-byte words (K % 32 == 0 keeps every row aligned).
-    if !x.is_multiple_of(16) {
-        return Err(OpError::shape(
-            op,
-            format!(
-                "the skinny BF16 product reads x in 16-byte words; x at 0x{x:x} is not aligned"
-            ),
-        ));
-    }
-    let groups = tiles.div_ceil(BF16_SKINNY_BLOCK_WARPS);
-    let blocks = as_i32(op, "skinny blocks", plan.splits * groups)?;
-    // A split product's last block adds the partial sums where a counter a (row group, token
-    // tile) is to be had; otherwise linear_skinny_reduce does, one launch later.
-    let fused_sum = plan.splits > 1 && groups * plan.token_tiles <= crate::gpu::ARRIVAL_COUNTERS;
-    let arrive = if fused_sum { ctx.arrivals() } else { 0 };
+    // SAFETY: n·k bf16 at `xb` lie inside the scratch required above.
+    unsafe { narrow_to_bf16(ctx, op, x, xb, n * k)? };
+    let blocks = as_i32(
+        op,
+        "skinny blocks",
+        plan.splits * tiles.div_ceil(BF16_SKINNY_BLOCK_WARPS),
+    )?;
     let token_tiles = as_i32(op, "token tiles", plan.token_tiles)?;
     if token_tiles > 65535 {
         return Err(OpError::shape(
@@ -475,8 +467,8 @@ unsafe fn launch_bf16_skinny(
         &format!("linear_skinny_bf16_{}", plan.nt),
     )?;
     // SAFETY: the arguments follow linear_skinny_bf16's C signature; the caller vouches for
-    // the weights, x (n·k f32) and the outputs, and the partial sums (splits·n·outs f32) fit
-    // the scratch required above.
+    // the weights and the outputs, xb holds the n·k bf16 written just above, and the partial
+    // sums (splits·n·outs f32) after it fit the scratch required above.
     unsafe {
         ctx.device
             .launch(&kern)
@@ -484,7 +476,7 @@ unsafe fn launch_bf16_skinny(
             .block((32 * BF16_SKINNY_BLOCK_WARPS) as u32)
             .shared_mem(plan.shared_bytes() as u32)
             .arg(w1)
-            .arg(x)
+            .arg(xb)
             .arg(y1)
             .arg(ni)
             .arg(ki)
@@ -495,11 +487,10 @@ unsafe fn launch_bf16_skinny(
             .arg(part)
             .arg(splits)
             .arg(as_i32(op, "chunks a split", plan.per)?)
-            .arg(arrive)
             .enqueue()
             .map_err(dev_err)?;
     }
-    if plan.splits <= 1 || fused_sum {
+    if plan.splits <= 1 {
         return Ok(());
     }
     // SAFETY: the splits·n·outs partial sums were written just above; the caller vouches for

@@ -856,18 +856,16 @@ TQ(f32, WT_F32, x1, 1, true)
 // bf16, f32 sums). cuBLAS tiles these shapes for prefill: q_a with kv_a (1,344 rows) at 8 rows
 // is a handful of tiles on a 132-multiprocessor chip.
 //
-// A warp owns 32 weight rows (two m16 tiles, the A operand); the block streams its K split through a ring of
+// x arrives narrowed to bf16 (linear_x_bf16, into the op's scratch). A warp owns 32 weight
+// rows (two m16 tiles, the A operand); the block streams its K split through a ring of
 // SKB_STAGES cp.async stages in shared memory, a stage one 32-value chunk of every warp's rows
 // and of the block's 8·NT x rows (shared by the warps), so three chunks are in flight while
 // one is multiplied, with one barrier a chunk. (Staging the block's whole x split up front
 // delayed every block's first product by that copy: half the weight's bytes again at 64
-// rows.) The weights reach the MMA by ldmatrix from 64-byte rows, swizzled so that a phase's
-// eight rows hit distinct banks (and a fragment needs no register moves: loaded as 16-byte
-// words, rows g and g+8 took ~100 moves a chunk at NT = 8 to pair up), k in order as in the
-// tensor-core tiles. x is staged as the f32 it is (rows padded to 160 bytes, so a B
-// fragment's 8-byte reads hit distinct banks) and each warp rounds its fragments to bf16 as
-// it reads them, as linear_x_bf16 would have: no narrowing launch before this one, whose
-// latency sat between the predecessor and every block's first product. (The previous form read x as
+// rows.) Both operands reach the MMA by ldmatrix from 64-byte rows, swizzled so that a
+// phase's eight rows hit distinct banks (and a fragment needs no register moves: loaded as
+// 16-byte words, rows g and g+8 took ~100 moves a chunk at NT = 8 to pair up), k in order as
+// in the tensor-core tiles. (The previous form read x as
 // f32 from shared memory and narrowed it in every warp, and held the weights in a register
 // ring three chunks deep straight from global memory: at 64 rows the attention output took
 // 47.5 µs on an H200 against cuBLAS's 17.4, each block's few chunks a few memory latencies in
@@ -875,43 +873,25 @@ TQ(f32, WT_F32, x1, 1, true)
 //
 // A matrix of few row tiles (q_a with kv_a: 42) cannot fill the chip with one warp a tile, so K
 // is split `splits` ways (linear/plan.rs `Bf16SkinnyPlan`); each warp then writes its partial
-// sums to part[split][n][O + O2], and the last block of a (row group, token tile) to arrive
-// (counted on arrive[token tile][row group], which it sets back to zero) adds them in split
-// order as linear_skinny_reduce would, so a step repeats bit for bit and no launch of its own
-// waits for this one's tail; without counters (arrive null) linear_skinny_reduce runs after.
-// With splits == 1 the warp writes y itself.
+// sums to part[split][n][O + O2] and linear_skinny_reduce adds them in split order, so a step
+// repeats bit for bit. With splits == 1 the warp writes y itself.
 // grid (splits·ceil(tiles / SKB_WARPS), ceil(n / 8NT)), block 32·SKB_WARPS, dynamic shared
-// memory SKB_STAGES·(SKB_WARPS·SKB_WSTAGE + 8NT·SKB_XROW) bytes; with O2 > 0 the tiles of W2
-// (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W and W2 16-byte
-// aligned; x (f32) 16-byte aligned (linear_path and LinearPair send other views elsewhere).
+// memory SKB_STAGES·(SKB_WARPS·SKB_WSTAGE + 8NT·64) bytes; with O2 > 0 the tiles of W2
+// (into y2) follow those of W (one launch for q_a and kv_a). K % 32 == 0, W, W2 and xb 16-byte
+// aligned.
 #define SKB_WARPS 4
 #define SKB_STAGES 4
 #define SKB_WSTAGE 2048
-#define SKB_XROW 160
-// Partial sums a thread loads before it adds any (the split sums' batches), and the splits a
-// batch of a split product's fused tail takes (two tokens, four columns each).
-#define SKB_RED 8
-#define SKB_TAIL 4
-
-// Values k and k + 1 of a staged f32 x row as the bf16 pair of a B fragment (k in the low half).
-__device__ __forceinline__ unsigned skb_x_pair(unsigned addr) {
-    float lo, hi;
-    unsigned r;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(lo), "=f"(hi) : "r"(addr));
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 
 template <int NT>
 __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict__ W,
-                                                 const float* __restrict__ x, float* y,
+                                                 const unsigned char* __restrict__ xb, float* y,
                                                  int n, int K, int O,
                                                  const unsigned char* __restrict__ W2, float* y2,
-                                                 int O2, float* part, int splits, int per,
-                                                 unsigned* arrive) {
+                                                 int O2, float* part, int splits, int per) {
     constexpr int TOK = 8 * NT;
     // A stage: each warp's 32 weight rows, then the block's TOK x rows, of one chunk.
-    constexpr int STAGE = SKB_WARPS * SKB_WSTAGE + TOK * SKB_XROW;
+    constexpr int STAGE = SKB_WARPS * SKB_WSTAGE + TOK * 64;
     extern __shared__ __align__(16) unsigned char skb_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles1 = (O + 31) >> 5, tiles = tiles1 + ((O2 + 31) >> 5);
@@ -946,16 +926,17 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
                         (wok >> j & 1u) ? wrow + j * 8 * rb + 64ll * c : Wm, (wok >> j & 1u) ? 16 : 0);
         }
     };
-    // x of chunk c: item i (< 8·TOK) copies word i % 8 of token i / 8 (eight consecutive
-    // threads read a token's 128 contiguous bytes); tokens past n as zeros.
+    // x of chunk c: item i (< 4·TOK) copies word i % 4 of token i / 4 (four consecutive
+    // threads read a token's 64 contiguous bytes); tokens past n as zeros.
     const unsigned xdst = smem0 + SKB_WARPS * SKB_WSTAGE;
     auto issue_x = [&](int c, int stage) {
         if (c < nc) {
-            for (int i = threadIdx.x; i < 8 * TOK; i += 32 * SKB_WARPS) {
-                const int q = i & 7, tok = i >> 3;
+            for (int i = threadIdx.x; i < 4 * TOK; i += 32 * SKB_WARPS) {
+                const int q = i & 3, tok = i >> 2;
                 const bool ok = tb + tok < n;
-                const float* src = ok ? x + (long long)(tb + tok) * K + 32ll * (c0 + c) + 4 * q : x;
-                tq_cp16(xdst + stage * STAGE + SKB_XROW * tok + 16 * q, src, ok ? 16 : 0);
+                const unsigned char* src =
+                    ok ? xb + ((long long)(tb + tok) * K + 32ll * (c0 + c)) * 2 + 16 * q : xb;
+                tq_cp16(xdst + stage * STAGE + 64 * tok + 16 * (q ^ ((tok >> 1) & 3)), src, ok ? 16 : 0);
             }
         }
     };
@@ -979,14 +960,13 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
     // ldmatrix rows of this lane: A (weights) row l % 16 of an m16 tile, at word
-    // 2·step + l / 16 of the chunk (x4: rows 0-7 and 8-15 at k 0, then at k 8). B (x): lane
-    // (g, t) holds token g's values 8j + 2t and 8j + 2t + 1 in b[j] (j = 0..3: b0 b1 of both
-    // k16 steps), as ldmatrix gave them from bf16 rows.
-    const int ar = lane & 15;
+    // 2·step + l / 16 of the chunk (x4: rows 0-7 and 8-15 at k 0, then at k 8); B (x) token
+    // l % 8 of an n8 tile at word l / 8 (x4: k 0, 8, 16, 24, i.e. b0 b1 of both k16 steps).
+    const int ar = lane & 15, bt = lane & 7;
     const unsigned wsm = smem0 + warp * SKB_WSTAGE + 64 * ar;
     const unsigned aw0 = 16 * ((0 + (lane >> 4)) ^ ((ar >> 1) & 3));
     const unsigned aw1 = 16 * ((2 + (lane >> 4)) ^ ((ar >> 1) & 3));
-    const unsigned xsm = xdst + SKB_XROW * g + 8 * t;
+    const unsigned xsm = xdst + 64 * bt + 16 * ((lane >> 3) ^ ((bt >> 1) & 3));
     for (int c = 0; c < nc; ++c) {
         // Stage c landed for every thread (the SKB_STAGES - 2 groups after it may still be
         // in flight), and every warp is done with stage c - 1, whose slot takes chunk
@@ -1009,8 +989,7 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
         for (int nt = 0; nt < NT; ++nt) {
             if (tb + 8 * nt < n) {  // warp-uniform
                 unsigned b[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) b[j] = skb_x_pair(xsm + st + nt * 8 * SKB_XROW + 32 * j);
+                tq_ldsm4(b, xsm + st + nt * 8 * 64);
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
                     tq_mma(acc[mt][nt], a[mt][0], b[0], b[1]);
@@ -1019,99 +998,32 @@ __device__ __forceinline__ void skinny_bf16_body(const unsigned char* __restrict
             }
         }
     }
+    if (!live) return;
 
     // Accumulator (mt, nt): c0, c1 = row 16mt + g, tokens 8nt + 2t and +1; c2, c3 = row + 8.
     const int ot = O + O2, col0 = second ? O : 0;
-    if (live) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int r = r0 + 16 * mt + g + 8 * (i >> 1), tok = tb + 8 * nt + 2 * t + (i & 1);
-                    if (r >= Om || tok >= n) continue;
-                    if (splits == 1)
-                        (second ? y2 : y)[(long long)tok * Om + r] = acc[mt][nt][i];
-                    else
-                        part[((long long)split * n + tok) * ot + col0 + r] = acc[mt][nt][i];
-                }
-    }
-    if (splits == 1 || arrive == nullptr) return;
-
-    // The last split to arrive adds every split's partials of the block's outputs.
-    __shared__ int s_last;
-    const int grp = blockIdx.x - split * groups;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned* ctr = arrive + blockIdx.y * groups + grp;
-        const bool last = atomicAdd(ctr, 1u) == (unsigned)(splits - 1);
-        if (last) *ctr = 0u;  // every split has counted: ready for the next launch
-        s_last = last;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    // Lane q of a warp takes columns 4(q % 8).. of the group's tile q / 8, warp w tokens w,
-    // w + 4, ..., two at a time: each thread's loads of a batch of splits are all in flight
-    // before it adds any (a column at a time, the tail was a chain of L2 round trips).
-    const long long all = (long long)n * ot;
-    const int q = lane, tl = grp * SKB_WARPS + (q >> 3);
-    if (tl >= tiles) return;
-    const bool sec = tl >= tiles1;
-    const int om = sec ? O2 : O, r = (sec ? tl - tiles1 : tl) * 32 + 4 * (q & 7);
-    if (r >= om) return;
-    float* yo = sec ? y2 : y;
-    // Past L1 (__ldcg): the other blocks' partials were written through L2.
-    const float* colp = part + (sec ? O : 0) + r;
-    const int cols = min(4, om - r);
-    for (int k0 = warp; k0 < TOK && tb + k0 < n; k0 += 8) {
-        const int t0 = tb + k0, t1 = t0 + 4;
-        const bool two = k0 + 4 < TOK && t1 < n;
-        const float* p0 = colp + (long long)t0 * ot;
-        const float* p1 = colp + (long long)(two ? t1 : t0) * ot;
-        float v0[4], v1[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            v0[c] = c < cols ? __ldcg(p0 + c) : 0.0f;
-            v1[c] = c < cols ? __ldcg(p1 + c) : 0.0f;
-        }
-        for (int s0 = 1; s0 < splits; s0 += SKB_TAIL) {
-            float b0[SKB_TAIL][4], b1[SKB_TAIL][4];
-#pragma unroll
-            for (int u = 0; u < SKB_TAIL; ++u)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const bool ok = s0 + u < splits && c < cols;
-                    b0[u][c] = ok ? __ldcg(p0 + (s0 + u) * all + c) : 0.0f;
-                    b1[u][c] = ok ? __ldcg(p1 + (s0 + u) * all + c) : 0.0f;
-                }
-#pragma unroll
-            for (int u = 0; u < SKB_TAIL; ++u)
-                if (s0 + u < splits)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        v0[c] += b0[u][c];
-                        v1[c] += b1[u][c];
-                    }
-        }
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            if (c >= cols) continue;
-            yo[(long long)t0 * om + r + c] = v0[c];
-            if (two) yo[(long long)t1 * om + r + c] = v1[c];
-        }
-    }
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + 16 * mt + g + 8 * (i >> 1), tok = tb + 8 * nt + 2 * t + (i & 1);
+                if (r >= Om || tok >= n) continue;
+                if (splits == 1)
+                    (second ? y2 : y)[(long long)tok * Om + r] = acc[mt][nt][i];
+                else
+                    part[((long long)split * n + tok) * ot + col0 + r] = acc[mt][nt][i];
+            }
 }
 
 #define LINEAR_SKINNY_BF16(NT)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * SKB_WARPS, 2) linear_skinny_bf16_##NT(      \
-        const unsigned char* __restrict__ W, const float* __restrict__ x, float* y,               \
+        const unsigned char* __restrict__ W, const unsigned char* __restrict__ xb, float* y,      \
         int n, int K, int O, const unsigned char* __restrict__ W2, float* y2, int O2,             \
-        float* part, int splits, int per, unsigned* arrive) {                                     \
+        float* part, int splits, int per) {                                                       \
         PDL_WEIGHTS_FIRST();                                                                      \
-        skinny_bf16_body<NT>(W, x, y, n, K, O, W2, y2, O2, part, splits, per, arrive);            \
+        skinny_bf16_body<NT>(W, xb, y, n, K, O, W2, y2, O2, part, splits, per);                   \
     }
 LINEAR_SKINNY_BF16(1)
 LINEAR_SKINNY_BF16(2)
@@ -1122,6 +1034,7 @@ LINEAR_SKINNY_BF16(8)
 // y (and y2 past column O) = Σ_split part[split], in split order. One thread an output; a
 // batch of SKB_RED partials is loaded before any is added, so a thread waits on L2 once a
 // batch rather than once a split.
+#define SKB_RED 8
 extern "C" __global__ void __launch_bounds__(256)
     linear_skinny_reduce(const float* part, float* y, float* y2, int n, int O, int O2, int splits) {
     PDL_ENTER();

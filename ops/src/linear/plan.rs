@@ -106,8 +106,6 @@ pub(crate) struct Bf16SkinnyPlan {
 pub(crate) const BF16_SKINNY_BLOCK_WARPS: usize = 4;
 /// Stages of a block's cp.async ring (`SKB_STAGES`).
 const BF16_SKINNY_STAGES: usize = 4;
-/// Bytes of a staged chunk of one f32 x row (`SKB_XROW`): 32 values padded to 40.
-const BF16_SKINNY_X_ROW: usize = 160;
 /// Multiprocessors a plan fills (an H200's 132) and the blocks of each it aims for: two
 /// blocks, 8 warps with three chunks of 32 rows in flight each, keep ~48 KB a multiprocessor
 /// in flight, about what the memory's latency asks at its full rate.
@@ -145,19 +143,19 @@ impl Bf16SkinnyPlan {
     }
 
     /// Dynamic shared memory of a block: its ring, a stage one chunk of every warp's 32 rows
-    /// and of the block's 8·nt x rows (64 bytes of weight rows, [`BF16_SKINNY_X_ROW`] bytes
-    /// of f32 x rows).
+    /// and of the block's 8·nt x rows (64 bytes each).
     pub(crate) fn shared_bytes(&self) -> usize {
-        BF16_SKINNY_STAGES * (BF16_SKINNY_BLOCK_WARPS * 32 * 64 + 8 * self.nt * BF16_SKINNY_X_ROW)
+        BF16_SKINNY_STAGES * (BF16_SKINNY_BLOCK_WARPS * 32 + 8 * self.nt) * 64
     }
 
-    /// Scratch: the partial sums when K is split (at a 256-byte boundary: 256 spare bytes
-    /// align the start); none otherwise (x is read as it is).
-    pub(crate) fn scratch_bytes(&self, n: usize, _k: usize, outs: usize) -> usize {
+    /// Scratch: x narrowed to bf16 (n·k), then the partial sums when K is split, each at a
+    /// 256-byte boundary (256 spare bytes align the start).
+    pub(crate) fn scratch_bytes(&self, n: usize, k: usize, outs: usize) -> usize {
+        let xb = (n * k * 2).next_multiple_of(256);
         if self.splits <= 1 {
-            0
+            256 + xb
         } else {
-            256 + self.splits * n * outs * 4
+            256 + xb + self.splits * n * outs * 4
         }
     }
 }
