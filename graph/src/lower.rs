@@ -143,7 +143,8 @@ pub struct LoweringOptions {
     /// neighbours, holds it. H100 (bench/RESULTS.md 2026-12-06 (h)), gate+up a layer, deep
     /// against default ring: 32 sequences (2 routes an expert) 139.2 against 148.3 µs; 64 (4,
     /// half the experts on two n8 tiles) 176.2 against 164.4; 8 (0.5, K split over two
-    /// warps) 78.6 against 76.7.
+    /// warps) 78.6 against 76.7. Chosen so, 32 sequences decoded 2,163 t/s against 2,112 with
+    /// the default ring (2026-12-06 (i), one build).
     pub expert_int_deep_ring_routes_an_expert: usize,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
