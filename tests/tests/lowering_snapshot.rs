@@ -681,6 +681,9 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
     // The tiny model routes top-4 of 8 experts: 3 tokens are 1.5 routes an expert, past one
     // and within the deep ring's 3; 10 tokens are 5.
     all(labels(3, &on), "[skinny int deep]");
+    // 6 tokens are 24 routes, three an expert: the deep ring's last; 7 are past it.
+    all(labels(6, &on), "[skinny int deep]");
+    all(labels(7, &on), "[skinny int]");
     all(labels(3, &no_deep_ring), "[skinny int]");
     all(labels(10, &on), "[skinny int]");
     all(labels(11, &on), "[skinny]");
