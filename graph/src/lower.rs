@@ -1166,13 +1166,8 @@ impl Fusions {
             }
             let routes = meta(route_token).shape.first().copied().unwrap_or(0);
             let skinny = |n_in: usize, swiglu: bool, w: ValueId| {
-                matches!(
-                    o.experts(routes, n_in, swiglu, Some(meta(w)), target),
-                    ExpertKernel::Skinny
-                        | ExpertKernel::SkinnyInt
-                        | ExpertKernel::SkinnyIntDeep
-                        | ExpertKernel::IntGemv
-                )
+                let k = o.experts(routes, n_in, swiglu, Some(meta(w)), target);
+                k.is_skinny() || k == ExpertKernel::IntGemv
             };
             if !skinny(d, true, w_gate) || !skinny(nf, false, dnn.inputs[1]) {
                 continue;

@@ -287,12 +287,7 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
             continue;
         }
         // The skinny kernel's crowded case is the 160-route one.
-        if matches!(
-            kernel,
-            ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep
-        ) && crowd
-            && routes <= crate::moe::GEMV_ROUTES_LIMIT
-        {
+        if kernel.is_skinny() && crowd && routes <= crate::moe::GEMV_ROUTES_LIMIT {
             continue;
         }
         let tag = if crowd { " crowded" } else { "" };

@@ -387,15 +387,7 @@ pub(super) fn expert_launch(
     kernel: ExpertKernel,
     a: &Experts<'_>,
 ) -> Result<(), OpError> {
-    if a.shared.is_some()
-        && !matches!(
-            kernel,
-            ExpertKernel::Skinny
-                | ExpertKernel::SkinnyInt
-                | ExpertKernel::SkinnyIntDeep
-                | ExpertKernel::IntGemv
-        )
-    {
+    if a.shared.is_some() && !(kernel.is_skinny() || kernel == ExpertKernel::IntGemv) {
         return Err(OpError::shape(
             op,
             format!(
@@ -442,10 +434,7 @@ pub(super) fn expert_launch(
     let wb = a.wb.map_or(0, |w| w.ptr);
     let slots = a.n_expert.min(a.routes);
     let i = |what, v| dim_i32(op, what, v);
-    if matches!(
-        kernel,
-        ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep
-    ) {
+    if kernel.is_skinny() {
         // SAFETY: the weights, inputs, route table and output were checked by check_device
         // against the op's shapes, the scratch is the op's own (cuda_scratch_bytes).
         return unsafe {

@@ -145,6 +145,14 @@ pub enum ExpertKernel {
 }
 
 impl ExpertKernel {
+    /// One of the skinny grouped kernels: the f16 path or the integer one, on either ring.
+    pub fn is_skinny(self) -> bool {
+        matches!(
+            self,
+            ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep
+        )
+    }
+
     fn label(self) -> &'static str {
         match self {
             ExpertKernel::Unlowered => "",
