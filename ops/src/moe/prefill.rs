@@ -267,11 +267,6 @@ pub const SKINNY_K_TILE: usize = 256;
 const SK_ROWS: usize = 32;
 /// One stage of a warp's weight ring (`SK_WSTAGE`): 32 rows × 144 bytes (a 256-input k-tile).
 const SK_WSTAGE: usize = SK_ROWS * 144;
-/// Stages of a warp's ring: three on the f16 path and the integer deep ring, two on the
-/// integer path (whose kernel takes five blocks a multiprocessor where the others take four).
-const SK_STAGES: usize = 3;
-const SK_STAGES_INT: usize = 2;
-
 /// How the skinny kernel takes its inputs, and so which of its kernels runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SkinnyPath {
@@ -288,6 +283,16 @@ pub(crate) enum SkinnyPath {
 impl SkinnyPath {
     fn int_inputs(self) -> bool {
         self != SkinnyPath::F16
+    }
+
+    /// The kernel (for `nt` n8 tiles a route tile on the f16 path) and the stages of each
+    /// warp's weight ring it was compiled for (`STAGES` of its `EXPERT_SKINNY` line).
+    fn kernel(self, nt: usize) -> (String, usize) {
+        match self {
+            SkinnyPath::F16 => (format!("expert_skinny_iq4_{nt}"), 3),
+            SkinnyPath::Int => ("expert_skinny_iq4_q".to_string(), 2),
+            SkinnyPath::IntDeep => ("expert_skinny_iq4_q3".to_string(), 3),
+        }
     }
 }
 /// Warps a skinny block has: `kw` of them share a row tile's K, so a block covers 4/kw tiles.
@@ -566,17 +571,8 @@ pub(crate) unsafe fn launch_expert_skinny(
     };
     let kw = skinny_k_warps(n_in / SKINNY_K_TILE, row_tiles * pairs);
     let subtiles = SK_WARPS / kw;
-    let stages = if path == SkinnyPath::Int {
-        SK_STAGES_INT
-    } else {
-        SK_STAGES
-    };
+    let (name, stages) = path.kernel(nt);
     let smem = SK_WARPS * stages * SK_WSTAGE + subtiles * (kw - 1) * 2 * nt * 4 * 32 * 4;
-    let name = match path {
-        SkinnyPath::F16 => format!("expert_skinny_iq4_{nt}"),
-        SkinnyPath::Int => "expert_skinny_iq4_q".to_string(),
-        SkinnyPath::IntDeep => "expert_skinny_iq4_q3".to_string(),
-    };
     let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, &name)?;
     // SAFETY: the argument list matches expert_skinny_iq4_<NT>; the caller guarantees the
     // buffers, xh was written above, and the kernel bounds every route, token and row index
