@@ -153,6 +153,9 @@ pub struct LoweringOptions {
     /// Tokens up to which the router's selection and the route plan run as one block (one
     /// launch fewer a MoE layer; 0: never).
     pub router_routes_max_rows: usize,
+    /// That block is the router's logits launch's last block to finish, not a launch of its
+    /// own (`router_routes ... in one launch`): one launch for the whole router.
+    pub router_one_launch: bool,
     /// Tokens from which the top-k sum builds an inverse route table first.
     pub topk_inverse_min_rows: usize,
     /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass. H200
@@ -214,6 +217,7 @@ impl Default for LoweringOptions {
             expert_int_deep_ring_routes_an_expert: 3,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
+            router_one_launch: true,
             topk_inverse_min_rows: 132,
             hc_rows_min_rows: 32,
             hc_rows_chunks_per_warp: 1,
@@ -242,7 +246,7 @@ impl fmt::Display for LoweringOptions {
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes (int <={} an expert, deep ring <={}); \
-             router tiled>={} router+routes<={} topk inverse>={} \
+             router tiled>={} router+routes<={}{} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
@@ -266,6 +270,11 @@ impl fmt::Display for LoweringOptions {
             self.expert_int_deep_ring_routes_an_expert,
             self.router_tiled_min_rows,
             self.router_routes_max_rows,
+            if self.router_one_launch {
+                " (one launch)"
+            } else {
+                ""
+            },
             self.topk_inverse_min_rows,
             self.hc_rows_min_rows,
             self.hc_rows_chunks_per_warp,
@@ -478,7 +487,7 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
     if opts.fuse_shared_expert && opts.fuse_gate_up {
         f.shared_expert(opts, target);
     }
-    f.router_routes(opts.router_routes_max_rows);
+    f.router_routes(opts.router_routes_max_rows, opts.router_one_launch);
     let mut g = f.finish();
     if opts.latent_cache_is_f16() {
         narrow_latent_caches(&mut g);
@@ -1191,7 +1200,7 @@ impl Fusions {
 
     /// `route_plan(router(z, W[, bias]).ids)` over at most `max_rows` tokens as one
     /// `router_routes`. The ids stay an output: the plan reads them back in the same launch.
-    fn router_routes(&mut self, max_rows: usize) {
+    fn router_routes(&mut self, max_rows: usize, one_launch: bool) {
         let u = self.uses();
         for p in 0..self.nodes.len() {
             let Some(plan) = self.as_op::<RoutePlan>(p).cloned() else {
@@ -1216,7 +1225,11 @@ impl Fusions {
             }
             let mut outputs = rn.outputs.clone();
             outputs.extend_from_slice(&pn.outputs);
-            let op = RouterRoutes { router, plan };
+            let op = RouterRoutes {
+                router,
+                plan,
+                one_launch,
+            };
             self.fuse(r, &[r, p], op, rn.inputs.clone(), outputs);
         }
     }

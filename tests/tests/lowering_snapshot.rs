@@ -695,3 +695,39 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
         "{on}"
     );
 }
+
+#[test]
+fn a_few_tokens_route_in_the_router_logits_launch_unless_told_otherwise() {
+    let m = tiny();
+    let separate = LoweringOptions {
+        router_one_launch: false,
+        ..LoweringOptions::default()
+    };
+    let routers = |batch: usize, o: &LoweringOptions| {
+        let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
+        let lines: Vec<String> = build_plan(&m, shape, None, HOPPER, o)
+            .unwrap()
+            .to_string()
+            .lines()
+            .filter(|l| l.contains(": router n_expert"))
+            .map(|l| l.to_string())
+            .collect();
+        assert!(!lines.is_empty());
+        lines
+    };
+    let on = LoweringOptions::default();
+    for l in routers(8, &on) {
+        assert!(l.ends_with("with its route plan in one launch"), "{l}");
+    }
+    for l in routers(8, &separate) {
+        assert!(l.ends_with("with its route plan"), "{l}");
+    }
+    // Past the fused node's 8 tokens the router and the plan stay two nodes.
+    for l in routers(9, &on) {
+        assert!(!l.contains("route plan"), "{l}");
+    }
+    assert!(
+        on.to_string().contains("router+routes<=8 (one launch)"),
+        "{on}"
+    );
+}

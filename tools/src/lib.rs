@@ -17,6 +17,10 @@ pub struct LoweringArgs {
     /// Run the MoE's top-k sum as its own kernel instead of inside the hc boundary after it.
     #[arg(long)]
     pub no_routed_hc_fusion: bool,
+    /// Select a few tokens' experts and sort their routes in a launch of their own after the
+    /// router's logits, instead of in the logits launch's last block.
+    #[arg(long)]
+    pub no_router_one_launch: bool,
     /// Write the step's cache rows in a launch of their own instead of beside the absorbed
     /// query's per-head GEMV.
     #[arg(long)]
@@ -138,6 +142,7 @@ impl LoweringArgs {
         let opts = LoweringOptions {
             fuse_hc: !(self.no_hc_fusion || off("XING4_HC_FUSION")),
             fuse_routed_hc: !self.no_routed_hc_fusion,
+            router_one_launch: !self.no_router_one_launch,
             fuse_query_kv: !self.no_query_kv_fusion,
             fuse_shared_expert: !self.no_shared_expert_fusion,
             hc_rows_chunks_per_warp: hc_rows,

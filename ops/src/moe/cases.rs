@@ -139,26 +139,31 @@ fn router_cases(v: &mut Vec<ParityCase>) {
         ));
     }
     // The fused selection and plan: one token, a few, one a warp, and more tokens than the
-    // block's eight warps (each takes several in turn); the plan's I32 outputs exactly.
+    // block's eight warps (each takes several in turn); the plan's I32 outputs exactly. Each
+    // as its own launch after the logits, and in the logits launch's last block.
     for (n, gating) in [
         (1, Gating::Sigmoid),
         (3, Gating::Softmax),
         (8, Gating::Sigmoid),
         (33, Gating::Sigmoid),
     ] {
-        v.push(ParityCase::new(
-            format!("router_routes/slices {gating:?} n={n}"),
-            RouterRoutes {
-                router: router(RouterKernel::Slices, gating),
-                plan: RoutePlan {
-                    n_expert: NE,
-                    top_k: TOPK,
+        for one_launch in [false, true] {
+            let name = if one_launch { "one launch" } else { "slices" };
+            v.push(ParityCase::new(
+                format!("router_routes/{name} {gating:?} n={n}"),
+                RouterRoutes {
+                    router: router(RouterKernel::Slices, gating),
+                    plan: RoutePlan {
+                        n_expert: NE,
+                        top_k: TOPK,
+                    },
+                    one_launch,
                 },
-            },
-            3024 + n as u64,
-            bound,
-            inputs(n),
-        ));
+                3024 + n as u64,
+                bound,
+                inputs(n),
+            ));
+        }
     }
 }
 

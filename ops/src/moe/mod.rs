@@ -317,6 +317,9 @@ impl Op for RoutePlan {
 pub struct RouterRoutes {
     pub router: Router,
     pub plan: RoutePlan,
+    /// On the slice kernel, that block is the logits launch's last to finish (counted on the
+    /// context's arrival counters) rather than a launch of its own: one launch in all.
+    pub one_launch: bool,
 }
 
 impl Op for RouterRoutes {
@@ -348,7 +351,15 @@ impl Op for RouterRoutes {
     }
 
     fn describe(&self) -> String {
-        format!("{} with its route plan", self.router.describe())
+        format!(
+            "{} with its route plan{}",
+            self.router.describe(),
+            if self.one_launch && self.router.kernel == RouterKernel::Slices {
+                " in one launch"
+            } else {
+                ""
+            }
+        )
     }
 
     fn cuda(
