@@ -697,10 +697,11 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
 }
 
 #[test]
-fn a_few_tokens_route_in_the_router_logits_launch_unless_told_otherwise() {
+fn the_router_selects_and_sorts_in_last_blocks_unless_told_otherwise() {
     let m = tiny();
     let separate = LoweringOptions {
-        router_one_launch: false,
+        router_last_block: false,
+        router_routes_max_rows: 8,
         ..LoweringOptions::default()
     };
     let routers = |batch: usize, o: &LoweringOptions| {
@@ -716,18 +717,23 @@ fn a_few_tokens_route_in_the_router_logits_launch_unless_told_otherwise() {
         lines
     };
     let on = LoweringOptions::default();
-    for l in routers(8, &on) {
-        assert!(l.ends_with("with its route plan in one launch"), "{l}");
+    for batch in [1, 8, 9, 64, 128] {
+        for l in routers(batch, &on) {
+            assert!(
+                l.ends_with("[split-k] with its route plan by last blocks"),
+                "{l}"
+            );
+        }
     }
     for l in routers(8, &separate) {
         assert!(l.ends_with("with its route plan"), "{l}");
     }
-    // Past the fused node's 8 tokens the router and the plan stay two nodes.
-    for l in routers(9, &on) {
+    // Past the node's rows the router and the plan stay two nodes.
+    for l in routers(9, &separate) {
         assert!(!l.contains("route plan"), "{l}");
     }
     assert!(
-        on.to_string().contains("router+routes<=8 (one launch)"),
+        on.to_string().contains("router+routes<=256 (last blocks)"),
         "{on}"
     );
 }

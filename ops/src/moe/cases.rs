@@ -140,15 +140,17 @@ fn router_cases(v: &mut Vec<ParityCase>) {
     }
     // The fused selection and plan: one token, a few, one a warp, and more tokens than the
     // block's eight warps (each takes several in turn); the plan's I32 outputs exactly. Each
-    // as its own launch after the logits, and in the logits launch's last block.
+    // as one block after the logits, and by last blocks: in the logits launch's (up to eight
+    // tokens), then in the select launch's (33 tokens: five blocks, a ragged last one; 64).
     for (n, gating) in [
         (1, Gating::Sigmoid),
         (3, Gating::Softmax),
         (8, Gating::Sigmoid),
         (33, Gating::Sigmoid),
+        (64, Gating::Softmax),
     ] {
-        for one_launch in [false, true] {
-            let name = if one_launch { "one launch" } else { "slices" };
+        for last_block in [false, true] {
+            let name = if last_block { "last blocks" } else { "slices" };
             v.push(ParityCase::new(
                 format!("router_routes/{name} {gating:?} n={n}"),
                 RouterRoutes {
@@ -157,7 +159,7 @@ fn router_cases(v: &mut Vec<ParityCase>) {
                         n_expert: NE,
                         top_k: TOPK,
                     },
-                    one_launch,
+                    last_block,
                 },
                 3024 + n as u64,
                 bound,

@@ -51,6 +51,10 @@ pub(super) fn router_token_tile(n: usize, blocks_per_tile: usize, sms: usize) ->
 /// Shared memory a block may use on the target (227 KiB opt-in on an H200).
 pub(super) const SMEM_LIMIT: usize = 227 * 1024;
 
+/// Tokens up to which a router with last blocks is one launch: the logits launch's last block
+/// selects them, a warp each (`router_logits_routes`).
+const LAST_BLOCK_SELECT_TOKENS: usize = 8;
+
 impl Router {
     /// Two launches: `router_logits` spreads the f32 product over (8 experts × 128 inputs)
     /// blocks into per-slice partials (scratch), `router_select` (a warp a token) sums them
@@ -287,9 +291,11 @@ struct SelectBlock {
 }
 
 impl RouterRoutes {
-    /// The router's logits launch, then `router_select_routes`: one block selects every
-    /// token's experts (its warps taking the tokens in turn) and sorts the routes, so the
-    /// lowering fuses only a few tokens.
+    /// Without last blocks: the router's logits launch, then `router_select_routes`, one
+    /// block that selects every token's experts (its warps taking the tokens in turn) and
+    /// sorts the routes. With them: up to eight tokens `router_logits_routes` alone (one
+    /// launch), past them the logits launch and `router_select_plan`, a warp a token and the
+    /// last block sorting the routes.
     pub(super) fn cuda_launch(
         &self,
         ctx: &GpuCtx,
@@ -301,8 +307,11 @@ impl RouterRoutes {
         let op = self.name();
         let n = inputs[0].meta.shape[0];
         let (ne, k) = (self.router.n_expert, self.router.top_k);
-        let fused = self.one_launch.then_some(outputs);
-        let Some(s) = self.router.launch_logits(op, ctx, inputs, scratch, fused)? else {
+        let one_launch = (self.last_block && n <= LAST_BLOCK_SELECT_TOKENS).then_some(outputs);
+        let Some(s) = self
+            .router
+            .launch_logits(op, ctx, inputs, scratch, one_launch)?
+        else {
             return Ok(());
         };
         let smem = s.smem.max((2 + s.warps as usize) * ne * 4);
@@ -312,8 +321,39 @@ impl RouterRoutes {
                 format!("{ne} experts exceed the plan's shared memory"),
             ));
         }
-        let kern = ctx.kernel("moe.cu", MOE_CU, "router_select_routes")?;
         let bias = inputs.get(2).map_or(0, |b| b.ptr);
+        if self.last_block {
+            let kern = ctx.kernel("moe.cu", MOE_CU, "router_select_plan")?;
+            // SAFETY: argument list matches router_select_plan; it reads the partials written
+            // above, writes n·top_k ids and weights, E+1 offsets and n·top_k plan rows, and
+            // leaves the arrival counter it counts on at zero.
+            return unsafe {
+                ctx.device
+                    .launch(&kern)
+                    .grid(blocks_for(n, s.warps as usize))
+                    .block(32 * s.warps)
+                    .shared_mem(smem as u32)
+                    .arg(scratch.ptr)
+                    .arg(bias)
+                    .arg(outputs[0].ptr)
+                    .arg(outputs[1].ptr)
+                    .arg(dim_i32(op, "tokens", n)?)
+                    .arg(dim_i32(op, "n_expert", ne)?)
+                    .arg(s.slices as i32)
+                    .arg(dim_i32(op, "top_k", k)?)
+                    .arg(i32::from(self.router.gating == Gating::Softmax))
+                    .arg(i32::from(self.router.norm_topk))
+                    .arg(self.router.scale)
+                    .arg(NORM_GUARD)
+                    .arg(ctx.arrivals())
+                    .arg(outputs[2].ptr)
+                    .arg(outputs[3].ptr)
+                    .arg(outputs[4].ptr)
+                    .enqueue()
+                    .map_err(dev_err)
+            };
+        }
+        let kern = ctx.kernel("moe.cu", MOE_CU, "router_select_routes")?;
         // SAFETY: argument list matches router_select_routes; it reads the partials written
         // above, writes n·top_k ids and weights, E+1 offsets and n·top_k plan rows.
         unsafe {

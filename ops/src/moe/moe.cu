@@ -282,9 +282,10 @@ router_select(const float* __restrict__ part, const float* __restrict__ bias,
 // warp from __match_any_sync, across warps from a per-(warp, expert) table scanned in warp
 // order, across chunks from a running cursor. Ids outside [0, E) are skipped and the rows
 // they leave at the end are marked -1 (the engine validates ids; this only bounds writes).
-// `ids` is not __restrict__: the fused router writes it earlier in the same launch, and a
-// read-only (non-coherent) load could miss those writes. Shared memory: (2 + warps) ·
-// n_expert words at `rp_smem`.
+// `ids` is not __restrict__ and is read through L2: the fused routers write it earlier in
+// the same launch (router_select_plan: other blocks of it), and a read-only (non-coherent)
+// or L1 load could miss those writes. Shared memory: (2 + warps) · n_expert words at
+// `rp_smem`.
 __device__ __forceinline__ void route_plan_block(const int* ids, int* __restrict__ offsets,
                                                  int* __restrict__ route_token,
                                                  int* __restrict__ route_slot, int n_routes,
@@ -300,7 +301,7 @@ __device__ __forceinline__ void route_plan_block(const int* ids, int* __restrict
     for (int e = tid; e < n_expert; e += blockDim.x) counts[e] = 0;
     __syncthreads();
     for (int s = tid; s < n_routes; s += blockDim.x) {
-        const int e = ids[s];
+        const int e = __ldcg(ids + s);
         if (e >= 0 && e < n_expert) atomicAdd(&counts[e], 1);
     }
     __syncthreads();
@@ -331,7 +332,7 @@ __device__ __forceinline__ void route_plan_block(const int* ids, int* __restrict
         for (int i = tid; i < nwarps * n_expert; i += blockDim.x) table[i] = 0;
         __syncthreads();
         const int s = base + tid;
-        const int e = s < n_routes ? ids[s] : -1;
+        const int e = s < n_routes ? __ldcg(ids + s) : -1;
         const bool valid = e >= 0 && e < n_expert;
         const unsigned mask = __match_any_sync(0xffffffffu, valid ? e : n_expert + lane);
         const int rank = __popc(mask & lt);
@@ -366,6 +367,39 @@ route_plan(const int* __restrict__ ids, int* __restrict__ offsets, int* __restri
     PDL_ENTER();
     extern __shared__ int rp_smem[];
     route_plan_block(ids, offsets, route_token, route_slot, n_routes, n_expert, top_k, rp_smem);
+}
+
+// router_select's warps (a token each), then the block that finishes last (counted on
+// `arrive`, which it sets back to zero) sorts the routes as route_plan does: the plan takes
+// no launch of its own past the few tokens router_logits_routes selects. Dynamic shared
+// memory: the larger of router_select's and the plan's (2 + warps) · n_expert words.
+extern "C" __global__ void __launch_bounds__(256)
+router_select_plan(const float* __restrict__ part, const float* __restrict__ bias, int* ids,
+                   float* __restrict__ weights, int n, int n_expert, int n_slices, int top_k,
+                   int softmax, int norm_topk, float scale, float guard, unsigned* arrive,
+                   int* __restrict__ offsets, int* __restrict__ route_token,
+                   int* __restrict__ route_slot) {
+    PDL_ENTER();
+    extern __shared__ __align__(16) int rsp_smem[];
+    __shared__ int s_last;
+    const int warp = threadIdx.x >> 5;
+    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
+    // No early return: every warp meets the barriers below.
+    if (t < n) {
+        float* stage = reinterpret_cast<float*>(rsp_smem) +
+                       (long long)warp * (n_slices * n_expert + 3 * n_expert);
+        router_select_token(part, bias, ids, weights, t, n_expert, n_slices, top_k, softmax,
+                            norm_topk, scale, guard, stage);
+    }
+    // Every id this block wrote is visible device-wide before its arrival is counted.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(arrive, 1u) == gridDim.x - 1u;
+    __syncthreads();
+    if (!s_last) return;  // block-uniform
+    __threadfence();
+    route_plan_block(ids, offsets, route_token, route_slot, n * top_k, n_expert, top_k, rsp_smem);
+    if (threadIdx.x == 0) *arrive = 0u;
 }
 
 // The router's selection and the route plan in one block (a decode step's few tokens): each
