@@ -5,7 +5,7 @@
 //!   BF16 GEMV after it, two products of one input as a pair, a dense SwiGLU's gate, up and
 //!   combination as one op, the cache row formed at its position, the shared expert's add as
 //!   the top-k sum's last step, the top-k sum formed inside the hc boundary after it, a few
-//!   tokens' router and route plan as one node, the cache rows written beside the absorbed
+//!   tokens' router and route plan as one launch, the cache rows written beside the absorbed
 //!   query's GEMV;
 //! * **the latent cache's storage type** — F16 where every attention kernel the options allow
 //!   rounds keys and values to f16 as it reads them (the same values, half the bytes);
@@ -150,14 +150,9 @@ pub struct LoweringOptions {
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
     pub router_tiled_min_rows: usize,
-    /// Tokens up to which the router's selection and the route plan are one node (one launch
-    /// fewer a MoE layer; 0: never).
+    /// Tokens up to which the router's selection and the route plan run as one block (one
+    /// launch fewer a MoE layer; 0: never).
     pub router_routes_max_rows: usize,
-    /// That node's selection runs in the logits launch's last block to finish (up to eight
-    /// tokens: one launch for the whole router), or past them its route plan in the select
-    /// launch's (`router_routes ... by last blocks`). Without, one block selects and sorts
-    /// after the logits, for which [`Self::router_routes_max_rows`] should stay at 8 or so.
-    pub router_last_block: bool,
     /// Tokens from which the top-k sum builds an inverse route table first.
     pub topk_inverse_min_rows: usize,
     /// Tokens from which hc_pre's partial dots run as the tensor-core rows pass. H200
@@ -218,8 +213,7 @@ impl Default for LoweringOptions {
             expert_skinny_int_routes_an_expert: 5,
             expert_int_deep_ring_routes_an_expert: 3,
             router_tiled_min_rows: 512,
-            router_routes_max_rows: 256,
-            router_last_block: true,
+            router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
             hc_rows_min_rows: 32,
             hc_rows_chunks_per_warp: 1,
@@ -248,7 +242,7 @@ impl fmt::Display for LoweringOptions {
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes (int <={} an expert, deep ring <={}); \
-             router tiled>={} router+routes<={}{} topk inverse>={} \
+             router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
@@ -272,11 +266,6 @@ impl fmt::Display for LoweringOptions {
             self.expert_int_deep_ring_routes_an_expert,
             self.router_tiled_min_rows,
             self.router_routes_max_rows,
-            if self.router_last_block {
-                " (last blocks)"
-            } else {
-                ""
-            },
             self.topk_inverse_min_rows,
             self.hc_rows_min_rows,
             self.hc_rows_chunks_per_warp,
@@ -489,7 +478,7 @@ pub fn lower(graph: Graph, target: Target, opts: &LoweringOptions) -> Result<Gra
     if opts.fuse_shared_expert && opts.fuse_gate_up {
         f.shared_expert(opts, target);
     }
-    f.router_routes(opts.router_routes_max_rows, opts.router_last_block);
+    f.router_routes(opts.router_routes_max_rows);
     let mut g = f.finish();
     if opts.latent_cache_is_f16() {
         narrow_latent_caches(&mut g);
@@ -1202,7 +1191,7 @@ impl Fusions {
 
     /// `route_plan(router(z, W[, bias]).ids)` over at most `max_rows` tokens as one
     /// `router_routes`. The ids stay an output: the plan reads them back in the same launch.
-    fn router_routes(&mut self, max_rows: usize, last_block: bool) {
+    fn router_routes(&mut self, max_rows: usize) {
         let u = self.uses();
         for p in 0..self.nodes.len() {
             let Some(plan) = self.as_op::<RoutePlan>(p).cloned() else {
@@ -1227,11 +1216,7 @@ impl Fusions {
             }
             let mut outputs = rn.outputs.clone();
             outputs.extend_from_slice(&pn.outputs);
-            let op = RouterRoutes {
-                router,
-                plan,
-                last_block,
-            };
+            let op = RouterRoutes { router, plan };
             self.fuse(r, &[r, p], op, rn.inputs.clone(), outputs);
         }
     }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cuda::{Blas, Device, DeviceBuffer, Kernel, KernelCache};
+use cuda::{Blas, Device, Kernel, KernelCache};
 
 use crate::OpError;
 use crate::tensor::TensorMeta;
@@ -50,16 +50,7 @@ pub struct GpuCtx {
     /// Kernels already looked up, by (source name, function): an eager step looks
     /// up every kernel it launches, and hashing whole sources each time cost ~44 µs a launch.
     loaded: Mutex<HashMap<(String, String), Kernel>>,
-    /// Arrival counters for kernels whose last block to finish does a step of its own (the
-    /// router's selection after its logits: [`GpuCtx::arrivals`]). Zero between launches: the
-    /// block that counts a counter's last arrival sets it back. A device's launches run on its
-    /// one stream and touch the counters only past the wait on their predecessor, so one
-    /// kernel's counting is done before the next one's begins.
-    arrivals: DeviceBuffer<u32>,
 }
-
-/// Counters in [`GpuCtx::arrivals`].
-pub const ARRIVAL_COUNTERS: usize = 64;
 
 impl std::fmt::Debug for GpuCtx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -71,22 +62,12 @@ impl GpuCtx {
     pub fn new(device: Device) -> Result<GpuCtx, OpError> {
         let kernels = KernelCache::new(&device).map_err(dev_err)?;
         let blas = Arc::new(Blas::new(&device).map_err(dev_err)?);
-        let arrivals = device
-            .alloc_zeros::<u32>(ARRIVAL_COUNTERS)
-            .map_err(dev_err)?;
         Ok(GpuCtx {
             device,
             kernels,
             blas,
             loaded: Mutex::new(HashMap::new()),
-            arrivals,
         })
-    }
-
-    /// The device address of [`ARRIVAL_COUNTERS`] zeroed u32 counters that a kernel may count
-    /// its blocks' arrivals on, provided it leaves each counter it used at zero when it ends.
-    pub fn arrivals(&self) -> u64 {
-        self.arrivals.device_ptr()
     }
 
     /// Opens GPU `ordinal`, or says why not.

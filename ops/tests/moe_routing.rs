@@ -170,7 +170,6 @@ fn the_fused_router_routes_are_the_router_then_its_plan() {
     let fused = RouterRoutes {
         router: router.clone(),
         plan: plan.clone(),
-        last_block: true,
     };
     let out = run(&fused, &[&z, &w]).unwrap();
     assert_eq!(out.len(), 5);
@@ -186,7 +185,6 @@ fn the_fused_router_routes_are_the_router_then_its_plan() {
             n_expert: 5,
             top_k: 2,
         },
-        last_block: false,
     };
     assert!(run(&mismatched, &[&z, &w]).is_err());
 }

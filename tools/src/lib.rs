@@ -17,11 +17,6 @@ pub struct LoweringArgs {
     /// Run the MoE's top-k sum as its own kernel instead of inside the hc boundary after it.
     #[arg(long)]
     pub no_routed_hc_fusion: bool,
-    /// Select the tokens' experts and sort their routes in one block of its own after the
-    /// router's logits, instead of in last blocks of the launches before (with
-    /// `--router-routes-max-rows 8`, the router as it was before them).
-    #[arg(long)]
-    pub no_router_last_block: bool,
     /// Write the step's cache rows in a launch of their own instead of beside the absorbed
     /// query's per-head GEMV.
     #[arg(long)]
@@ -89,8 +84,8 @@ pub struct LoweringArgs {
     /// Tokens from which the router's logits are a tiled GEMM (default 512).
     #[arg(long, value_name = "N")]
     pub router_tiled_min_rows: Option<usize>,
-    /// Tokens up to which the router's selection and the route plan are one node (0: never;
-    /// default 256).
+    /// Tokens up to which the router's selection and the route plan run as one launch (0:
+    /// never; default 8).
     #[arg(long, value_name = "N")]
     pub router_routes_max_rows: Option<usize>,
     /// Tokens from which the top-k sum builds an inverse route table first (default 132).
@@ -143,7 +138,6 @@ impl LoweringArgs {
         let opts = LoweringOptions {
             fuse_hc: !(self.no_hc_fusion || off("XING4_HC_FUSION")),
             fuse_routed_hc: !self.no_routed_hc_fusion,
-            router_last_block: !self.no_router_last_block,
             fuse_query_kv: !self.no_query_kv_fusion,
             fuse_shared_expert: !self.no_shared_expert_fusion,
             hc_rows_chunks_per_warp: hc_rows,

@@ -139,33 +139,26 @@ fn router_cases(v: &mut Vec<ParityCase>) {
         ));
     }
     // The fused selection and plan: one token, a few, one a warp, and more tokens than the
-    // block's eight warps (each takes several in turn); the plan's I32 outputs exactly. Each
-    // as one block after the logits, and by last blocks: in the logits launch's (up to eight
-    // tokens), then in the select launch's (33 tokens: five blocks, a ragged last one; 64).
+    // block's eight warps (each takes several in turn); the plan's I32 outputs exactly.
     for (n, gating) in [
         (1, Gating::Sigmoid),
         (3, Gating::Softmax),
         (8, Gating::Sigmoid),
         (33, Gating::Sigmoid),
-        (64, Gating::Softmax),
     ] {
-        for last_block in [false, true] {
-            let name = if last_block { "last blocks" } else { "slices" };
-            v.push(ParityCase::new(
-                format!("router_routes/{name} {gating:?} n={n}"),
-                RouterRoutes {
-                    router: router(RouterKernel::Slices, gating),
-                    plan: RoutePlan {
-                        n_expert: NE,
-                        top_k: TOPK,
-                    },
-                    last_block,
+        v.push(ParityCase::new(
+            format!("router_routes/slices {gating:?} n={n}"),
+            RouterRoutes {
+                router: router(RouterKernel::Slices, gating),
+                plan: RoutePlan {
+                    n_expert: NE,
+                    top_k: TOPK,
                 },
-                3024 + n as u64,
-                bound,
-                inputs(n),
-            ));
-        }
+            },
+            3024 + n as u64,
+            bound,
+            inputs(n),
+        ));
     }
 }
 

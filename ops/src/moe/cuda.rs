@@ -51,10 +51,6 @@ pub(super) fn router_token_tile(n: usize, blocks_per_tile: usize, sms: usize) ->
 /// Shared memory a block may use on the target (227 KiB opt-in on an H200).
 pub(super) const SMEM_LIMIT: usize = 227 * 1024;
 
-/// Tokens up to which a router with last blocks is one launch: the logits launch's last block
-/// selects them, a warp each (`router_logits_routes`).
-const LAST_BLOCK_SELECT_TOKENS: usize = 8;
-
 impl Router {
     /// Two launches: `router_logits` spreads the f32 product over (8 experts × 128 inputs)
     /// blocks into per-slice partials (scratch), `router_select` (a warp a token) sums them
@@ -72,7 +68,7 @@ impl Router {
         let op = self.name();
         let n = inputs[0].meta.shape[0];
         let ne = self.n_expert;
-        let Some(s) = self.launch_logits(op, ctx, inputs, scratch, None)? else {
+        let Some(s) = self.launch_logits(op, ctx, inputs, scratch)? else {
             return Ok(());
         };
         let select = ctx.kernel("moe.cu", MOE_CU, "router_select")?;
@@ -102,17 +98,13 @@ impl Router {
     }
 
     /// The logits' per-slice partials into `scratch` (on the kernel the lowering chose), and
-    /// the select block that sums them; None for no tokens, or when `routes` (the fused
-    /// node's outputs) took the selection and the route plan into the same launch
-    /// (`router_logits_routes`, where the slice kernel runs and the select block has all eight
-    /// of its warps). `op` names the node in errors.
+    /// the select block that sums them; None for no tokens. `op` names the node in errors.
     fn launch_logits(
         &self,
         op: &'static str,
         ctx: &GpuCtx,
         inputs: &[DeviceTensor<'_>],
         scratch: Scratch,
-        routes: Option<&[DeviceTensor<'_>]>,
     ) -> Result<Option<SelectBlock>, OpError> {
         let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
         let ne = self.n_expert;
@@ -181,16 +173,6 @@ impl Router {
                 blocks_for(ne, 8) as usize * slices,
                 ctx.device.sm_count() as usize,
             );
-            if let Some(outputs) = routes.filter(|_| select_warps == 8) {
-                return self.launch_logits_routes(
-                    op,
-                    ctx,
-                    inputs,
-                    outputs,
-                    scratch,
-                    (slices, select_smem),
-                );
-            }
             let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits")?;
             // SAFETY: argument list matches router_logits; it writes n × slices × E partials.
             unsafe {
@@ -220,66 +202,6 @@ impl Router {
             slices,
         }))
     }
-
-    /// `router_logits_routes`: the slice kernel's blocks over every token at once (one token
-    /// tile, so the grid stays one wave beside its shared memory), the last block to finish
-    /// selecting and sorting the routes as `router_select_routes` does, on the context's
-    /// arrival counter 0. Always None: nothing is left to launch.
-    fn launch_logits_routes(
-        &self,
-        op: &'static str,
-        ctx: &GpuCtx,
-        inputs: &[DeviceTensor<'_>],
-        outputs: &[DeviceTensor<'_>],
-        scratch: Scratch,
-        (slices, select_smem): (usize, usize),
-    ) -> Result<Option<SelectBlock>, OpError> {
-        let (n, d) = (inputs[0].meta.shape[0], inputs[0].meta.shape[1]);
-        let ne = self.n_expert;
-        let smem = select_smem.max(10 * ne * 4);
-        if smem > SMEM_LIMIT {
-            return Err(OpError::shape(
-                op,
-                format!("{ne} experts exceed the plan's shared memory"),
-            ));
-        }
-        let tok_tile = n.next_multiple_of(ROUTER_TOKENS_PER_BLOCK);
-        let kern = ctx.kernel("moe.cu", MOE_CU, "router_logits_routes")?;
-        let bias = inputs.get(2).map_or(0, |b| b.ptr);
-        // SAFETY: argument list matches router_logits_routes; it writes n × slices × E
-        // partials (the scratch checked by the caller), n·top_k ids and weights, E+1 offsets
-        // and n·top_k plan rows, and leaves the arrival counter it counts on at zero.
-        unsafe {
-            ctx.device
-                .launch(&kern)
-                .grid((blocks_for(ne, 8), dim_i32(op, "slices", slices)? as u32, 1))
-                .block(256)
-                .shared_mem(smem as u32)
-                .arg(inputs[0].ptr)
-                .arg(inputs[1].ptr)
-                .arg(scratch.ptr)
-                .arg(dim_i32(op, "tokens", n)?)
-                .arg(dim_i32(op, "D", d)?)
-                .arg(dim_i32(op, "n_expert", ne)?)
-                .arg(slices as i32)
-                .arg(dim_i32(op, "token tile", tok_tile)?)
-                .arg(ctx.arrivals())
-                .arg(bias)
-                .arg(outputs[0].ptr)
-                .arg(outputs[1].ptr)
-                .arg(outputs[2].ptr)
-                .arg(outputs[3].ptr)
-                .arg(outputs[4].ptr)
-                .arg(dim_i32(op, "top_k", self.top_k)?)
-                .arg(i32::from(self.gating == Gating::Softmax))
-                .arg(i32::from(self.norm_topk))
-                .arg(self.scale)
-                .arg(NORM_GUARD)
-                .enqueue()
-                .map_err(dev_err)?;
-        }
-        Ok(None)
-    }
 }
 
 /// The select launch's block: warps (a token each at a time), dynamic shared memory, and the
@@ -291,11 +213,9 @@ struct SelectBlock {
 }
 
 impl RouterRoutes {
-    /// Without last blocks: the router's logits launch, then `router_select_routes`, one
-    /// block that selects every token's experts (its warps taking the tokens in turn) and
-    /// sorts the routes. With them: up to eight tokens `router_logits_routes` alone (one
-    /// launch), past them the logits launch and `router_select_plan`, a warp a token and the
-    /// last block sorting the routes.
+    /// The router's logits launch, then `router_select_routes`: one block selects every
+    /// token's experts (its warps taking the tokens in turn) and sorts the routes, so the
+    /// lowering fuses only a few tokens.
     pub(super) fn cuda_launch(
         &self,
         ctx: &GpuCtx,
@@ -307,11 +227,7 @@ impl RouterRoutes {
         let op = self.name();
         let n = inputs[0].meta.shape[0];
         let (ne, k) = (self.router.n_expert, self.router.top_k);
-        let one_launch = (self.last_block && n <= LAST_BLOCK_SELECT_TOKENS).then_some(outputs);
-        let Some(s) = self
-            .router
-            .launch_logits(op, ctx, inputs, scratch, one_launch)?
-        else {
+        let Some(s) = self.router.launch_logits(op, ctx, inputs, scratch)? else {
             return Ok(());
         };
         let smem = s.smem.max((2 + s.warps as usize) * ne * 4);
@@ -321,39 +237,8 @@ impl RouterRoutes {
                 format!("{ne} experts exceed the plan's shared memory"),
             ));
         }
-        let bias = inputs.get(2).map_or(0, |b| b.ptr);
-        if self.last_block {
-            let kern = ctx.kernel("moe.cu", MOE_CU, "router_select_plan")?;
-            // SAFETY: argument list matches router_select_plan; it reads the partials written
-            // above, writes n·top_k ids and weights, E+1 offsets and n·top_k plan rows, and
-            // leaves the arrival counter it counts on at zero.
-            return unsafe {
-                ctx.device
-                    .launch(&kern)
-                    .grid(blocks_for(n, s.warps as usize))
-                    .block(32 * s.warps)
-                    .shared_mem(smem as u32)
-                    .arg(scratch.ptr)
-                    .arg(bias)
-                    .arg(outputs[0].ptr)
-                    .arg(outputs[1].ptr)
-                    .arg(dim_i32(op, "tokens", n)?)
-                    .arg(dim_i32(op, "n_expert", ne)?)
-                    .arg(s.slices as i32)
-                    .arg(dim_i32(op, "top_k", k)?)
-                    .arg(i32::from(self.router.gating == Gating::Softmax))
-                    .arg(i32::from(self.router.norm_topk))
-                    .arg(self.router.scale)
-                    .arg(NORM_GUARD)
-                    .arg(ctx.arrivals())
-                    .arg(outputs[2].ptr)
-                    .arg(outputs[3].ptr)
-                    .arg(outputs[4].ptr)
-                    .enqueue()
-                    .map_err(dev_err)
-            };
-        }
         let kern = ctx.kernel("moe.cu", MOE_CU, "router_select_routes")?;
+        let bias = inputs.get(2).map_or(0, |b| b.ptr);
         // SAFETY: argument list matches router_select_routes; it reads the partials written
         // above, writes n·top_k ids and weights, E+1 offsets and n·top_k plan rows.
         unsafe {

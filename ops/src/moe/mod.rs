@@ -308,8 +308,8 @@ impl Op for RoutePlan {
 
 // ---- RouterRoutes --------------------------------------------------------------------
 
-/// [`Router`] then [`RoutePlan`] of its ids, as one node: a decode step's tokens select and
-/// sort their routes with one launch fewer a MoE layer. Same outputs, same bits.
+/// [`Router`] then [`RoutePlan`] of its ids, as one node: a decode step's few tokens select
+/// and sort their routes in one block, one launch fewer a MoE layer. Same outputs, same bits.
 ///
 /// Inputs: as [`Router`]. Outputs: ids, weights (as [`Router`]), then offsets, route_token,
 /// route_slot (as [`RoutePlan`]).
@@ -317,12 +317,6 @@ impl Op for RoutePlan {
 pub struct RouterRoutes {
     pub router: Router,
     pub plan: RoutePlan,
-    /// Where the launch saved is: without, one block selects every token's experts and sorts
-    /// the routes after the logits launch (a decode step's few tokens). With it, that block is
-    /// the logits launch's last to finish where the slice kernel runs for up to eight tokens
-    /// (one launch in all); past them the select launch's warps take a token each and its last
-    /// block sorts the routes. Last blocks are counted on the context's arrival counters.
-    pub last_block: bool,
 }
 
 impl Op for RouterRoutes {
@@ -354,15 +348,7 @@ impl Op for RouterRoutes {
     }
 
     fn describe(&self) -> String {
-        format!(
-            "{} with its route plan{}",
-            self.router.describe(),
-            if self.last_block {
-                " by last blocks"
-            } else {
-                ""
-            }
-        )
+        format!("{} with its route plan", self.router.describe())
     }
 
     fn cuda(

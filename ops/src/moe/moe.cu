@@ -18,10 +18,10 @@
 #define RL_SLICE 128
 #define RL_TOKENS 4
 
-__device__ __forceinline__ void router_logits_body(const float* __restrict__ z,
-                                                   const float* __restrict__ W, float* part,
-                                                   int n, int d, int n_expert, int n_slices,
-                                                   int tok_tile) {
+extern "C" __global__ void __launch_bounds__(256)
+router_logits(const float* __restrict__ z, const float* __restrict__ W, float* __restrict__ part,
+              int n, int d, int n_expert, int n_slices, int tok_tile) {
+    PDL_ENTER();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int e = blockIdx.x * 8 + warp;
     const int s = blockIdx.y;
@@ -51,13 +51,6 @@ __device__ __forceinline__ void router_logits_body(const float* __restrict__ z,
                 if (t0 + i < t1) part[((long long)(t0 + i) * n_slices + s) * n_expert + e] = acc[i];
         }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-router_logits(const float* __restrict__ z, const float* __restrict__ W, float* __restrict__ part,
-              int n, int d, int n_expert, int n_slices, int tok_tile) {
-    PDL_ENTER();
-    router_logits_body(z, W, part, n, d, n_expert, n_slices, tok_tile);
 }
 
 // The same partials for a prefill chunk: part[t][s][e] over slices of `slice` values, as a
@@ -213,8 +206,7 @@ __device__ __forceinline__ void route_select_warp(float* p, int* key, int* taken
 // contiguous 16-byte loads, all in flight together: summed straight from L2, each lane's
 // expert after expert and slice batch after slice batch made a chain of dependent loads, most
 // of this kernel's 6.5 µs. `stage` is the warp's (n_slices + 3) · n_expert words.
-template <bool CG>
-__device__ __forceinline__ void router_select_token_t(const float* part,
+__device__ __forceinline__ void router_select_token(const float* __restrict__ part,
                                                     const float* __restrict__ bias, int* ids,
                                                     float* __restrict__ weights, int t,
                                                     int n_expert, int n_slices, int top_k,
@@ -231,10 +223,10 @@ __device__ __forceinline__ void router_select_token_t(const float* part,
         const float4* src = reinterpret_cast<const float4*>(pt);
         float4* dst = reinterpret_cast<float4*>(stage);
 #pragma unroll 8
-        for (int i = lane; i < (total >> 2); i += 32) dst[i] = CG ? __ldcg(src + i) : __ldg(src + i);
+        for (int i = lane; i < (total >> 2); i += 32) dst[i] = src[i];
     } else {
 #pragma unroll 8
-        for (int i = lane; i < total; i += 32) stage[i] = CG ? __ldcg(pt + i) : __ldg(pt + i);
+        for (int i = lane; i < total; i += 32) stage[i] = pt[i];
     }
     __syncwarp();
     for (int e = lane; e < n_expert; e += 32) {
@@ -246,17 +238,6 @@ __device__ __forceinline__ void router_select_token_t(const float* part,
     route_select_warp(p, key, taken, bias, ids + (long long)t * top_k,
                       weights + (long long)t * top_k, n_expert, top_k, softmax, norm_topk, scale,
                       guard);
-}
-
-// Partials another launch wrote (read-only here): through the read-only path.
-__device__ __forceinline__ void router_select_token(const float* __restrict__ part,
-                                                    const float* __restrict__ bias, int* ids,
-                                                    float* __restrict__ weights, int t,
-                                                    int n_expert, int n_slices, int top_k,
-                                                    int softmax, int norm_topk, float scale,
-                                                    float guard, float* stage) {
-    router_select_token_t<false>(part, bias, ids, weights, t, n_expert, n_slices, top_k, softmax,
-                                 norm_topk, scale, guard, stage);
 }
 
 // One warp a token. Shared memory a warp: (n_slices + 3) · n_expert words.
@@ -282,10 +263,9 @@ router_select(const float* __restrict__ part, const float* __restrict__ bias,
 // warp from __match_any_sync, across warps from a per-(warp, expert) table scanned in warp
 // order, across chunks from a running cursor. Ids outside [0, E) are skipped and the rows
 // they leave at the end are marked -1 (the engine validates ids; this only bounds writes).
-// `ids` is not __restrict__ and is read through L2: the fused routers write it earlier in
-// the same launch (router_select_plan: other blocks of it), and a read-only (non-coherent)
-// or L1 load could miss those writes. Shared memory: (2 + warps) · n_expert words at
-// `rp_smem`.
+// `ids` is not __restrict__: the fused router writes it earlier in the same launch, and a
+// read-only (non-coherent) load could miss those writes. Shared memory: (2 + warps) ·
+// n_expert words at `rp_smem`.
 __device__ __forceinline__ void route_plan_block(const int* ids, int* __restrict__ offsets,
                                                  int* __restrict__ route_token,
                                                  int* __restrict__ route_slot, int n_routes,
@@ -301,7 +281,7 @@ __device__ __forceinline__ void route_plan_block(const int* ids, int* __restrict
     for (int e = tid; e < n_expert; e += blockDim.x) counts[e] = 0;
     __syncthreads();
     for (int s = tid; s < n_routes; s += blockDim.x) {
-        const int e = __ldcg(ids + s);
+        const int e = ids[s];
         if (e >= 0 && e < n_expert) atomicAdd(&counts[e], 1);
     }
     __syncthreads();
@@ -332,7 +312,7 @@ __device__ __forceinline__ void route_plan_block(const int* ids, int* __restrict
         for (int i = tid; i < nwarps * n_expert; i += blockDim.x) table[i] = 0;
         __syncthreads();
         const int s = base + tid;
-        const int e = s < n_routes ? __ldcg(ids + s) : -1;
+        const int e = s < n_routes ? ids[s] : -1;
         const bool valid = e >= 0 && e < n_expert;
         const unsigned mask = __match_any_sync(0xffffffffu, valid ? e : n_expert + lane);
         const int rank = __popc(mask & lt);
@@ -369,39 +349,6 @@ route_plan(const int* __restrict__ ids, int* __restrict__ offsets, int* __restri
     route_plan_block(ids, offsets, route_token, route_slot, n_routes, n_expert, top_k, rp_smem);
 }
 
-// router_select's warps (a token each), then the block that finishes last (counted on
-// `arrive`, which it sets back to zero) sorts the routes as route_plan does: the plan takes
-// no launch of its own past the few tokens router_logits_routes selects. Dynamic shared
-// memory: the larger of router_select's and the plan's (2 + warps) · n_expert words.
-extern "C" __global__ void __launch_bounds__(256)
-router_select_plan(const float* __restrict__ part, const float* __restrict__ bias, int* ids,
-                   float* __restrict__ weights, int n, int n_expert, int n_slices, int top_k,
-                   int softmax, int norm_topk, float scale, float guard, unsigned* arrive,
-                   int* __restrict__ offsets, int* __restrict__ route_token,
-                   int* __restrict__ route_slot) {
-    PDL_ENTER();
-    extern __shared__ __align__(16) int rsp_smem[];
-    __shared__ int s_last;
-    const int warp = threadIdx.x >> 5;
-    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
-    // No early return: every warp meets the barriers below.
-    if (t < n) {
-        float* stage = reinterpret_cast<float*>(rsp_smem) +
-                       (long long)warp * (n_slices * n_expert + 3 * n_expert);
-        router_select_token(part, bias, ids, weights, t, n_expert, n_slices, top_k, softmax,
-                            norm_topk, scale, guard, stage);
-    }
-    // Every id this block wrote is visible device-wide before its arrival is counted.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(arrive, 1u) == gridDim.x - 1u;
-    __syncthreads();
-    if (!s_last) return;  // block-uniform
-    __threadfence();
-    route_plan_block(ids, offsets, route_token, route_slot, n * top_k, n_expert, top_k, rsp_smem);
-    if (threadIdx.x == 0) *arrive = 0u;
-}
-
 // The router's selection and the route plan in one block (a decode step's few tokens): each
 // warp selects its tokens in turn, then the block sorts the routes by expert. One launch
 // instead of two a MoE layer, where either alone is mostly launch latency. Shared memory:
@@ -430,48 +377,6 @@ router_select_routes(const float* __restrict__ part, const float* __restrict__ b
     __syncthreads();
     route_plan_block(ids, offsets, route_token, route_slot, n * top_k, n_expert, top_k,
                      rsr_smem);
-}
-
-// The router of a decode step's few tokens in one launch: router_logits' blocks, and the one
-// that finishes last (counted on `arrive`, which it sets back to zero) then does what
-// router_select_routes does: each warp selects its tokens in turn from their partials (read
-// through L2, since other blocks of this launch wrote them; the same sums in the same order),
-// then the block sorts the routes. One launch and one wait on a predecessor fewer a MoE layer.
-// Dynamic shared memory: as router_select_routes, for the block's eight warps. Bounded as
-// that kernel is, whose body it carries (at the default it spilled).
-extern "C" __global__ void __launch_bounds__(256, 1)
-router_logits_routes(const float* __restrict__ z, const float* __restrict__ W, float* part,
-                     int n, int d, int n_expert, int n_slices, int tok_tile,
-                     unsigned* arrive, const float* __restrict__ bias, int* ids,
-                     float* __restrict__ weights, int* __restrict__ offsets,
-                     int* __restrict__ route_token, int* __restrict__ route_slot, int top_k,
-                     int softmax, int norm_topk, float scale, float guard) {
-    PDL_ENTER();
-    __shared__ int s_last;
-    router_logits_body(z, W, part, n, d, n_expert, n_slices, tok_tile);
-    // Every partial this block wrote is visible device-wide before its arrival is counted.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
-        s_last = atomicAdd(arrive, 1u) == blocks - 1u;
-    }
-    __syncthreads();
-    if (!s_last) return;  // block-uniform
-    __threadfence();
-    extern __shared__ __align__(16) int rlr_smem[];
-    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    float* stage = reinterpret_cast<float*>(rlr_smem) +
-                   (long long)warp * (n_slices * n_expert + 3 * n_expert);
-#pragma unroll 1
-    for (int t = warp; t < n; t += nwarps) {
-        router_select_token_t<true>(part, bias, ids, weights, t, n_expert, n_slices, top_k,
-                                    softmax, norm_topk, scale, guard, stage);
-        __syncwarp();
-    }
-    __syncthreads();
-    route_plan_block(ids, offsets, route_token, route_slot, n * top_k, n_expert, top_k, rlr_smem);
-    if (threadIdx.x == 0) *arrive = 0u;
 }
 
 // ---- IQ4_NL block decoding --------------------------------------------------------------
