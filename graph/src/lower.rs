@@ -107,7 +107,10 @@ pub struct LoweringOptions {
     /// At most [`GEMV_ROUTES_LIMIT`].
     pub expert_gemv_max_routes: usize,
     /// Rows up to which IQ4_NL products past the GEMV take the skinny kernel (the weight read
-    /// once for 8 or 16 rows); more take the tensor-core tiles.
+    /// once for 8 or 16 rows); more take the tensor-core tiles. H100, 128 sequences
+    /// (bench/RESULTS.md 2026-12-06 (k)): the dense FFN blocks' gate+up 183.6 → 162.8 µs and
+    /// down 100.4 → 60.2 µs a layer on the tiles (128 rows on the skinny kernel are eight
+    /// 16-row tiles, each reading the weight again), 6,243 → 6,287 t/s.
     pub skinny_max_rows: usize,
     /// Rows up to which BF16 products past the GEMV take the skinny BF16 kernel (the weight
     /// read once for all rows, K split over the chip); more take cuBLAS. On the H200 at the
@@ -206,7 +209,7 @@ impl Default for LoweringOptions {
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
             expert_int_gemv_max_routes: 8,
             expert_gemv_max_routes: 0,
-            skinny_max_rows: 128,
+            skinny_max_rows: 64,
             bf16_skinny_max_rows: 16,
             bf16_skinny_narrow_max_rows: 32,
             expert_skinny_max_routes: 512,

@@ -695,3 +695,35 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
         "{on}"
     );
 }
+
+#[test]
+fn dense_ffns_past_64_rows_take_the_tensor_core_tiles() {
+    let m = tiny();
+    let o = LoweringOptions::default();
+    assert_eq!(o.skinny_max_rows, 64);
+    let gate_up = |batch: usize| {
+        let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
+        build_plan(&m, shape, None, HOPPER, &o)
+            .unwrap()
+            .to_string()
+            .lines()
+            .find(|l| l.contains("blk.0.ffn.gate+up+act: "))
+            .expect("a dense block")
+            .to_string()
+    };
+    assert!(
+        gate_up(64).ends_with("gate_up_swiglu [skinny]"),
+        "{}",
+        gate_up(64)
+    );
+    assert!(
+        gate_up(65).ends_with("gate_up_swiglu [tensor cores]"),
+        "{}",
+        gate_up(65)
+    );
+    assert!(
+        gate_up(128).ends_with("gate_up_swiglu [tensor cores]"),
+        "{}",
+        gate_up(128)
+    );
+}

@@ -51,7 +51,7 @@ pub struct LoweringArgs {
     #[arg(long, value_name = "N")]
     pub expert_gemv_max_routes: Option<usize>,
     /// Most rows an IQ4_NL product takes on the skinny kernel (more: the tensor-core tiles;
-    /// 0 turns it off; default 128).
+    /// 0 turns it off; default 64).
     #[arg(long, value_name = "N")]
     pub skinny_max_rows: Option<usize>,
     /// Most rows a product over a weight type no skinny kernel takes (Q6_K, Q8_0, F16, F32:
