@@ -1157,6 +1157,16 @@ __device__ __forceinline__ void expert_skinny_body(
 #pragma unroll
     for (int nt = 0; nt < NB; ++nt)
         xoff[nt] = xrow[nt] >= 0 ? (unsigned)xrow[nt] * (unsigned)(n_in >> 2) + (g & 1) * 4 + t : ~0u;
+    // The integer path's inputs of the next k-tile, prefetched into L1 a k-tile ahead: loaded
+    // from L2 only a few blocks ahead, they waited behind the weight copies' traffic (H100, 64
+    // tokens: a sixth of the kernel's stall samples were its MMAs waiting for them). A route's
+    // 512 bytes a k-tile are four lines; lane (nt = lane / 16, route 4·nt + (lane / 4) % 4, line
+    // lane % 4) takes one, ~0u for none (uint2 units).
+    unsigned pf_off = ~0u;
+    if constexpr (Q8) {
+        const int pr = x_row(4 * (lane >> 4) + ((lane >> 2) & 3));
+        if (pr >= 0) pf_off = (unsigned)pr * (unsigned)(n_in >> 2) + 16u * (lane & 3);
+    }
     // TA: the n8 tiles a loop multiplies (the integer path's loop is built for one or two, so
     // that a tile of at most four routes skips the second's MMAs without a branch a block).
     auto load_x = [&](int ta, int kt, int b, int q) {
@@ -1200,6 +1210,10 @@ __device__ __forceinline__ void expert_skinny_body(
             __syncwarp();  // every lane's copies of stage `it` landed; stage it-1 is read by all
             if (it + STAGES - 1 < mine) issue(kt + kw * (STAGES - 1), (it + STAGES - 1) % STAGES);
             tc_commit();
+            if constexpr (Q8) {
+                if (more && pf_off != ~0u && (lane >> 4) < ta)
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"(xq2 + pf_off + (kt + kw) * 64));
+            }
 
             const unsigned char* wst = sk_smem + warp * WARP_SMEM + (it % STAGES) * SK_WSTAGE + g * SK_ROWB;
 #pragma unroll
