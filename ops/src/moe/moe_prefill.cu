@@ -1380,7 +1380,7 @@ EXPERT_SKINNY(expert_skinny_iq4_1, 1, false, 3, 4, 4)
 EXPERT_SKINNY(expert_skinny_iq4_2, 2, false, 3, 4, 3)
 // The integer path trades a stage of its ring and half its input window for a fifth block a
 // multiprocessor (92 registers): 20 warps hide more of each other's waits than three stages do.
-EXPERT_SKINNY(expert_skinny_iq4_q, 1, true, 2, 2, 5)
+EXPERT_SKINNY(expert_skinny_iq4_q, 1, true, 2, 4, 5)
 // The deep ring (three stages, a four-block window, four blocks): where every expert has a
 // route or two, each warp walks all of gate+up's 14 k-tiles alone on one n8 tile and waits on
 // its copies more than on its neighbours (H100, 32 sequences: 139 µs a layer against 148).
