@@ -149,6 +149,10 @@ pub struct LoweringOptions {
     /// warps) 78.6 against 76.7. Chosen so, 32 sequences decoded 2,163 t/s against 2,112 with
     /// the default ring (2026-12-06 (i), one build).
     pub expert_int_deep_ring_routes_an_expert: usize,
+    /// The integer path's products that do not take the deep ring run at six blocks a
+    /// multiprocessor (`ExpertKernel::SkinnyIntSix`: 24 warps, a two-block input window in 80
+    /// registers) rather than five (a four-block window in 96).
+    pub expert_int_six_blocks: bool,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
@@ -215,6 +219,7 @@ impl Default for LoweringOptions {
             expert_skinny_max_routes: 512,
             expert_skinny_int_routes_an_expert: 5,
             expert_int_deep_ring_routes_an_expert: 3,
+            expert_int_six_blocks: false,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
@@ -244,7 +249,7 @@ impl fmt::Display for LoweringOptions {
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
-             <={} routes (int <={} an expert, deep ring <={}); \
+             <={} routes (int <={} an expert, deep ring <={}{}); \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
@@ -267,6 +272,11 @@ impl fmt::Display for LoweringOptions {
             self.expert_skinny_max_routes,
             self.expert_skinny_int_routes_an_expert,
             self.expert_int_deep_ring_routes_an_expert,
+            if self.expert_int_six_blocks {
+                ", six blocks"
+            } else {
+                ""
+            },
             self.router_tiled_min_rows,
             self.router_routes_max_rows,
             self.topk_inverse_min_rows,
@@ -420,6 +430,8 @@ impl LoweringOptions {
                     && routes <= self.expert_int_deep_ring_routes_an_expert * n_expert;
                 return if deep {
                     ExpertKernel::SkinnyIntDeep
+                } else if self.expert_int_six_blocks {
+                    ExpertKernel::SkinnyIntSix
                 } else {
                     ExpertKernel::SkinnyInt
                 };

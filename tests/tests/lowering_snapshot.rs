@@ -694,6 +694,19 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
             .contains("(int <=5 an expert, deep ring <=3)"),
         "{on}"
     );
+    // Six blocks a multiprocessor take the integer path's steps the deep ring leaves.
+    let six = LoweringOptions {
+        expert_int_six_blocks: true,
+        ..LoweringOptions::default()
+    };
+    all(labels(3, &six), "[skinny int deep]");
+    all(labels(7, &six), "[skinny int six]");
+    all(labels(10, &six), "[skinny int six]");
+    all(labels(11, &six), "[skinny]");
+    assert!(
+        six.to_string().contains("deep ring <=3, six blocks)"),
+        "{six}"
+    );
 }
 
 #[test]

@@ -112,6 +112,10 @@ pub struct LoweringArgs {
     /// capability 9.0 and the model's attention shape take by default.
     #[arg(long)]
     pub no_attention_wg: bool,
+    /// The integer skinny expert products (past the deep ring's steps) at six blocks a
+    /// multiprocessor with a two-block input window, instead of five with a four-block one.
+    #[arg(long)]
+    pub expert_int_six_blocks: bool,
 }
 
 impl LoweringArgs {
@@ -154,6 +158,7 @@ impl LoweringArgs {
                 .unwrap_or(d.router_routes_max_rows),
             f16_latent_cache: !self.latent_cache_f32,
             attention_wg: !self.no_attention_wg,
+            expert_int_six_blocks: self.expert_int_six_blocks,
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self

@@ -87,6 +87,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::Skinny => "skinny",
         ExpertKernel::SkinnyInt => "skinny int",
         ExpertKernel::SkinnyIntDeep => "skinny int deep",
+        ExpertKernel::SkinnyIntSix => "skinny int six",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
@@ -271,6 +272,10 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_sw += 0xc00;
         seed_down += 0xc00;
     }
+    if kernel == ExpertKernel::SkinnyIntSix {
+        seed_sw += 0x1000;
+        seed_down += 0x1000;
+    }
     let name = expert_label(kernel);
     for (n, k, crowd) in [
         (1, 1, false),
@@ -440,6 +445,7 @@ pub fn cases() -> Vec<ParityCase> {
         ExpertKernel::Skinny,
         ExpertKernel::SkinnyInt,
         ExpertKernel::SkinnyIntDeep,
+        ExpertKernel::SkinnyIntSix,
         ExpertKernel::IntGemv,
     ] {
         grouped_expert_cases(&mut v, kernel, false);

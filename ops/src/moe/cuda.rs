@@ -412,7 +412,10 @@ pub(super) fn expert_launch(
         }
         ExpertKernel::Gemv | ExpertKernel::IntGemv => None,
         ExpertKernel::Grouped(tc) => Some(tc),
-        ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep => None,
+        ExpertKernel::Skinny
+        | ExpertKernel::SkinnyInt
+        | ExpertKernel::SkinnyIntDeep
+        | ExpertKernel::SkinnyIntSix => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     iq4_expert_weights(op, a)?;
@@ -458,6 +461,7 @@ pub(super) fn expert_launch(
                 match kernel {
                     ExpertKernel::SkinnyInt => SkinnyPath::Int,
                     ExpertKernel::SkinnyIntDeep => SkinnyPath::IntDeep,
+                    ExpertKernel::SkinnyIntSix => SkinnyPath::IntSix,
                     _ => SkinnyPath::F16,
                 },
                 scratch,

@@ -139,6 +139,9 @@ pub enum ExpertKernel {
     /// (`expert_skinny_iq4_q3`) where its default takes two stages at five: a step whose every
     /// expert has a route or two, where each warp walks the whole input width alone.
     SkinnyIntDeep,
+    /// `SkinnyInt` at six blocks a multiprocessor (`expert_skinny_iq4_q6`: a two-block input
+    /// window in 80 registers) where its default keeps five with a four-block window.
+    SkinnyIntSix,
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.
     Generic,
@@ -149,7 +152,10 @@ impl ExpertKernel {
     pub fn is_skinny(self) -> bool {
         matches!(
             self,
-            ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep
+            ExpertKernel::Skinny
+                | ExpertKernel::SkinnyInt
+                | ExpertKernel::SkinnyIntDeep
+                | ExpertKernel::SkinnyIntSix
         )
     }
 
@@ -163,6 +169,7 @@ impl ExpertKernel {
             ExpertKernel::Skinny => " [skinny]",
             ExpertKernel::SkinnyInt => " [skinny int]",
             ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
+            ExpertKernel::SkinnyIntSix => " [skinny int six]",
             ExpertKernel::Generic => " [generic]",
         }
     }
@@ -445,7 +452,10 @@ impl Op for ExpertSwiGlu {
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         match (self.kernel, inputs.first().map(|z| z.shape.as_slice())) {
             (
-                ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep,
+                ExpertKernel::Skinny
+                | ExpertKernel::SkinnyInt
+                | ExpertKernel::SkinnyIntDeep
+                | ExpertKernel::SkinnyIntSix,
                 Some(&[n, d]),
             ) => prefill::skinny_scratch_bytes(n, d),
             _ => 0,
@@ -557,7 +567,10 @@ impl Op for ExpertDown {
         };
         match (self.kernel, inputs.first().map(|a| a.shape.as_slice())) {
             (
-                ExpertKernel::Skinny | ExpertKernel::SkinnyInt | ExpertKernel::SkinnyIntDeep,
+                ExpertKernel::Skinny
+                | ExpertKernel::SkinnyInt
+                | ExpertKernel::SkinnyIntDeep
+                | ExpertKernel::SkinnyIntSix,
                 Some(&[r, nf]),
             ) => prefill::skinny_scratch_bytes(r + shared_rows, nf),
             _ => 0,

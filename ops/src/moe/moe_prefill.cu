@@ -1279,31 +1279,34 @@ __device__ __forceinline__ void expert_skinny_body(
         k_loop(NT);
     }
 
-    // A sub-tile's partials, added in k-phase order by its phase-0 warp.
+    // A sub-tile's partials, added in k-phase order by its phase-0 warp. Each later phase's
+    // warp leaves them in its own weight ring, which it has finished with (no shared memory
+    // beyond the rings: the integer kernel fits six blocks a multiprocessor only so).
     if (kw > 1) {
-        float* red = reinterpret_cast<float*>(sk_smem + (blockDim.x >> 5) * WARP_SMEM) +
-                     rs * (kw - 1) * SK_MT * NT * 4 * 32;
         constexpr int PER = SK_MT * NT * 4;
+        static_assert(PER * 32 * 4 <= WARP_SMEM, "a warp's partials fit its ring");
         if (kp > 0) {
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            __syncwarp();  // every lane is past its last read of the ring
+            float* red = reinterpret_cast<float*>(sk_smem + warp * WARP_SMEM);
 #pragma unroll
             for (int mt = 0; mt < SK_MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int k = 0; k < 4; ++k)
-                        red[((kp - 1) * PER + (mt * NT + nt) * 4 + k) * 32 + lane] = acc[mt][nt][k];
+                    for (int k = 0; k < 4; ++k) red[((mt * NT + nt) * 4 + k) * 32 + lane] = acc[mt][nt][k];
         }
         __syncthreads();
         if (kp != 0) return;
         for (int w = 1; w < kw; ++w) {
+            const float* red = reinterpret_cast<const float*>(sk_smem + (warp + w) * WARP_SMEM);
 #pragma unroll
             for (int mt = 0; mt < SK_MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int k = 0; k < 4; ++k)
-                        acc[mt][nt][k] = __fadd_rn(
-                            acc[mt][nt][k], red[((w - 1) * PER + (mt * NT + nt) * 4 + k) * 32 + lane]);
+                        acc[mt][nt][k] = __fadd_rn(acc[mt][nt][k], red[((mt * NT + nt) * 4 + k) * 32 + lane]);
         }
     }
 
@@ -1385,4 +1388,7 @@ EXPERT_SKINNY(expert_skinny_iq4_q, 1, true, 2, 4, 5)
 // route or two, each warp walks all of gate+up's 14 k-tiles alone on one n8 tile and waits on
 // its copies more than on its neighbours (H100, 32 sequences: 139 µs a layer against 148).
 EXPERT_SKINNY(expert_skinny_iq4_q3, 1, true, 3, 4, 4)
+// Six blocks a multiprocessor (24 warps; two stages and a two-block input window in 80
+// registers, the rings 221 KB of the 228): more warps to hide each other's waits.
+EXPERT_SKINNY(expert_skinny_iq4_q6, 1, true, 2, 2, 6)
 #undef EXPERT_SKINNY

@@ -278,6 +278,9 @@ pub(crate) enum SkinnyPath {
     Int,
     /// The integer path on three stages at four blocks (`expert_skinny_iq4_q3`).
     IntDeep,
+    /// The integer path at six blocks a multiprocessor (`expert_skinny_iq4_q6`): two stages
+    /// and a two-block input window in 80 registers.
+    IntSix,
 }
 
 impl SkinnyPath {
@@ -292,6 +295,7 @@ impl SkinnyPath {
             SkinnyPath::F16 => (format!("expert_skinny_iq4_{nt}"), 3),
             SkinnyPath::Int => ("expert_skinny_iq4_q".to_string(), 2),
             SkinnyPath::IntDeep => ("expert_skinny_iq4_q3".to_string(), 3),
+            SkinnyPath::IntSix => ("expert_skinny_iq4_q6".to_string(), 2),
         }
     }
 }
@@ -572,7 +576,8 @@ pub(crate) unsafe fn launch_expert_skinny(
     let kw = skinny_k_warps(n_in / SKINNY_K_TILE, row_tiles * pairs);
     let subtiles = SK_WARPS / kw;
     let (name, stages) = path.kernel(nt);
-    let smem = SK_WARPS * stages * SK_WSTAGE + subtiles * (kw - 1) * 2 * nt * 4 * 32 * 4;
+    // The K split's partials go through the rings (the kernel's epilogue): no more.
+    let smem = SK_WARPS * stages * SK_WSTAGE;
     let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, &name)?;
     // SAFETY: the argument list matches expert_skinny_iq4_<NT>; the caller guarantees the
     // buffers, xh was written above, and the kernel bounds every route, token and row index
