@@ -153,6 +153,10 @@ pub struct LoweringOptions {
     /// multiprocessor (`ExpertKernel::SkinnyIntSix`: 24 warps, a two-block input window in 80
     /// registers) rather than five (a four-block window in 96).
     pub expert_int_six_blocks: bool,
+    /// The integer path's products that do not take the deep ring copy their first 4-route
+    /// tile's inputs through the weight ring (`ExpertKernel::SkinnyIntStaged`, four blocks a
+    /// multiprocessor); before [`Self::expert_int_six_blocks`].
+    pub expert_int_staged_inputs: bool,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
@@ -220,6 +224,7 @@ impl Default for LoweringOptions {
             expert_skinny_int_routes_an_expert: 5,
             expert_int_deep_ring_routes_an_expert: 3,
             expert_int_six_blocks: false,
+            expert_int_staged_inputs: false,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
@@ -272,7 +277,9 @@ impl fmt::Display for LoweringOptions {
             self.expert_skinny_max_routes,
             self.expert_skinny_int_routes_an_expert,
             self.expert_int_deep_ring_routes_an_expert,
-            if self.expert_int_six_blocks {
+            if self.expert_int_staged_inputs {
+                ", staged inputs"
+            } else if self.expert_int_six_blocks {
                 ", six blocks"
             } else {
                 ""
@@ -430,6 +437,8 @@ impl LoweringOptions {
                     && routes <= self.expert_int_deep_ring_routes_an_expert * n_expert;
                 return if deep {
                     ExpertKernel::SkinnyIntDeep
+                } else if self.expert_int_staged_inputs {
+                    ExpertKernel::SkinnyIntStaged
                 } else if self.expert_int_six_blocks {
                     ExpertKernel::SkinnyIntSix
                 } else {

@@ -707,6 +707,13 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
         six.to_string().contains("deep ring <=3, six blocks)"),
         "{six}"
     );
+    let staged = LoweringOptions {
+        expert_int_staged_inputs: true,
+        ..six
+    };
+    all(labels(3, &staged), "[skinny int deep]");
+    all(labels(7, &staged), "[skinny int staged]");
+    all(labels(11, &staged), "[skinny]");
 }
 
 #[test]

@@ -116,6 +116,10 @@ pub struct LoweringArgs {
     /// multiprocessor with a two-block input window, instead of five with a four-block one.
     #[arg(long)]
     pub expert_int_six_blocks: bool,
+    /// The integer skinny expert products (past the deep ring's steps) copy their first
+    /// four routes' inputs through the weight ring (four blocks a multiprocessor).
+    #[arg(long)]
+    pub expert_int_staged_inputs: bool,
 }
 
 impl LoweringArgs {
@@ -159,6 +163,7 @@ impl LoweringArgs {
             f16_latent_cache: !self.latent_cache_f32,
             attention_wg: !self.no_attention_wg,
             expert_int_six_blocks: self.expert_int_six_blocks,
+            expert_int_staged_inputs: self.expert_int_staged_inputs,
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self

@@ -88,6 +88,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::SkinnyInt => "skinny int",
         ExpertKernel::SkinnyIntDeep => "skinny int deep",
         ExpertKernel::SkinnyIntSix => "skinny int six",
+        ExpertKernel::SkinnyIntStaged => "skinny int staged",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
@@ -276,6 +277,10 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_sw += 0x1000;
         seed_down += 0x1000;
     }
+    if kernel == ExpertKernel::SkinnyIntStaged {
+        seed_sw += 0x1400;
+        seed_down += 0x1400;
+    }
     let name = expert_label(kernel);
     for (n, k, crowd) in [
         (1, 1, false),
@@ -446,6 +451,7 @@ pub fn cases() -> Vec<ParityCase> {
         ExpertKernel::SkinnyInt,
         ExpertKernel::SkinnyIntDeep,
         ExpertKernel::SkinnyIntSix,
+        ExpertKernel::SkinnyIntStaged,
         ExpertKernel::IntGemv,
     ] {
         grouped_expert_cases(&mut v, kernel, false);

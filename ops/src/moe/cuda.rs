@@ -415,7 +415,8 @@ pub(super) fn expert_launch(
         ExpertKernel::Skinny
         | ExpertKernel::SkinnyInt
         | ExpertKernel::SkinnyIntDeep
-        | ExpertKernel::SkinnyIntSix => None,
+        | ExpertKernel::SkinnyIntSix
+        | ExpertKernel::SkinnyIntStaged => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     iq4_expert_weights(op, a)?;
@@ -462,6 +463,7 @@ pub(super) fn expert_launch(
                     ExpertKernel::SkinnyInt => SkinnyPath::Int,
                     ExpertKernel::SkinnyIntDeep => SkinnyPath::IntDeep,
                     ExpertKernel::SkinnyIntSix => SkinnyPath::IntSix,
+                    ExpertKernel::SkinnyIntStaged => SkinnyPath::IntStaged,
                     _ => SkinnyPath::F16,
                 },
                 scratch,

@@ -142,6 +142,10 @@ pub enum ExpertKernel {
     /// `SkinnyInt` at six blocks a multiprocessor (`expert_skinny_iq4_q6`: a two-block input
     /// window in 80 registers) where its default keeps five with a four-block window.
     SkinnyIntSix,
+    /// `SkinnyInt` with the first 4-route tile's inputs copied through each warp's weight
+    /// ring a k-tile ahead (`expert_skinny_iq4_qs`, four blocks a multiprocessor) where the
+    /// default loads them from global memory a few blocks ahead.
+    SkinnyIntStaged,
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.
     Generic,
@@ -156,6 +160,7 @@ impl ExpertKernel {
                 | ExpertKernel::SkinnyInt
                 | ExpertKernel::SkinnyIntDeep
                 | ExpertKernel::SkinnyIntSix
+                | ExpertKernel::SkinnyIntStaged
         )
     }
 
@@ -170,6 +175,7 @@ impl ExpertKernel {
             ExpertKernel::SkinnyInt => " [skinny int]",
             ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
             ExpertKernel::SkinnyIntSix => " [skinny int six]",
+            ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
             ExpertKernel::Generic => " [generic]",
         }
     }
@@ -455,7 +461,8 @@ impl Op for ExpertSwiGlu {
                 ExpertKernel::Skinny
                 | ExpertKernel::SkinnyInt
                 | ExpertKernel::SkinnyIntDeep
-                | ExpertKernel::SkinnyIntSix,
+                | ExpertKernel::SkinnyIntSix
+                | ExpertKernel::SkinnyIntStaged,
                 Some(&[n, d]),
             ) => prefill::skinny_scratch_bytes(n, d),
             _ => 0,
@@ -570,7 +577,8 @@ impl Op for ExpertDown {
                 ExpertKernel::Skinny
                 | ExpertKernel::SkinnyInt
                 | ExpertKernel::SkinnyIntDeep
-                | ExpertKernel::SkinnyIntSix,
+                | ExpertKernel::SkinnyIntSix
+                | ExpertKernel::SkinnyIntStaged,
                 Some(&[r, nf]),
             ) => prefill::skinny_scratch_bytes(r + shared_rows, nf),
             _ => 0,

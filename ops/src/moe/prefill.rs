@@ -281,6 +281,9 @@ pub(crate) enum SkinnyPath {
     /// The integer path at six blocks a multiprocessor (`expert_skinny_iq4_q6`): two stages
     /// and a two-block input window in 80 registers.
     IntSix,
+    /// The integer path with the first n8 tile's inputs copied through the weight ring
+    /// (`expert_skinny_iq4_qs`, four blocks a multiprocessor).
+    IntStaged,
 }
 
 impl SkinnyPath {
@@ -296,6 +299,16 @@ impl SkinnyPath {
             SkinnyPath::Int => ("expert_skinny_iq4_q".to_string(), 2),
             SkinnyPath::IntDeep => ("expert_skinny_iq4_q3".to_string(), 3),
             SkinnyPath::IntSix => ("expert_skinny_iq4_q6".to_string(), 2),
+            SkinnyPath::IntStaged => ("expert_skinny_iq4_qs".to_string(), 2),
+        }
+    }
+
+    /// Bytes of one stage of a warp's ring: the weights' k-tile, with staged inputs their
+    /// four routes' k-tile too (`SKX_STAGE`).
+    fn stage_bytes(self) -> usize {
+        match self {
+            SkinnyPath::IntStaged => SK_WSTAGE + 4 * 576,
+            _ => SK_WSTAGE,
         }
     }
 }
@@ -577,7 +590,7 @@ pub(crate) unsafe fn launch_expert_skinny(
     let subtiles = SK_WARPS / kw;
     let (name, stages) = path.kernel(nt);
     // The K split's partials go through the rings (the kernel's epilogue): no more.
-    let smem = SK_WARPS * stages * SK_WSTAGE;
+    let smem = SK_WARPS * stages * path.stage_bytes();
     let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, &name)?;
     // SAFETY: the argument list matches expert_skinny_iq4_<NT>; the caller guarantees the
     // buffers, xh was written above, and the kernel bounds every route, token and row index
