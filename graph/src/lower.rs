@@ -153,10 +153,12 @@ pub struct LoweringOptions {
     /// multiprocessor (`ExpertKernel::SkinnyIntSix`: 24 warps, a two-block input window in 80
     /// registers) rather than five (a four-block window in 96).
     pub expert_int_six_blocks: bool,
-    /// The integer path's products that do not take the deep ring copy their first 4-route
-    /// tile's inputs through the weight ring (`ExpertKernel::SkinnyIntStaged`, four blocks a
-    /// multiprocessor); before [`Self::expert_int_six_blocks`].
-    pub expert_int_staged_inputs: bool,
+    /// Routes of a tile (0: none, 2 or 4) whose inputs the integer path's products that do
+    /// not take the deep ring copy through the weight ring, a k-tile ahead, rather than load
+    /// from global memory a few blocks ahead (`ExpertKernel::SkinnyIntStagedPair` at five
+    /// blocks a multiprocessor, `ExpertKernel::SkinnyIntStaged` at four); before
+    /// [`Self::expert_int_six_blocks`].
+    pub expert_int_staged_routes: usize,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
@@ -224,7 +226,7 @@ impl Default for LoweringOptions {
             expert_skinny_int_routes_an_expert: 5,
             expert_int_deep_ring_routes_an_expert: 3,
             expert_int_six_blocks: false,
-            expert_int_staged_inputs: false,
+            expert_int_staged_routes: 0,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
@@ -277,7 +279,7 @@ impl fmt::Display for LoweringOptions {
             self.expert_skinny_max_routes,
             self.expert_skinny_int_routes_an_expert,
             self.expert_int_deep_ring_routes_an_expert,
-            if self.expert_int_staged_inputs {
+            if self.expert_int_staged_routes > 0 {
                 ", staged inputs"
             } else if self.expert_int_six_blocks {
                 ", six blocks"
@@ -349,6 +351,12 @@ impl LoweringOptions {
             if v > limit {
                 return Err(format!("{name} = {v}: the kernels take at most {limit}"));
             }
+        }
+        if ![0, 2, 4].contains(&self.expert_int_staged_routes) {
+            return Err(format!(
+                "expert_int_staged_routes = {}: the kernels stage 0, 2 or 4 routes",
+                self.expert_int_staged_routes
+            ));
         }
         Ok(())
     }
@@ -437,7 +445,9 @@ impl LoweringOptions {
                     && routes <= self.expert_int_deep_ring_routes_an_expert * n_expert;
                 return if deep {
                     ExpertKernel::SkinnyIntDeep
-                } else if self.expert_int_staged_inputs {
+                } else if self.expert_int_staged_routes == 2 {
+                    ExpertKernel::SkinnyIntStagedPair
+                } else if self.expert_int_staged_routes == 4 {
                     ExpertKernel::SkinnyIntStaged
                 } else if self.expert_int_six_blocks {
                     ExpertKernel::SkinnyIntSix

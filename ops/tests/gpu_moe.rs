@@ -645,6 +645,7 @@ fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches
             ExpertKernel::SkinnyIntDeep,
             ExpertKernel::SkinnyIntSix,
             ExpertKernel::SkinnyIntStaged,
+            ExpertKernel::SkinnyIntStagedPair,
         ] {
             let experts = real_chain_on(n, kernel)
                 .into_iter()
@@ -660,7 +661,8 @@ fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches
                     ExpertKernel::SkinnyInt => int_bits.push(a[0].1.clone()),
                     ExpertKernel::SkinnyIntDeep
                     | ExpertKernel::SkinnyIntSix
-                    | ExpertKernel::SkinnyIntStaged => assert!(
+                    | ExpertKernel::SkinnyIntStaged
+                    | ExpertKernel::SkinnyIntStagedPair => assert!(
                         int_bits.get(i) == Some(&a[0].1),
                         "{what}: the bits differ from the integer path's default kernel"
                     ),
@@ -1137,6 +1139,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             ExpertKernel::SkinnyIntDeep,
             ExpertKernel::SkinnyIntSix,
             ExpertKernel::SkinnyIntStaged,
+            ExpertKernel::SkinnyIntStagedPair,
             ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
         ];
         for kernel in kernels {
@@ -1232,6 +1235,7 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
         (64, ExpertKernel::SkinnyIntSix),
         (8, ExpertKernel::SkinnyIntStaged),
         (64, ExpertKernel::SkinnyIntStaged),
+        (8, ExpertKernel::SkinnyIntStagedPair),
         (128, ExpertKernel::Skinny),
     ];
     for (n, kernel) in shapes {
@@ -1298,6 +1302,7 @@ fn kernel_tag(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
         ExpertKernel::SkinnyIntSix => " [skinny int six]",
         ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
+        ExpertKernel::SkinnyIntStagedPair => " [skinny int staged pair]",
         ExpertKernel::Gemv => " [gemv]",
         ExpertKernel::IntGemv => " [int gemv]",
         _ => " [grouped]",

@@ -708,12 +708,25 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
         "{six}"
     );
     let staged = LoweringOptions {
-        expert_int_staged_inputs: true,
+        expert_int_staged_routes: 4,
         ..six
     };
     all(labels(3, &staged), "[skinny int deep]");
     all(labels(7, &staged), "[skinny int staged]");
     all(labels(11, &staged), "[skinny]");
+    let pair = LoweringOptions {
+        expert_int_staged_routes: 2,
+        ..staged
+    };
+    all(labels(7, &pair), "[skinny int staged pair]");
+    assert!(
+        LoweringOptions {
+            expert_int_staged_routes: 3,
+            ..pair
+        }
+        .validate()
+        .is_err()
+    );
 }
 
 #[test]

@@ -116,10 +116,11 @@ pub struct LoweringArgs {
     /// multiprocessor with a two-block input window, instead of five with a four-block one.
     #[arg(long)]
     pub expert_int_six_blocks: bool,
-    /// The integer skinny expert products (past the deep ring's steps) copy their first
-    /// four routes' inputs through the weight ring (four blocks a multiprocessor).
-    #[arg(long)]
-    pub expert_int_staged_inputs: bool,
+    /// Routes of a tile (2 or 4; default 0, none) whose inputs the integer skinny expert
+    /// products (past the deep ring's steps) copy through the weight ring (five blocks a
+    /// multiprocessor for 2, four for 4).
+    #[arg(long, value_name = "N")]
+    pub expert_int_staged_routes: Option<usize>,
 }
 
 impl LoweringArgs {
@@ -163,7 +164,9 @@ impl LoweringArgs {
             f16_latent_cache: !self.latent_cache_f32,
             attention_wg: !self.no_attention_wg,
             expert_int_six_blocks: self.expert_int_six_blocks,
-            expert_int_staged_inputs: self.expert_int_staged_inputs,
+            expert_int_staged_routes: self
+                .expert_int_staged_routes
+                .unwrap_or(d.expert_int_staged_routes),
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self
@@ -199,7 +202,7 @@ impl LoweringArgs {
         };
         opts.validate().map_err(|e| {
             anyhow::anyhow!(
-                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes: {e}"
+                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes / --expert-int-staged-routes: {e}"
             )
         })?;
         Ok(opts)

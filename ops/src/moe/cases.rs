@@ -89,6 +89,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::SkinnyIntDeep => "skinny int deep",
         ExpertKernel::SkinnyIntSix => "skinny int six",
         ExpertKernel::SkinnyIntStaged => "skinny int staged",
+        ExpertKernel::SkinnyIntStagedPair => "skinny int staged pair",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
@@ -281,6 +282,10 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_sw += 0x1400;
         seed_down += 0x1400;
     }
+    if kernel == ExpertKernel::SkinnyIntStagedPair {
+        seed_sw += 0x1800;
+        seed_down += 0x1800;
+    }
     let name = expert_label(kernel);
     for (n, k, crowd) in [
         (1, 1, false),
@@ -452,6 +457,7 @@ pub fn cases() -> Vec<ParityCase> {
         ExpertKernel::SkinnyIntDeep,
         ExpertKernel::SkinnyIntSix,
         ExpertKernel::SkinnyIntStaged,
+        ExpertKernel::SkinnyIntStagedPair,
         ExpertKernel::IntGemv,
     ] {
         grouped_expert_cases(&mut v, kernel, false);

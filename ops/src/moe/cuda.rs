@@ -416,7 +416,8 @@ pub(super) fn expert_launch(
         | ExpertKernel::SkinnyInt
         | ExpertKernel::SkinnyIntDeep
         | ExpertKernel::SkinnyIntSix
-        | ExpertKernel::SkinnyIntStaged => None,
+        | ExpertKernel::SkinnyIntStaged
+        | ExpertKernel::SkinnyIntStagedPair => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     iq4_expert_weights(op, a)?;
@@ -464,6 +465,7 @@ pub(super) fn expert_launch(
                     ExpertKernel::SkinnyIntDeep => SkinnyPath::IntDeep,
                     ExpertKernel::SkinnyIntSix => SkinnyPath::IntSix,
                     ExpertKernel::SkinnyIntStaged => SkinnyPath::IntStaged,
+                    ExpertKernel::SkinnyIntStagedPair => SkinnyPath::IntStagedPair,
                     _ => SkinnyPath::F16,
                 },
                 scratch,

@@ -146,6 +146,9 @@ pub enum ExpertKernel {
     /// ring a k-tile ahead (`expert_skinny_iq4_qs`, four blocks a multiprocessor) where the
     /// default loads them from global memory a few blocks ahead.
     SkinnyIntStaged,
+    /// `SkinnyIntStaged` for the first two routes of a tile (`expert_skinny_iq4_qs2`, five
+    /// blocks a multiprocessor): most tiles of a small decode step have one or two.
+    SkinnyIntStagedPair,
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.
     Generic,
@@ -161,6 +164,7 @@ impl ExpertKernel {
                 | ExpertKernel::SkinnyIntDeep
                 | ExpertKernel::SkinnyIntSix
                 | ExpertKernel::SkinnyIntStaged
+                | ExpertKernel::SkinnyIntStagedPair
         )
     }
 
@@ -176,6 +180,7 @@ impl ExpertKernel {
             ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
             ExpertKernel::SkinnyIntSix => " [skinny int six]",
             ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
+            ExpertKernel::SkinnyIntStagedPair => " [skinny int staged pair]",
             ExpertKernel::Generic => " [generic]",
         }
     }
@@ -462,7 +467,8 @@ impl Op for ExpertSwiGlu {
                 | ExpertKernel::SkinnyInt
                 | ExpertKernel::SkinnyIntDeep
                 | ExpertKernel::SkinnyIntSix
-                | ExpertKernel::SkinnyIntStaged,
+                | ExpertKernel::SkinnyIntStaged
+                | ExpertKernel::SkinnyIntStagedPair,
                 Some(&[n, d]),
             ) => prefill::skinny_scratch_bytes(n, d),
             _ => 0,
@@ -578,7 +584,8 @@ impl Op for ExpertDown {
                 | ExpertKernel::SkinnyInt
                 | ExpertKernel::SkinnyIntDeep
                 | ExpertKernel::SkinnyIntSix
-                | ExpertKernel::SkinnyIntStaged,
+                | ExpertKernel::SkinnyIntStaged
+                | ExpertKernel::SkinnyIntStagedPair,
                 Some(&[r, nf]),
             ) => prefill::skinny_scratch_bytes(r + shared_rows, nf),
             _ => 0,

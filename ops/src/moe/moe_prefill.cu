@@ -827,10 +827,10 @@ expert_gemm_wg_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
 #define SK_MT 2
 #define SK_ROWS (16 * SK_MT)
 #define SK_WSTAGE (SK_ROWS * SK_ROWB)             // 4608
-// Staged inputs (XS): a stage also holds the first n8 tile's four routes' 512 bytes of the
-// k-tile, each route's padded to 576 so that a warp's B-fragment loads take two wavefronts.
-#define SKX_ROUTE 576
-#define SKX_STAGE (4 * SKX_ROUTE)                 // 2304
+// Staged inputs (XR routes, 2 or 4): a stage also holds the first XR routes' 512 bytes of the
+// k-tile; four are each padded to 576 so that a warp's B-fragment loads take two wavefronts,
+// two are not (six blocks of 45 KB would not fit the multiprocessor with the padding).
+#define SKX_ROUTE(XR) ((XR) == 4 ? 576 : 512)
 
 // xh[row][block][4t + m] = f16 pair (x[32 block + 4t + m], x[.. + 16]) · scale. n_in % 32 == 0.
 // The rows of x2 (words2 words of xh) follow those of x: the shared expert's activations
@@ -1031,7 +1031,7 @@ __device__ __forceinline__ void sk_wait() {
 //
 // Q8: the integer path (NT = 1: an 8-route tile as two n8 tiles of four routes' hi and lo
 // columns), xh holding expert_x_q16's rows and sx their scales; y_scale is unused.
-template <int NT, bool Q8, int STAGES, int XW, bool XS = false>
+template <int NT, bool Q8, int STAGES, int XW, int XR = 0>
 __device__ __forceinline__ void expert_skinny_body(
     const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
     const uint4* __restrict__ xh, const float* __restrict__ sx, const int* __restrict__ offsets,
@@ -1076,11 +1076,13 @@ __device__ __forceinline__ void expert_skinny_body(
     // n8 tiles with routes: 8 routes each, or on the integer path 4 (hi and lo columns).
     const int n_active = Q8 ? (rn + 3) >> 2 : (rn + 7) >> 3;
 
-    static_assert(!XS || Q8, "staged inputs are the integer path's");
-    // XS: the first n8 tile's inputs ride the weight ring (cp.async, a stage ahead) instead of
-    // global loads a few blocks ahead, which held a third of the integer kernel's stall
+    static_assert(XR == 0 || (Q8 && (XR == 2 || XR == 4)), "the integer path stages 2 or 4 routes");
+    constexpr bool XS = XR > 0;
+    // XS: the first XR routes' inputs ride the weight ring (cp.async, a stage ahead) instead
+    // of global loads a few blocks ahead, which held a third of the integer kernel's stall
     // samples at 8 sequences (bench/RESULTS.md 2026-12-07 (b)).
-    constexpr int STAGE_B = SK_WSTAGE + (XS ? SKX_STAGE : 0);
+    constexpr int XROUTE = SKX_ROUTE(XR);
+    constexpr int STAGE_B = SK_WSTAGE + XR * XROUTE;
     constexpr int WARP_SMEM = STAGES * STAGE_B;
     const unsigned wbase = (unsigned)__cvta_generic_to_shared(sk_smem) + warp * WARP_SMEM;
     // Stage row i's 16-byte word p is chunk 9i + p of the stage; lane takes chunks lane + 32j
@@ -1126,11 +1128,11 @@ __device__ __forceinline__ void expert_skinny_body(
                          : (swiglu && route_token != nullptr) ? route_token[rb + r] : rb + r;
         return (src >= 0 && src < n_x_rows) ? src : -1;
     };
-    // XS: lane l copies 16-byte chunk l of each of the four routes' 512 bytes a k-tile: its
-    // byte offsets into xh (under 4 GiB), ~0u for a route the tile lacks (zero-filled).
-    unsigned xsrc[4];
+    // XS: lane l copies 16-byte chunk l of each staged route's 512 bytes a k-tile: its byte
+    // offsets into xh (under 4 GiB), ~0u for a route the tile lacks (zero-filled).
+    unsigned xsrc[XS ? XR : 1];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < (XS ? XR : 1); ++j) {
         const int r = XS ? x_row(j) : -1;
         xsrc[j] = r >= 0 ? (unsigned)r * (unsigned)(2 * n_in) + 16u * lane : ~0u;
     }
@@ -1150,17 +1152,17 @@ __device__ __forceinline__ void expert_skinny_body(
         }
         if constexpr (XS) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < XR; ++j) {
                 unsigned o;
                 asm volatile("mov.b32 %0, %1;" : "=r"(o) : "r"(xsrc[j]));
                 const bool live = o != ~0u;
-                sk_cp16(dst + SK_WSTAGE + SKX_ROUTE * j, xbytes + (live ? o + 512u * kt : 0u),
+                sk_cp16(dst + SK_WSTAGE + XROUTE * j, xbytes + (live ? o + 512u * kt : 0u),
                         live ? 16 : 0);
             }
         }
     };
 
-    // The weights first (with XS the first n8 tile's inputs beside them), then the others.
+    // The weights first (with XS the staged routes' inputs beside them), then the others.
     const int mine = (kp < nk && c0 < n_out) ? (nk - kp + kw - 1) / kw : 0;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -1185,6 +1187,9 @@ __device__ __forceinline__ void expert_skinny_body(
 #pragma unroll
     for (int nt = 0; nt < NB; ++nt)
         xoff[nt] = xrow[nt] >= 0 ? (unsigned)xrow[nt] * (unsigned)(n_in >> 2) + (g & 1) * 4 + t : ~0u;
+    // A lane whose column's route is staged reads it from the ring, not from global memory.
+    const bool my_staged = XS && (g >> 1) < XR;
+    if (my_staged) xoff[0] = ~0u;
     // The integer path's inputs of the next k-tile, prefetched into L1 a k-tile ahead: loaded
     // from L2 only a few blocks ahead, they waited behind the weight copies' traffic (H100, 64
     // tokens: a sixth of the kernel's stall samples were its MMAs waiting for them). A route's
@@ -1199,7 +1204,7 @@ __device__ __forceinline__ void expert_skinny_body(
     // that a tile of at most four routes skips the second's MMAs without a branch a block).
     auto load_x = [&](int ta, int kt, int b, int q) {
 #pragma unroll
-        for (int nt = XS ? 1 : 0; nt < NB; ++nt) {
+        for (int nt = XR == 4 ? 1 : 0; nt < NB; ++nt) {
             if (nt >= ta) continue;
             XFrag v{};
             if constexpr (Q8) {
@@ -1246,7 +1251,8 @@ __device__ __forceinline__ void expert_skinny_body(
             const unsigned char* wst = sk_smem + warp * WARP_SMEM + (it % STAGES) * STAGE_B + g * SK_ROWB;
             // XS: lane (g, t)'s B fragment of route g/2's hi (even g) or lo bytes, block 0.
             const unsigned char* xst = sk_smem + warp * WARP_SMEM + (it % STAGES) * STAGE_B +
-                                       SK_WSTAGE + (g >> 1) * SKX_ROUTE + (g & 1) * 32 + t * 8;
+                                       SK_WSTAGE + ((g >> 1) % (XS ? XR : 1)) * XROUTE +
+                                       (g & 1) * 32 + t * 8;
 #pragma unroll
             for (int b = 0; b < 8; ++b) {
 #pragma unroll
@@ -1265,9 +1271,13 @@ __device__ __forceinline__ void expert_skinny_body(
                             if (j >= ta) continue;
                             // Lane (g, t) gets route 4j + t's hi and lo sums of rows g, g + 8.
                             unsigned d[4];
-                            const uint2 xv = XS && j == 0
-                                                 ? *reinterpret_cast<const uint2*>(xst + 64 * b)
-                                                 : xq[b % XW][j];
+                            uint2 xv = xq[b % XW][j];
+                            if (XS && j == 0) {
+                                // Every lane reads (the address stays in the ring), the
+                                // unstaged ones keep their window's value.
+                                const uint2 sv = *reinterpret_cast<const uint2*>(xst + 64 * b);
+                                if (my_staged) xv = sv;
+                            }
                             skq_mma(d, a, xv.x, xv.y);
                             acc[mt][0][2 * j] = __fmaf_rn(dl, skq_pair(d[0], d[1]), acc[mt][0][2 * j]);
                             acc[mt][0][2 * j + 1] =
@@ -1399,7 +1409,7 @@ __device__ __forceinline__ void expert_skinny_body(
 
 // MINB blocks a multiprocessor: the registers' bound; the launcher's shared memory (STAGES
 // stages a warp) lets as many in.
-#define EXPERT_SKINNY_X(NAME, NT, Q8, STAGES, XW, MINB, XS)                                     \
+#define EXPERT_SKINNY_X(NAME, NT, Q8, STAGES, XW, MINB, XR)                                     \
     extern "C" __global__ void __launch_bounds__(128, MINB) NAME(                               \
         const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,             \
         const uint4* __restrict__ xh, const float* __restrict__ sx,                             \
@@ -1409,13 +1419,13 @@ __device__ __forceinline__ void expert_skinny_body(
         const unsigned char* __restrict__ Sb, float* __restrict__ y_sh, int sh_tile0, int n_sh, \
         int sh_x0) {                                                                            \
         PDL_ENTER();                                                                            \
-        expert_skinny_body<NT, Q8, STAGES, XW, XS>(Wa, Wb, xh, sx, offsets, route_token, y,     \
+        expert_skinny_body<NT, Q8, STAGES, XW, XR>(Wa, Wb, xh, sx, offsets, route_token, y,     \
                                                    n_in, n_out, n_expert, n_x_rows, n_routes,   \
                                                    y_scale, kw, Sa, Sb, y_sh, sh_tile0, n_sh,   \
                                                    sh_x0);                                      \
     }
 #define EXPERT_SKINNY(NAME, NT, Q8, STAGES, XW, MINB) \
-    EXPERT_SKINNY_X(NAME, NT, Q8, STAGES, XW, MINB, false)
+    EXPERT_SKINNY_X(NAME, NT, Q8, STAGES, XW, MINB, 0)
 EXPERT_SKINNY(expert_skinny_iq4_1, 1, false, 3, 4, 4)
 EXPERT_SKINNY(expert_skinny_iq4_2, 2, false, 3, 4, 3)
 // The integer path trades a stage of its ring and half its input window for a fifth block a
@@ -1428,8 +1438,10 @@ EXPERT_SKINNY(expert_skinny_iq4_q3, 1, true, 3, 4, 4)
 // Six blocks a multiprocessor (24 warps; two stages and a two-block input window in 80
 // registers, the rings 221 KB of the 228): more warps to hide each other's waits.
 EXPERT_SKINNY(expert_skinny_iq4_q6, 1, true, 2, 2, 6)
-// The first n8 tile's inputs through the weight ring (2.3 KB more a stage: four blocks a
-// multiprocessor); a second n8 tile's from global memory in a four-block window.
-EXPERT_SKINNY_X(expert_skinny_iq4_qs, 1, true, 2, 4, 4, true)
+// The first four routes' inputs through the weight ring (2.3 KB more a stage: four blocks a
+// multiprocessor); the other four's from global memory in a four-block window.
+EXPERT_SKINNY_X(expert_skinny_iq4_qs, 1, true, 2, 4, 4, 4)
+// The first two routes' (most of a decode step's tiles have one or two) at five blocks.
+EXPERT_SKINNY_X(expert_skinny_iq4_qs2, 1, true, 2, 2, 5, 2)
 #undef EXPERT_SKINNY
 #undef EXPERT_SKINNY_X

@@ -281,9 +281,11 @@ pub(crate) enum SkinnyPath {
     /// The integer path at six blocks a multiprocessor (`expert_skinny_iq4_q6`): two stages
     /// and a two-block input window in 80 registers.
     IntSix,
-    /// The integer path with the first n8 tile's inputs copied through the weight ring
+    /// The integer path with the first four routes' inputs copied through the weight ring
     /// (`expert_skinny_iq4_qs`, four blocks a multiprocessor).
     IntStaged,
+    /// The same for the first two routes (`expert_skinny_iq4_qs2`, five blocks).
+    IntStagedPair,
 }
 
 impl SkinnyPath {
@@ -300,14 +302,16 @@ impl SkinnyPath {
             SkinnyPath::IntDeep => ("expert_skinny_iq4_q3".to_string(), 3),
             SkinnyPath::IntSix => ("expert_skinny_iq4_q6".to_string(), 2),
             SkinnyPath::IntStaged => ("expert_skinny_iq4_qs".to_string(), 2),
+            SkinnyPath::IntStagedPair => ("expert_skinny_iq4_qs2".to_string(), 2),
         }
     }
 
     /// Bytes of one stage of a warp's ring: the weights' k-tile, with staged inputs their
-    /// four routes' k-tile too (`SKX_STAGE`).
+    /// routes' k-tile too (`SKX_ROUTE` bytes a route).
     fn stage_bytes(self) -> usize {
         match self {
             SkinnyPath::IntStaged => SK_WSTAGE + 4 * 576,
+            SkinnyPath::IntStagedPair => SK_WSTAGE + 2 * 512,
             _ => SK_WSTAGE,
         }
     }
