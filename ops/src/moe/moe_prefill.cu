@@ -829,7 +829,7 @@ expert_gemm_wg_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
 #define SK_WSTAGE (SK_ROWS * SK_ROWB)             // 4608
 // Staged inputs (XR routes, 2 or 4): a stage also holds the first XR routes' 512 bytes of the
 // k-tile; four are each padded to 576 so that a warp's B-fragment loads take two wavefronts,
-// two are not (six blocks of 45 KB would not fit the multiprocessor with the padding).
+// two are not (five blocks of 45 KB would not fit the multiprocessor with the padding).
 #define SKX_ROUTE(XR) ((XR) == 4 ? 576 : 512)
 
 // xh[row][block][4t + m] = f16 pair (x[32 block + 4t + m], x[.. + 16]) · scale. n_in % 32 == 0.
@@ -1079,7 +1079,7 @@ __device__ __forceinline__ void expert_skinny_body(
     static_assert(XR == 0 || (Q8 && (XR == 2 || XR == 4)), "the integer path stages 2 or 4 routes");
     constexpr bool XS = XR > 0;
     // XS: the first XR routes' inputs ride the weight ring (cp.async, a stage ahead) instead
-    // of global loads a few blocks ahead, which held a third of the integer kernel's stall
+    // of global loads a few blocks ahead, which held 29% of the integer kernel's stall
     // samples at 8 sequences (bench/RESULTS.md 2026-12-07 (b)).
     constexpr int XROUTE = SKX_ROUTE(XR);
     constexpr int STAGE_B = SK_WSTAGE + XR * XROUTE;
