@@ -1129,16 +1129,12 @@ __device__ __forceinline__ void expert_skinny_body(
         return (src >= 0 && src < n_x_rows) ? src : -1;
     };
     // XS: lane l copies 16-byte chunk l of each staged route's 512 bytes a k-tile: its byte
-    // offsets into xh (under 4 GiB), ~0u for a route the tile lacks (zero-filled).
+    // offsets into xh (under 4 GiB), ~0u for a route the tile lacks (zero-filled). Set after
+    // the first weight copies are issued (they need no route table).
     unsigned xsrc[XS ? XR : 1];
-#pragma unroll
-    for (int j = 0; j < (XS ? XR : 1); ++j) {
-        const int r = XS ? x_row(j) : -1;
-        xsrc[j] = r >= 0 ? (unsigned)r * (unsigned)(2 * n_in) + 16u * lane : ~0u;
-    }
     const unsigned char* xbytes = reinterpret_cast<const unsigned char*>(xh);
     const unsigned my_dst = wbase + 16 * lane;
-    auto issue = [&](int kt, int stage) {
+    auto issue_w = [&](int kt, int stage) {
         const unsigned dst = my_dst + stage * STAGE_B;
         const unsigned char* ak = ea + kt * SK_ROWB;
         const unsigned char* bk = eb + kt * SK_ROWB;
@@ -1150,6 +1146,9 @@ __device__ __forceinline__ void expert_skinny_body(
             asm volatile("mov.b32 %0, %1;" : "=r"(o) : "r"(goff[j]));
             sk_cp16(dst + 512 * j, (o & 2u ? bk : ak) + (o & ~15u), o & 1u ? 16 : 0);
         }
+    };
+    auto issue_x = [&](int kt, int stage) {
+        const unsigned dst = my_dst + stage * STAGE_B;
         if constexpr (XS) {
 #pragma unroll
             for (int j = 0; j < XR; ++j) {
@@ -1161,13 +1160,31 @@ __device__ __forceinline__ void expert_skinny_body(
             }
         }
     };
+    auto issue = [&](int kt, int stage) {
+        issue_w(kt, stage);
+        issue_x(kt, stage);
+    };
 
-    // The weights first (with XS the staged routes' inputs beside them), then the others.
+    // The weights first: they depend on the expert alone, the inputs on the route table too.
+    // With XS the first copy group also holds the later prologue stages' weights (the waits
+    // only ever wait for more).
     const int mine = (kp < nk && c0 < n_out) ? (nk - kp + kw - 1) / kw : 0;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < mine) issue(kp + kw * s, s);
-        tc_commit();
+        if (s < mine) issue_w(kp + kw * s, s);
+        if constexpr (!XS) tc_commit();
+    }
+    if constexpr (XS) {
+#pragma unroll
+        for (int j = 0; j < XR; ++j) {
+            const int r = x_row(j);
+            xsrc[j] = r >= 0 ? (unsigned)r * (unsigned)(2 * n_in) + 16u * lane : ~0u;
+        }
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < mine) issue_x(kp + kw * s, s);
+            tc_commit();
+        }
     }
 
     // This lane's route of each n8 tile (B column g) as an xh row, -1 for none; on the integer
