@@ -149,16 +149,17 @@ pub struct LoweringOptions {
     /// warps) 78.6 against 76.7. Chosen so, 32 sequences decoded 2,163 t/s against 2,112 with
     /// the default ring (2026-12-06 (i), one build).
     pub expert_int_deep_ring_routes_an_expert: usize,
-    /// The integer path's products that do not take the deep ring run at six blocks a
-    /// multiprocessor (`ExpertKernel::SkinnyIntSix`: 24 warps, a two-block input window in 80
-    /// registers) rather than five (a four-block window in 96).
-    pub expert_int_six_blocks: bool,
-    /// Routes of a tile (0: none, 2 or 4) whose inputs the integer path's products that do
-    /// not take the deep ring copy through the weight ring, a k-tile ahead, rather than load
-    /// from global memory a few blocks ahead (`ExpertKernel::SkinnyIntStagedPair` at five
-    /// blocks a multiprocessor, `ExpertKernel::SkinnyIntStaged` at four); before
-    /// [`Self::expert_int_six_blocks`].
-    pub expert_int_staged_routes: usize,
+    /// Routes an expert averages up to which the integer path's routed gate+up products that
+    /// do not take the deep ring copy their tiles' first four routes' inputs through each
+    /// warp's weight ring a k-tile ahead (`ExpertKernel::SkinnyIntStaged`, four blocks a
+    /// multiprocessor) rather than load them from global memory a few blocks ahead (0: never).
+    /// H100 (bench/RESULTS.md 2026-12-07 (c)), gate+up a layer, staged against the default:
+    /// 8 sequences (0.5 routes an expert) 71.1 against 77.7 µs; 64 (4) 170.2 against 167.1.
+    pub expert_int_staged_gate_up_routes_an_expert: usize,
+    /// The same for the down products (down's four k-tiles a route leave the global loads'
+    /// latency less to hide behind): 8, 32 and 64 sequences 42.3 / 73.5 / 87.3 µs a layer
+    /// against 43.0 / 77.0 / 94.1.
+    pub expert_int_staged_down_routes_an_expert: usize,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
@@ -225,8 +226,8 @@ impl Default for LoweringOptions {
             expert_skinny_max_routes: 512,
             expert_skinny_int_routes_an_expert: 5,
             expert_int_deep_ring_routes_an_expert: 3,
-            expert_int_six_blocks: false,
-            expert_int_staged_routes: 0,
+            expert_int_staged_gate_up_routes_an_expert: 1,
+            expert_int_staged_down_routes_an_expert: 5,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
@@ -256,7 +257,7 @@ impl fmt::Display for LoweringOptions {
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
-             <={} routes (int <={} an expert, deep ring <={}{}); \
+             <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}); \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
@@ -279,13 +280,8 @@ impl fmt::Display for LoweringOptions {
             self.expert_skinny_max_routes,
             self.expert_skinny_int_routes_an_expert,
             self.expert_int_deep_ring_routes_an_expert,
-            if self.expert_int_staged_routes > 0 {
-                ", staged inputs"
-            } else if self.expert_int_six_blocks {
-                ", six blocks"
-            } else {
-                ""
-            },
+            self.expert_int_staged_gate_up_routes_an_expert,
+            self.expert_int_staged_down_routes_an_expert,
             self.router_tiled_min_rows,
             self.router_routes_max_rows,
             self.topk_inverse_min_rows,
@@ -351,12 +347,6 @@ impl LoweringOptions {
             if v > limit {
                 return Err(format!("{name} = {v}: the kernels take at most {limit}"));
             }
-        }
-        if ![0, 2, 4].contains(&self.expert_int_staged_routes) {
-            return Err(format!(
-                "expert_int_staged_routes = {}: the kernels stage 0, 2 or 4 routes",
-                self.expert_int_staged_routes
-            ));
         }
         Ok(())
     }
@@ -443,14 +433,15 @@ impl LoweringOptions {
                 let deep = swiglu
                     && routes > n_expert
                     && routes <= self.expert_int_deep_ring_routes_an_expert * n_expert;
+                let staged = if swiglu {
+                    self.expert_int_staged_gate_up_routes_an_expert
+                } else {
+                    self.expert_int_staged_down_routes_an_expert
+                };
                 return if deep {
                     ExpertKernel::SkinnyIntDeep
-                } else if self.expert_int_staged_routes == 2 {
-                    ExpertKernel::SkinnyIntStagedPair
-                } else if self.expert_int_staged_routes == 4 {
+                } else if routes <= staged * n_expert {
                     ExpertKernel::SkinnyIntStaged
-                } else if self.expert_int_six_blocks {
-                    ExpertKernel::SkinnyIntSix
                 } else {
                     ExpertKernel::SkinnyInt
                 };

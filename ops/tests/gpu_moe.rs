@@ -632,7 +632,7 @@ fn the_grouped_expert_path_is_bit_reproducible_at_top_four() {
 /// The skinny kernel's f16 and integer paths at the real shapes, for the decode batches that
 /// take them (8, 32 and 64 tokens: on the integer path tiles of one and of two n8 tiles of
 /// routes): the CPU's products within the f16 inputs' bounds, and the same bits a second run.
-/// The integer path's deep ring, its six-block kernel and its staged inputs add the same
+/// The integer path's deep ring and its staged inputs add the same
 /// products in the same order as its default, so they give the same bits.
 #[test]
 fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches() {
@@ -643,9 +643,7 @@ fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches
             ExpertKernel::Skinny,
             ExpertKernel::SkinnyInt,
             ExpertKernel::SkinnyIntDeep,
-            ExpertKernel::SkinnyIntSix,
             ExpertKernel::SkinnyIntStaged,
-            ExpertKernel::SkinnyIntStagedPair,
         ] {
             let experts = real_chain_on(n, kernel)
                 .into_iter()
@@ -659,10 +657,7 @@ fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches
                 assert!(a[0].1 == b[0].1, "{what}: the output differs between runs");
                 match kernel {
                     ExpertKernel::SkinnyInt => int_bits.push(a[0].1.clone()),
-                    ExpertKernel::SkinnyIntDeep
-                    | ExpertKernel::SkinnyIntSix
-                    | ExpertKernel::SkinnyIntStaged
-                    | ExpertKernel::SkinnyIntStagedPair => assert!(
+                    ExpertKernel::SkinnyIntDeep | ExpertKernel::SkinnyIntStaged => assert!(
                         int_bits.get(i) == Some(&a[0].1),
                         "{what}: the bits differ from the integer path's default kernel"
                     ),
@@ -1137,9 +1132,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             ExpertKernel::Skinny,
             ExpertKernel::SkinnyInt,
             ExpertKernel::SkinnyIntDeep,
-            ExpertKernel::SkinnyIntSix,
             ExpertKernel::SkinnyIntStaged,
-            ExpertKernel::SkinnyIntStagedPair,
             ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
         ];
         for kernel in kernels {
@@ -1232,10 +1225,8 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
         (32, ExpertKernel::SkinnyIntDeep),
         (64, ExpertKernel::Skinny),
         (64, ExpertKernel::SkinnyInt),
-        (64, ExpertKernel::SkinnyIntSix),
         (8, ExpertKernel::SkinnyIntStaged),
         (64, ExpertKernel::SkinnyIntStaged),
-        (8, ExpertKernel::SkinnyIntStagedPair),
         (128, ExpertKernel::Skinny),
     ];
     for (n, kernel) in shapes {
@@ -1300,9 +1291,7 @@ fn kernel_tag(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::Skinny => " [skinny]",
         ExpertKernel::SkinnyInt => " [skinny int]",
         ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
-        ExpertKernel::SkinnyIntSix => " [skinny int six]",
         ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
-        ExpertKernel::SkinnyIntStagedPair => " [skinny int staged pair]",
         ExpertKernel::Gemv => " [gemv]",
         ExpertKernel::IntGemv => " [int gemv]",
         _ => " [grouped]",

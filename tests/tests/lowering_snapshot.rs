@@ -691,42 +691,63 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
     all(labels(2, &on), "[int gemv]");
     assert!(
         on.to_string()
-            .contains("(int <=5 an expert, deep ring <=3)"),
+            .contains("(int <=5 an expert, deep ring <=3, staged inputs gate+up <=1 down <=5)"),
         "{on}"
     );
-    // Six blocks a multiprocessor take the integer path's steps the deep ring leaves.
-    let six = LoweringOptions {
-        expert_int_six_blocks: true,
+}
+
+/// The integer path's products copy their first routes' inputs through the weight ring where
+/// that was measured faster: down at every step it takes, gate+up up to one route an expert
+/// (where it does not take the deep ring); each threshold at 0 turns its staging off. A model
+/// of the tiny preset's shape with 256-wide experts, so that down takes the skinny kernel too
+/// (8 experts, top 4: 2 sequences take the integer GEMV, 3 to 10 the integer path).
+#[test]
+fn integer_expert_products_stage_their_inputs_where_that_was_measured_faster() {
+    let mut dims = models::synth::Dims::preset(Preset::Tiny);
+    dims.n_ff_exp = 256;
+    let m = made(dims, "staged_inputs");
+    let labels = |batch: usize, o: &LoweringOptions, op: &str| {
+        let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
+        let lines: Vec<String> = build_plan(&m, shape, None, HOPPER, o)
+            .unwrap()
+            .to_string()
+            .lines()
+            .filter(|l| l.contains(op))
+            .map(|l| l.to_string())
+            .collect();
+        assert!(!lines.is_empty(), "{op}");
+        lines
+    };
+    let all = |lines: Vec<String>, label: &str| {
+        for l in &lines {
+            assert!(l.ends_with(label), "{l}");
+        }
+    };
+    let (gate_up, down) = (": expert_swiglu ", ": expert_down ");
+    let on = LoweringOptions::default();
+    // 3 sequences: 1.5 routes an expert, the deep ring's gate+up; 7: 3.5, past it.
+    all(labels(3, &on, gate_up), "[skinny int deep]");
+    all(labels(7, &on, gate_up), "[skinny int]");
+    for batch in [3, 7, 10] {
+        all(labels(batch, &on, down), "[skinny int staged]");
+    }
+    all(labels(11, &on, down), "[skinny]");
+    all(labels(2, &on, down), "[int gemv]");
+    // Gate+up stages up to its threshold's routes an expert (past the deep ring's steps).
+    let gate_up_to_two = LoweringOptions {
+        expert_int_deep_ring_routes_an_expert: 0,
+        expert_int_staged_gate_up_routes_an_expert: 2,
         ..LoweringOptions::default()
     };
-    all(labels(3, &six), "[skinny int deep]");
-    all(labels(7, &six), "[skinny int six]");
-    all(labels(10, &six), "[skinny int six]");
-    all(labels(11, &six), "[skinny]");
-    assert!(
-        six.to_string().contains("deep ring <=3, six blocks)"),
-        "{six}"
-    );
-    let staged = LoweringOptions {
-        expert_int_staged_routes: 4,
-        ..six
+    all(labels(4, &gate_up_to_two, gate_up), "[skinny int staged]");
+    all(labels(5, &gate_up_to_two, gate_up), "[skinny int]");
+    let never = LoweringOptions {
+        expert_int_staged_gate_up_routes_an_expert: 0,
+        expert_int_staged_down_routes_an_expert: 0,
+        ..gate_up_to_two
     };
-    all(labels(3, &staged), "[skinny int deep]");
-    all(labels(7, &staged), "[skinny int staged]");
-    all(labels(11, &staged), "[skinny]");
-    let pair = LoweringOptions {
-        expert_int_staged_routes: 2,
-        ..staged
-    };
-    all(labels(7, &pair), "[skinny int staged pair]");
-    assert!(
-        LoweringOptions {
-            expert_int_staged_routes: 3,
-            ..pair
-        }
-        .validate()
-        .is_err()
-    );
+    all(labels(4, &never, gate_up), "[skinny int]");
+    all(labels(7, &never, down), "[skinny int]");
 }
 
 #[test]

@@ -112,15 +112,14 @@ pub struct LoweringArgs {
     /// capability 9.0 and the model's attention shape take by default.
     #[arg(long)]
     pub no_attention_wg: bool,
-    /// The integer skinny expert products (past the deep ring's steps) at six blocks a
-    /// multiprocessor with a two-block input window, instead of five with a four-block one.
-    #[arg(long)]
-    pub expert_int_six_blocks: bool,
-    /// Routes of a tile (2 or 4; default 0, none) whose inputs the integer skinny expert
-    /// products (past the deep ring's steps) copy through the weight ring (five blocks a
-    /// multiprocessor for 2, four for 4).
+    /// Routes an expert averages up to which the integer skinny gate+up products (past the
+    /// deep ring's steps) copy their first four routes' inputs through the weight ring
+    /// (default 1; 0: never).
     #[arg(long, value_name = "N")]
-    pub expert_int_staged_routes: Option<usize>,
+    pub expert_int_staged_gate_up_routes_an_expert: Option<usize>,
+    /// The same for the integer skinny down products (default 5; 0: never).
+    #[arg(long, value_name = "N")]
+    pub expert_int_staged_down_routes_an_expert: Option<usize>,
 }
 
 impl LoweringArgs {
@@ -163,10 +162,12 @@ impl LoweringArgs {
                 .unwrap_or(d.router_routes_max_rows),
             f16_latent_cache: !self.latent_cache_f32,
             attention_wg: !self.no_attention_wg,
-            expert_int_six_blocks: self.expert_int_six_blocks,
-            expert_int_staged_routes: self
-                .expert_int_staged_routes
-                .unwrap_or(d.expert_int_staged_routes),
+            expert_int_staged_gate_up_routes_an_expert: self
+                .expert_int_staged_gate_up_routes_an_expert
+                .unwrap_or(d.expert_int_staged_gate_up_routes_an_expert),
+            expert_int_staged_down_routes_an_expert: self
+                .expert_int_staged_down_routes_an_expert
+                .unwrap_or(d.expert_int_staged_down_routes_an_expert),
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self
@@ -202,7 +203,7 @@ impl LoweringArgs {
         };
         opts.validate().map_err(|e| {
             anyhow::anyhow!(
-                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes / --expert-int-staged-routes: {e}"
+                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes: {e}"
             )
         })?;
         Ok(opts)

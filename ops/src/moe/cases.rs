@@ -87,9 +87,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::Skinny => "skinny",
         ExpertKernel::SkinnyInt => "skinny int",
         ExpertKernel::SkinnyIntDeep => "skinny int deep",
-        ExpertKernel::SkinnyIntSix => "skinny int six",
         ExpertKernel::SkinnyIntStaged => "skinny int staged",
-        ExpertKernel::SkinnyIntStagedPair => "skinny int staged pair",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
@@ -274,17 +272,9 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_sw += 0xc00;
         seed_down += 0xc00;
     }
-    if kernel == ExpertKernel::SkinnyIntSix {
-        seed_sw += 0x1000;
-        seed_down += 0x1000;
-    }
     if kernel == ExpertKernel::SkinnyIntStaged {
         seed_sw += 0x1400;
         seed_down += 0x1400;
-    }
-    if kernel == ExpertKernel::SkinnyIntStagedPair {
-        seed_sw += 0x1800;
-        seed_down += 0x1800;
     }
     let name = expert_label(kernel);
     for (n, k, crowd) in [
@@ -455,9 +445,7 @@ pub fn cases() -> Vec<ParityCase> {
         ExpertKernel::Skinny,
         ExpertKernel::SkinnyInt,
         ExpertKernel::SkinnyIntDeep,
-        ExpertKernel::SkinnyIntSix,
         ExpertKernel::SkinnyIntStaged,
-        ExpertKernel::SkinnyIntStagedPair,
         ExpertKernel::IntGemv,
     ] {
         grouped_expert_cases(&mut v, kernel, false);

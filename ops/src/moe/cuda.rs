@@ -415,9 +415,7 @@ pub(super) fn expert_launch(
         ExpertKernel::Skinny
         | ExpertKernel::SkinnyInt
         | ExpertKernel::SkinnyIntDeep
-        | ExpertKernel::SkinnyIntSix
-        | ExpertKernel::SkinnyIntStaged
-        | ExpertKernel::SkinnyIntStagedPair => None,
+        | ExpertKernel::SkinnyIntStaged => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     iq4_expert_weights(op, a)?;
@@ -463,9 +461,7 @@ pub(super) fn expert_launch(
                 match kernel {
                     ExpertKernel::SkinnyInt => SkinnyPath::Int,
                     ExpertKernel::SkinnyIntDeep => SkinnyPath::IntDeep,
-                    ExpertKernel::SkinnyIntSix => SkinnyPath::IntSix,
                     ExpertKernel::SkinnyIntStaged => SkinnyPath::IntStaged,
-                    ExpertKernel::SkinnyIntStagedPair => SkinnyPath::IntStagedPair,
                     _ => SkinnyPath::F16,
                 },
                 scratch,

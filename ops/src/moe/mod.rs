@@ -139,16 +139,10 @@ pub enum ExpertKernel {
     /// (`expert_skinny_iq4_q3`) where its default takes two stages at five: a step whose every
     /// expert has a route or two, where each warp walks the whole input width alone.
     SkinnyIntDeep,
-    /// `SkinnyInt` at six blocks a multiprocessor (`expert_skinny_iq4_q6`: a two-block input
-    /// window in 80 registers) where its default keeps five with a four-block window.
-    SkinnyIntSix,
     /// `SkinnyInt` with the first 4-route tile's inputs copied through each warp's weight
     /// ring a k-tile ahead (`expert_skinny_iq4_qs`, four blocks a multiprocessor) where the
     /// default loads them from global memory a few blocks ahead.
     SkinnyIntStaged,
-    /// `SkinnyIntStaged` for the first two routes of a tile (`expert_skinny_iq4_qs2`, five
-    /// blocks a multiprocessor): most tiles of a small decode step have one or two.
-    SkinnyIntStagedPair,
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.
     Generic,
@@ -162,9 +156,7 @@ impl ExpertKernel {
             ExpertKernel::Skinny
                 | ExpertKernel::SkinnyInt
                 | ExpertKernel::SkinnyIntDeep
-                | ExpertKernel::SkinnyIntSix
                 | ExpertKernel::SkinnyIntStaged
-                | ExpertKernel::SkinnyIntStagedPair
         )
     }
 
@@ -178,9 +170,7 @@ impl ExpertKernel {
             ExpertKernel::Skinny => " [skinny]",
             ExpertKernel::SkinnyInt => " [skinny int]",
             ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
-            ExpertKernel::SkinnyIntSix => " [skinny int six]",
             ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
-            ExpertKernel::SkinnyIntStagedPair => " [skinny int staged pair]",
             ExpertKernel::Generic => " [generic]",
         }
     }
@@ -462,15 +452,7 @@ impl Op for ExpertSwiGlu {
     /// The skinny kernel's f16 copy of z (the shared expert reads the same rows).
     fn cuda_scratch_bytes(&self, inputs: &[&TensorMeta]) -> usize {
         match (self.kernel, inputs.first().map(|z| z.shape.as_slice())) {
-            (
-                ExpertKernel::Skinny
-                | ExpertKernel::SkinnyInt
-                | ExpertKernel::SkinnyIntDeep
-                | ExpertKernel::SkinnyIntSix
-                | ExpertKernel::SkinnyIntStaged
-                | ExpertKernel::SkinnyIntStagedPair,
-                Some(&[n, d]),
-            ) => prefill::skinny_scratch_bytes(n, d),
+            (kernel, Some(&[n, d])) if kernel.is_skinny() => prefill::skinny_scratch_bytes(n, d),
             _ => 0,
         }
     }
@@ -579,15 +561,9 @@ impl Op for ExpertDown {
             _ => 0,
         };
         match (self.kernel, inputs.first().map(|a| a.shape.as_slice())) {
-            (
-                ExpertKernel::Skinny
-                | ExpertKernel::SkinnyInt
-                | ExpertKernel::SkinnyIntDeep
-                | ExpertKernel::SkinnyIntSix
-                | ExpertKernel::SkinnyIntStaged
-                | ExpertKernel::SkinnyIntStagedPair,
-                Some(&[r, nf]),
-            ) => prefill::skinny_scratch_bytes(r + shared_rows, nf),
+            (kernel, Some(&[r, nf])) if kernel.is_skinny() => {
+                prefill::skinny_scratch_bytes(r + shared_rows, nf)
+            }
             _ => 0,
         }
     }

@@ -1452,13 +1452,8 @@ EXPERT_SKINNY(expert_skinny_iq4_q, 1, true, 2, 4, 5)
 // route or two, each warp walks all of gate+up's 14 k-tiles alone on one n8 tile and waits on
 // its copies more than on its neighbours (H100, 32 sequences: 139 µs a layer against 148).
 EXPERT_SKINNY(expert_skinny_iq4_q3, 1, true, 3, 4, 4)
-// Six blocks a multiprocessor (24 warps; two stages and a two-block input window in 80
-// registers, the rings 221 KB of the 228): more warps to hide each other's waits.
-EXPERT_SKINNY(expert_skinny_iq4_q6, 1, true, 2, 2, 6)
 // The first four routes' inputs through the weight ring (2.3 KB more a stage: four blocks a
 // multiprocessor); the other four's from global memory in a four-block window.
 EXPERT_SKINNY_X(expert_skinny_iq4_qs, 1, true, 2, 4, 4, 4)
-// The first two routes' (most of a decode step's tiles have one or two) at five blocks.
-EXPERT_SKINNY_X(expert_skinny_iq4_qs2, 1, true, 2, 2, 5, 2)
 #undef EXPERT_SKINNY
 #undef EXPERT_SKINNY_X

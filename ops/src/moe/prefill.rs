@@ -278,14 +278,9 @@ pub(crate) enum SkinnyPath {
     Int,
     /// The integer path on three stages at four blocks (`expert_skinny_iq4_q3`).
     IntDeep,
-    /// The integer path at six blocks a multiprocessor (`expert_skinny_iq4_q6`): two stages
-    /// and a two-block input window in 80 registers.
-    IntSix,
     /// The integer path with the first four routes' inputs copied through the weight ring
     /// (`expert_skinny_iq4_qs`, four blocks a multiprocessor).
     IntStaged,
-    /// The same for the first two routes (`expert_skinny_iq4_qs2`, five blocks).
-    IntStagedPair,
 }
 
 impl SkinnyPath {
@@ -300,9 +295,7 @@ impl SkinnyPath {
             SkinnyPath::F16 => (format!("expert_skinny_iq4_{nt}"), 3),
             SkinnyPath::Int => ("expert_skinny_iq4_q".to_string(), 2),
             SkinnyPath::IntDeep => ("expert_skinny_iq4_q3".to_string(), 3),
-            SkinnyPath::IntSix => ("expert_skinny_iq4_q6".to_string(), 2),
             SkinnyPath::IntStaged => ("expert_skinny_iq4_qs".to_string(), 2),
-            SkinnyPath::IntStagedPair => ("expert_skinny_iq4_qs2".to_string(), 2),
         }
     }
 
@@ -311,7 +304,6 @@ impl SkinnyPath {
     fn stage_bytes(self) -> usize {
         match self {
             SkinnyPath::IntStaged => SK_WSTAGE + 4 * 576,
-            SkinnyPath::IntStagedPair => SK_WSTAGE + 2 * 512,
             _ => SK_WSTAGE,
         }
     }
