@@ -827,10 +827,9 @@ expert_gemm_wg_iq4(const unsigned char* __restrict__ Wa, const unsigned char* __
 #define SK_MT 2
 #define SK_ROWS (16 * SK_MT)
 #define SK_WSTAGE (SK_ROWS * SK_ROWB)             // 4608
-// Staged inputs (XR routes, 2 or 4): a stage also holds the first XR routes' 512 bytes of the
-// k-tile; four are each padded to 576 so that a warp's B-fragment loads take two wavefronts,
-// two are not (five blocks of 45 KB would not fit the multiprocessor with the padding).
-#define SKX_ROUTE(XR) ((XR) == 4 ? 576 : 512)
+// Staged inputs (XR = 4 routes): a stage also holds the first four routes' 512 bytes of the
+// k-tile, each padded to 576 so that a warp's B-fragment loads take two wavefronts.
+#define SKX_ROUTE 576
 
 // xh[row][block][4t + m] = f16 pair (x[32 block + 4t + m], x[.. + 16]) · scale. n_in % 32 == 0.
 // The rows of x2 (words2 words of xh) follow those of x: the shared expert's activations
@@ -1076,12 +1075,12 @@ __device__ __forceinline__ void expert_skinny_body(
     // n8 tiles with routes: 8 routes each, or on the integer path 4 (hi and lo columns).
     const int n_active = Q8 ? (rn + 3) >> 2 : (rn + 7) >> 3;
 
-    static_assert(XR == 0 || (Q8 && (XR == 2 || XR == 4)), "the integer path stages 2 or 4 routes");
+    static_assert(XR == 0 || (Q8 && XR == 4), "the integer path stages four routes");
     constexpr bool XS = XR > 0;
     // XS: the first XR routes' inputs ride the weight ring (cp.async, a stage ahead) instead
     // of global loads a few blocks ahead, which held 29% of the integer kernel's stall
     // samples at 8 sequences (bench/RESULTS.md 2026-12-07 (b)).
-    constexpr int XROUTE = SKX_ROUTE(XR);
+    constexpr int XROUTE = SKX_ROUTE;
     constexpr int STAGE_B = SK_WSTAGE + XR * XROUTE;
     constexpr int WARP_SMEM = STAGES * STAGE_B;
     const unsigned wbase = (unsigned)__cvta_generic_to_shared(sk_smem) + warp * WARP_SMEM;
@@ -1221,7 +1220,7 @@ __device__ __forceinline__ void expert_skinny_body(
     // that a tile of at most four routes skips the second's MMAs without a branch a block).
     auto load_x = [&](int ta, int kt, int b, int q) {
 #pragma unroll
-        for (int nt = XR == 4 ? 1 : 0; nt < NB; ++nt) {
+        for (int nt = XS ? 1 : 0; nt < NB; ++nt) {
             if (nt >= ta) continue;
             XFrag v{};
             if constexpr (Q8) {
@@ -1342,7 +1341,7 @@ __device__ __forceinline__ void expert_skinny_body(
 
     // A sub-tile's partials, added in k-phase order by its phase-0 warp. Each later phase's
     // warp leaves them in its own weight ring, which it has finished with (no shared memory
-    // beyond the rings: the integer kernel fits six blocks a multiprocessor only so).
+    // beyond the rings: the staged kernel's four blocks fill the multiprocessor with them).
     if (kw > 1) {
         constexpr int PER = SK_MT * NT * 4;
         static_assert(PER * 32 * 4 <= WARP_SMEM, "a warp's partials fit its ring");
