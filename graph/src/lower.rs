@@ -155,6 +155,8 @@ pub struct LoweringOptions {
     /// multiprocessor) rather than load them from global memory a few blocks ahead (0: never).
     /// H100 (bench/RESULTS.md 2026-12-07 (c)), gate+up a layer, staged against the default:
     /// 8 sequences (0.5 routes an expert) 71.1 against 77.7 µs; 64 (4) 170.2 against 167.1.
+    /// With both thresholds as set here an H200 decoded 8 sequences at 941.0 t/s against
+    /// 929.3 (the same call's means of two).
     pub expert_int_staged_gate_up_routes_an_expert: usize,
     /// The same for the down products (down's four k-tiles a route leave the global loads'
     /// latency less to hide behind): 8, 32 and 64 sequences 42.3 / 73.5 / 87.3 µs a layer
