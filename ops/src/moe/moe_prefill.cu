@@ -1203,9 +1203,6 @@ __device__ __forceinline__ void expert_skinny_body(
 #pragma unroll
     for (int nt = 0; nt < NB; ++nt)
         xoff[nt] = xrow[nt] >= 0 ? (unsigned)xrow[nt] * (unsigned)(n_in >> 2) + (g & 1) * 4 + t : ~0u;
-    // A lane whose column's route is staged reads it from the ring, not from global memory.
-    const bool my_staged = XS && (g >> 1) < XR;
-    if (my_staged) xoff[0] = ~0u;
     // The integer path's inputs of the next k-tile, prefetched into L1 a k-tile ahead: loaded
     // from L2 only a few blocks ahead, they waited behind the weight copies' traffic (H100, 64
     // tokens: a sixth of the kernel's stall samples were its MMAs waiting for them). A route's
@@ -1287,13 +1284,10 @@ __device__ __forceinline__ void expert_skinny_body(
                             if (j >= ta) continue;
                             // Lane (g, t) gets route 4j + t's hi and lo sums of rows g, g + 8.
                             unsigned d[4];
-                            uint2 xv = xq[b % XW][j];
-                            if (XS && j == 0) {
-                                // Every lane reads (the address stays in the ring), the
-                                // unstaged ones keep their window's value.
-                                const uint2 sv = *reinterpret_cast<const uint2*>(xst + 64 * b);
-                                if (my_staged) xv = sv;
-                            }
+                            // XS: the first n8 tile's four routes are all in the ring.
+                            const uint2 xv = XS && j == 0
+                                                 ? *reinterpret_cast<const uint2*>(xst + 64 * b)
+                                                 : xq[b % XW][j];
                             skq_mma(d, a, xv.x, xv.y);
                             acc[mt][0][2 * j] = __fmaf_rn(dl, skq_pair(d[0], d[1]), acc[mt][0][2 * j]);
                             acc[mt][0][2 * j + 1] =
