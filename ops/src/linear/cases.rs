@@ -95,6 +95,19 @@ pub fn cases() -> Vec<ParityCase> {
     for dtype in [DType::BF16, DType::IQ4_NL, DType::Q8_0, DType::Q6_K] {
         v.push(linear("shared down", GEMV, dtype, 4, 1024, 3584));
     }
+    // Decode Q6_K on the integer-MMA product: 1, 2 and 4 column tiles (two tokens each),
+    // partly empty ones, rows of an odd count of blocks (each starting 2 bytes into a word)
+    // and a partial 16-row tile, and fewer rows than one tile.
+    for (name, n, k, o) in [
+        ("lm head (4096 rows)", 2, 3584, 4096),
+        ("lm head (4096 rows)", 3, 3584, 4096),
+        ("lm head (4096 rows)", 5, 3584, 4096),
+        ("lm head (4096 rows)", 8, 3584, 4096),
+        ("odd blocks", 3, 768, 1000),
+        ("five rows", 8, 256, 5),
+    ] {
+        v.push(linear(name, GEMV, DType::Q6_K, n, k, o));
+    }
     // Widths of shapes nobody tuned for: one BF16 token whose row is not whole 32-lane rounds
     // of 16-byte units (an attention output of 5 or 7 heads of 128, a hidden width of 768),
     // and an IQ4_NL row that is not whole 256-value chunks (DeepSeek-V2-Lite's dense FFN).

@@ -168,6 +168,13 @@ impl Linear {
                     &[kernel.weights_first()],
                 )
             }
+            LinearPath::Q6kMma(plan) => launch(
+                &format!("gemv_q6_k_mma_{}", plan.tiles),
+                (plan.blocks as u32, 1),
+                plan.threads() as u32,
+                plan.smem_bytes(k) as u32,
+                &[kernel.weights_first()],
+            ),
             LinearPath::Gemv(nt) => {
                 let blocks = o.div_ceil(GEMV_WARPS).min(sms * GEMV_BLOCKS_PER_SM);
                 let name = format!("gemv_{}_{nt}", kernel_suffix(dtype));

@@ -315,6 +315,301 @@ GEMV_ALL(q6_k, WT_Q6_K)
 GEMV_ALL(iq4_nl, WT_IQ4_NL)
 
 // ---------------------------------------------------------------------------------------------
+// Decode Q6_K products (n ≤ 8, K a multiple of 256) on integer MMAs: the lm head's 131,072 rows.
+// The generic GEMV above read x once a weight row from L1 in half-used lines and spent ~5.5
+// instructions a weight; the one-token lm head ran at 42% of the copy rate, 8 tokens at 21%.
+//
+// Here x is read once a block: each token becomes a 32-bit fixed-point value in four signed
+// bytes, q = round(x·2^(30-E)) with 2^E above the token's largest |x| (|q| ≤ 2^30, limbs in
+// [-128, 127], q = Σ limb_i·2^(8i)), an error of at most 2^-31 of that largest value, below
+// the f32 rounding of the products it replaces. The limbs are the B columns of
+// mma.m16n8k16.s8 (token t's limb i is column 4t + i: an n8 tile takes two tokens) and the
+// codes, code - 32 as signed bytes, the A rows; MMA k slot 4·(lane%4) + j holds value
+// 16·lh + 4·(lane%4) + j of a 16-value scale group, so a lane's four bytes of ql and qh are
+// its A bytes with no shuffling. One MMA a scale group gives exact integer sums, scaled by the
+// group's int8 scale in integer (|Σ| < 2^28 over a block), then the block's sum times d in f32
+// in K order; the limbs meet at the end, times 2^(E-30). A NaN or an infinity in a token's x
+// makes its outputs NaN, as the f32 GEMV's would be.
+//
+// Each warp owns 16-row tiles (grid-strided) and streams them a Q6_K block (16 × 210 bytes)
+// at a time through its own cp.async ring of Q6M_STAGES slots; one block a multiprocessor of
+// Q6M_WARPS warps, x's fragments in shared memory beside the rings. Weight loads are issued
+// before waiting for the predecessor when `early` (constant data), x read after.
+#define Q6M_WARPS 8
+// A row's staged Q6_K block: the 16-byte cover of its 210 bytes (at most 224), padded to 240
+// so the 8 rows a fragment reads start in different banks.
+#define Q6M_SLOT 240
+#define Q6M_STAGE (16 * Q6M_SLOT)
+
+// Word `i` of a staged row realigned by `odd` (the row's block starts 2 bytes into a word).
+__device__ __forceinline__ unsigned q6m_word(const unsigned* w, int i, bool odd) {
+    unsigned v = w[i];
+    if (odd) v = __funnelshift_r(v, w[i + 1], 16);
+    return v;
+}
+
+// code - 32 of four 6-bit codes (a byte each) as signed bytes: with bit 7 set first no byte
+// borrows from the next, and the flip of bit 7 restores the two's complement.
+__device__ __forceinline__ unsigned q6m_signed(unsigned c) {
+    return ((c | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+}
+
+__device__ __forceinline__ void q6m_mma(int (&d)[4], unsigned a0, unsigned a1, unsigned b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%7, %7, %7, %7};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b), "r"(0));
+}
+
+// The four signed codes (q = 0..3) of a lane's 4 values at (hf, lh) of one staged row.
+__device__ __forceinline__ void q6m_codes(const unsigned* w, int a, int hf, int lh, int t, unsigned (&c)[4]) {
+    const bool odd = a & 2;
+    const int i = ((a & ~3) >> 2) + 16 * hf + 4 * lh + t, ih = ((a & ~3) >> 2) + 32 + 8 * hf + 4 * lh + t;
+    const unsigned lo = q6m_word(w, i, odd), hi = q6m_word(w, i + 8, odd), h = q6m_word(w, ih, odd);
+    c[0] = q6m_signed((lo & 0x0f0f0f0fu) | ((h << 4) & 0x30303030u));
+    c[1] = q6m_signed((hi & 0x0f0f0f0fu) | ((h << 2) & 0x30303030u));
+    c[2] = q6m_signed(((lo >> 4) & 0x0f0f0f0fu) | (h & 0x30303030u));
+    c[3] = q6m_signed(((hi >> 4) & 0x0f0f0f0fu) | ((h >> 2) & 0x30303030u));
+}
+
+// NCT n8 column tiles (2·NCT tokens), S ring slots a warp.
+template <int NCT, int S>
+__device__ __forceinline__ void q6m_body(const unsigned char* __restrict__ W, const float* __restrict__ x,
+                                         float* __restrict__ y, int n, int K, int O, long long RB,
+                                         int early) {
+    extern __shared__ __align__(16) unsigned char q6m_smem[];
+    __shared__ int tok_e[8];
+    __shared__ float tok_poison[8];
+    const int nb = K >> 8, groups = K >> 4;
+    unsigned* xf = reinterpret_cast<unsigned*>(q6m_smem);  // [group][tile][lane]
+    unsigned char* ring = q6m_smem + (size_t)groups * NCT * 128;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    unsigned char* myring = ring + warp * S * Q6M_STAGE;
+    const int tiles = (O + 15) >> 4;
+    const int gw = blockIdx.x * Q6M_WARPS + warp, tw = gridDim.x * Q6M_WARPS;
+    const int items = gw < tiles ? ((tiles - 1 - gw) / tw + 1) * nb : 0;
+    const unsigned char* wend = W + (long long)O * RB;
+
+    // Staging: row i of a tile (clamped to the last row) lands in slot i, the 16-byte cover of
+    // its block's 210 bytes in 14 pieces; 16 rows × 14 pieces are 7 a lane, fixed per lane.
+    int poff[7], ppiece[7];  // each of the lane's pieces: its slot offset, its offset in the cover
+    const unsigned char* prow[7];  // their rows in the tile being staged
+    int st_tile = gw, st_b = 0, st_slot = 0;
+    auto rows_of = [&](int tile) {
+#pragma unroll
+        for (int j = 0; j < 7; ++j) {
+            const int p = lane + 32 * j, i = p / 14;
+            ppiece[j] = 16 * (p - 14 * i);
+            poff[j] = Q6M_SLOT * i + ppiece[j];
+            prow[j] = W + (long long)min(tile * 16 + i, O - 1) * RB;
+        }
+    };
+    rows_of(st_tile);
+    auto stage_next = [&]() {
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(myring + st_slot * Q6M_STAGE);
+        const long long boff = 210ll * st_b;
+        if (st_tile * 16 + 16 < O || st_b < nb - 1) {
+#pragma unroll
+            for (int j = 0; j < 7; ++j) {
+                const unsigned long long c = ((unsigned long long)(prow[j] + boff) & ~15ull) + ppiece[j];
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + poff[j]), "l"(c) : "memory");
+            }
+        } else {
+            // The last row's last block: its cover may run past the weight (zero-filled).
+#pragma unroll
+            for (int j = 0; j < 7; ++j) {
+                const unsigned char* c = reinterpret_cast<const unsigned char*>(
+                                             (unsigned long long)(prow[j] + boff) & ~15ull) + ppiece[j];
+                const long long left = wend - c;
+                const int bytes = left >= 16 ? 16 : (left > 0 ? (int)left : 0);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + poff[j]),
+                             "l"(bytes ? c : W), "r"(bytes)
+                             : "memory");
+            }
+        }
+        if (++st_b == nb) {
+            st_b = 0;
+            st_tile += tw;
+            rows_of(st_tile);
+        }
+        st_slot = st_slot == S - 1 ? 0 : st_slot + 1;
+    };
+
+    if (!early) PDL_WAIT();
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < items) stage_next();
+        cp_async_commit();
+    }
+    PDL_WAIT();
+
+    // x's fragments. Warp w finds token w's largest |x| (and whether it holds a NaN or an
+    // infinity); then every (token, 4 values) chunk becomes its four limbs' words.
+    if (warp < n) {
+        const float* xr = x + (long long)warp * K;
+        float amax = 0.f, poison = 0.f;
+        for (int i = lane; i < (K >> 2); i += 32) {
+            const float4 v = ldx4(xr + 4 * i);
+            amax = fmaxf(fmaxf(amax, fabsf(v.x)), fmaxf(fabsf(v.y), fmaxf(fabsf(v.z), fabsf(v.w))));
+            poison += v.x * 0.f + v.y * 0.f + v.z * 0.f + v.w * 0.f;  // NaN for a NaN or an infinity
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            poison += __shfl_xor_sync(0xffffffffu, poison, o);
+        }
+        int e = 0;
+        if (amax > 0.f && amax <= 3.4e38f) frexpf(amax, &e);
+        if (lane == 0) {
+            tok_e[warp] = e;
+            tok_poison[warp] = poison;
+        }
+    }
+    __syncthreads();
+    const int chunks = 2 * NCT * (K >> 2);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const int tok = c / (K >> 2), k = 4 * (c - tok * (K >> 2));
+        int lim[4][4];  // [value][limb]
+        if (tok < n) {
+            const float4 v = ldx4(x + (long long)tok * K + k);
+            const float xv[4] = {v.x, v.y, v.z, v.w};
+            const int sh = 30 - tok_e[tok];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int q = __float2int_rn(ldexpf(xv[j], sh));
+                q = max(-(1 << 30), min(1 << 30, q));
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int l = i < 3 ? (int)(signed char)(q & 0xff) : q;
+                    lim[j][i] = l;
+                    q = (q - l) >> 8;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) lim[j][i] = 0;
+        }
+        const int b = k >> 8, r = k & 255, hf = r >> 7, q = (r >> 5) & 3, lh = (r >> 4) & 1, tt = (r >> 2) & 3;
+        const int gi = ((b * 2 + hf) * 2 + lh) * 4 + q;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int col = 4 * tok + i;
+            const unsigned w = ((unsigned)lim[0][i] & 0xffu) | (((unsigned)lim[1][i] & 0xffu) << 8) |
+                               (((unsigned)lim[2][i] & 0xffu) << 16) | ((unsigned)lim[3][i] << 24);
+            xf[(gi * NCT + (col >> 3)) * 32 + (col & 7) * 4 + tt] = w;
+        }
+    }
+    __syncthreads();
+
+    float acc[NCT][4];
+#pragma unroll
+    for (int ct = 0; ct < NCT; ++ct)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[ct][i] = 0.f;
+    int tile = gw, b = 0, slot = 0;
+    // Where rows g and g+8 of the tile start within their 16 bytes (210·b adds 2b).
+    int a0r = 0, a1r = 0;
+    for (int it = 0; it < items; ++it) {
+        if (it + S - 1 < items) stage_next();
+        cp_async_commit();
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 1));
+        __syncwarp();
+        if (b == 0) {
+            const int r0 = min(tile * 16 + g, O - 1), r1 = min(tile * 16 + g + 8, O - 1);
+            a0r = (int)((unsigned long long)(W + (long long)r0 * RB) & 15);
+            a1r = (int)((unsigned long long)(W + (long long)r1 * RB) & 15);
+        }
+        const int a0 = (a0r + 2 * b) & 15, a1 = (a1r + 2 * b) & 15;
+        const unsigned char* sb0 = myring + slot * Q6M_STAGE + Q6M_SLOT * g;
+        const unsigned char* sb1 = sb0 + 8 * Q6M_SLOT;
+        const unsigned* w0 = reinterpret_cast<const unsigned*>(sb0);
+        const unsigned* w1 = reinterpret_cast<const unsigned*>(sb1);
+        const unsigned* xb = xf + (size_t)b * 16 * NCT * 32 + lane;
+        int iacc[NCT][4];
+#pragma unroll
+        for (int ct = 0; ct < NCT; ++ct)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) iacc[ct][i] = 0;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+#pragma unroll
+            for (int lh = 0; lh < 2; ++lh) {
+                unsigned c0[4], c1[4];
+                q6m_codes(w0, a0, hf, lh, t, c0);
+                q6m_codes(w1, a1, hf, lh, t, c1);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int si = 192 + 8 * hf + lh + 2 * q;
+                    const int sc0 = (signed char)sb0[a0 + si], sc1 = (signed char)sb1[a1 + si];
+                    const int gl = (hf * 2 + lh) * 4 + q;
+#pragma unroll
+                    for (int ct = 0; ct < NCT; ++ct) {
+                        int d[4];
+                        q6m_mma(d, c0[q], c1[q], xb[(gl * NCT + ct) * 32]);
+                        iacc[ct][0] += sc0 * d[0];
+                        iacc[ct][1] += sc0 * d[1];
+                        iacc[ct][2] += sc1 * d[2];
+                        iacc[ct][3] += sc1 * d[3];
+                    }
+                }
+            }
+        }
+        const float d0 = h2f(*reinterpret_cast<const unsigned short*>(sb0 + a0 + 208));
+        const float d1 = h2f(*reinterpret_cast<const unsigned short*>(sb1 + a1 + 208));
+#pragma unroll
+        for (int ct = 0; ct < NCT; ++ct) {
+            acc[ct][0] = fmaf(d0, (float)iacc[ct][0], acc[ct][0]);
+            acc[ct][1] = fmaf(d0, (float)iacc[ct][1], acc[ct][1]);
+            acc[ct][2] = fmaf(d1, (float)iacc[ct][2], acc[ct][2]);
+            acc[ct][3] = fmaf(d1, (float)iacc[ct][3], acc[ct][3]);
+        }
+        __syncwarp();
+        if (b == nb - 1) {
+            // Lane t holds limbs 2(t%2), 2(t%2)+1 of token 2·ct + t/2; lane t^1 the other two.
+            const float w0f = (t & 1) ? 65536.f : 1.f, w1f = w0f * 256.f;
+#pragma unroll
+            for (int ct = 0; ct < NCT; ++ct) {
+                float v0 = fmaf(w1f, acc[ct][1], w0f * acc[ct][0]);
+                float v1 = fmaf(w1f, acc[ct][3], w0f * acc[ct][2]);
+                // The low limbs' pair first, then the high ones', in every lane.
+                const float o0 = __shfl_xor_sync(0xffffffffu, v0, 1), o1 = __shfl_xor_sync(0xffffffffu, v1, 1);
+                v0 = (t & 1) ? o0 + v0 : v0 + o0;
+                v1 = (t & 1) ? o1 + v1 : v1 + o1;
+                const int tok = 2 * ct + (t >> 1);
+                if (!(t & 1) && tok < n) {
+                    const int e = tok_e[tok] - 30;
+                    const float p = tok_poison[tok];
+                    const int r0 = tile * 16 + g, r1 = r0 + 8;
+                    if (r0 < O) y[(long long)tok * O + r0] = ldexpf(v0, e) + p;
+                    if (r1 < O) y[(long long)tok * O + r1] = ldexpf(v1, e) + p;
+                }
+                acc[ct][0] = acc[ct][1] = acc[ct][2] = acc[ct][3] = 0.f;
+            }
+        }
+        if (++b == nb) {
+            b = 0;
+            tile += tw;
+        }
+        slot = slot == S - 1 ? 0 : slot + 1;
+    }
+}
+
+// n ≤ 2, 4, 8 tokens: 1, 2, 4 column tiles. One ring slot fewer past one tile keeps the 8
+// warps' rings and x's fragments in a multiprocessor's shared memory at K = 3,584.
+#define GEMV_Q6M(NCT, S)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 1) gemv_q6_k_mma_##NCT(                      \
+        const unsigned char* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,   \
+        int n, int K, int O, long long RB, int early) {                                            \
+        PDL_WEIGHTS_FIRST();                                                                       \
+        q6m_body<NCT, S>(W, x, y, n, K, O, RB, early);                                             \
+    }
+GEMV_Q6M(1, 4)
+GEMV_Q6M(2, 3)
+GEMV_Q6M(4, 3)
+
+// ---------------------------------------------------------------------------------------------
 // Decode IQ4_NL GEMV (n ≤ 8, K a multiple of 256): iq4g_tile (dequant.cuh), one tile of RT
 // rows a block, NR tokens' sums at once. Shared with the routed experts.
 #define GEMV_IQ4_ROWS(NR)                                                                         \

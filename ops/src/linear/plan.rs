@@ -293,11 +293,59 @@ impl TqFit {
     }
 }
 
+/// Warps a `gemv_q6_k_mma` block has (`Q6M_WARPS`), each streaming 16-row tiles.
+const Q6M_WARPS: usize = 8;
+/// Bytes a ring slot holds: 16 rows of one staged Q6_K block (`Q6M_STAGE`).
+const Q6M_STAGE: usize = 16 * 240;
+/// The most dynamic shared memory a block may have (227 KiB on compute capability 9.0).
+const Q6M_SMEM_LIMIT: usize = 227 * 1024;
+
+/// How `gemv_q6_k_mma_<tiles>` (linear/linear.cu) covers a Q6_K product of n ≤ 8 tokens:
+/// `tiles` n8 column tiles (two tokens each: a token is four signed-byte limbs), `stages`
+/// ring slots a warp, `blocks` blocks of [`Q6M_WARPS`] warps (one a multiprocessor, no more
+/// than the 16-row tiles need).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Q6kMmaPlan {
+    pub tiles: usize,
+    pub stages: usize,
+    pub blocks: usize,
+}
+
+impl Q6kMmaPlan {
+    /// None past 8 tokens, for K not whole Q6_K blocks, or when x's fragments and the rings
+    /// would not fit a block's shared memory (K past ~13,700 inputs at one tile).
+    pub(crate) fn choose(n: usize, k: usize, o: usize, sms: usize) -> Option<Q6kMmaPlan> {
+        if n == 0 || n > 8 || k == 0 || !k.is_multiple_of(256) || o == 0 {
+            return None;
+        }
+        let tiles = n.div_ceil(2).next_power_of_two();
+        let plan = Q6kMmaPlan {
+            tiles,
+            // The kernels' template arguments (GEMV_Q6M in linear.cu).
+            stages: if tiles == 1 { 4 } else { 3 },
+            blocks: o.div_ceil(16).div_ceil(Q6M_WARPS).clamp(1, sms.max(1)),
+        };
+        (plan.smem_bytes(k) <= Q6M_SMEM_LIMIT).then_some(plan)
+    }
+
+    /// Dynamic shared memory: x's fragments (128 bytes a 16-value group and tile), then the
+    /// warps' rings.
+    pub(crate) fn smem_bytes(&self, k: usize) -> usize {
+        (k / 16) * self.tiles * 128 + Q6M_WARPS * self.stages * Q6M_STAGE
+    }
+
+    pub(crate) fn threads(&self) -> usize {
+        32 * Q6M_WARPS
+    }
+}
+
 pub(super) enum LinearPath {
     /// IQ4_NL, n ≤ 8, K a multiple of 256: `gemv_iq4_nl_rows_<nr>` split as planned.
     Iq4Rows(usize, RowsPlan),
     /// BF16, n = 1: `gemv_bf16_dec_<JU>_<R>` with S warps a block.
     Bf16Dec(usize, usize, usize),
+    /// Q6_K, n ≤ 8, K a multiple of 256: `gemv_q6_k_mma_<tiles>` ([`Q6kMmaPlan`]).
+    Q6kMma(Q6kMmaPlan),
     Gemv(usize),
     /// BF16, n > 8: x narrowed to bf16, then one cuBLAS GEMM.
     Cublas,
@@ -354,6 +402,12 @@ pub(super) fn linear_path(
         && let Some((ju, r, s)) = bf16_dec_plan(k, o, sms)
     {
         return LinearPath::Bf16Dec(ju, r, s);
+    }
+    if gemv
+        && dtype == DType::Q6_K
+        && let Some(plan) = Q6kMmaPlan::choose(n, k, o, sms)
+    {
+        return LinearPath::Q6kMma(plan);
     }
     if gemv && k.is_multiple_of(unit) {
         LinearPath::Gemv(n.next_power_of_two())

@@ -375,3 +375,38 @@ fn skinny_bf16_plans_give_every_chunk_to_one_split_and_every_row_to_one_token_ti
     let wide = Bf16SkinnyPlan::choose(64, 256, 4096, 128);
     assert_eq!((wide.splits, wide.nt, wide.token_tiles), (1, 8, 1));
 }
+
+#[test]
+fn the_q6_k_decode_product_takes_one_column_tile_per_two_tokens_and_fits_shared_memory() {
+    let (k, o, sms) = (3584, 131_072, 132);
+    for (n, tiles) in [(1, 1), (2, 1), (3, 2), (4, 2), (5, 4), (8, 4)] {
+        let p = Q6kMmaPlan::choose(n, k, o, sms).expect("the lm head's shape");
+        assert_eq!(p.tiles, tiles, "n={n}");
+        assert_eq!(p.blocks, sms, "n={n}: one block a multiprocessor");
+        assert!(
+            p.smem_bytes(k) <= 227 * 1024,
+            "n={n}: {} bytes",
+            p.smem_bytes(k)
+        );
+    }
+    // Few rows: no more blocks than 16-row tiles over 8 warps.
+    assert_eq!(Q6kMmaPlan::choose(8, 256, 5, sms).unwrap().blocks, 1);
+    assert_eq!(Q6kMmaPlan::choose(1, 3584, 4096, sms).unwrap().blocks, 32);
+    // Past 8 tokens, partial blocks, or x too long for shared memory: the other paths.
+    assert_eq!(Q6kMmaPlan::choose(9, k, o, sms), None);
+    assert_eq!(Q6kMmaPlan::choose(1, 3584 + 64, o, sms), None);
+    assert_eq!(Q6kMmaPlan::choose(8, 65_536, o, sms), None);
+    assert!(matches!(
+        linear_path(
+            LinearKernel::Gemv {
+                weights_first: true
+            },
+            DType::Q6_K,
+            (3, k, o),
+            0,
+            0,
+            sms
+        ),
+        LinearPath::Q6kMma(Q6kMmaPlan { tiles: 2, .. })
+    ));
+}
