@@ -178,6 +178,68 @@ fn the_one_token_bf16_gemv_matches_the_cpu_reference_over_row_lengths() {
     });
 }
 
+#[test]
+fn the_q6_k_decode_product_matches_the_cpu_reference_over_tokens_rows_and_magnitudes() {
+    let Some(gpu) = test_gpu() else { return };
+    proptest!(ProptestConfig::with_cases(40), |(
+        n in 1usize..=8, o in 1usize..300, seed in any::<u64>(), weights_first in any::<bool>(),
+        blocks in prop::sample::select(vec![1usize, 2, 3, 14]),
+        magnitude in prop::sample::select(vec![1e-30f32, 1e-3, 1.0, 3e4]),
+        outlier in any::<bool>(),
+    )| {
+        // The integer-MMA product (x as 32-bit fixed point a token): whole and partial 16-row
+        // tiles, rows whose blocks start 2 bytes into a word (an odd count of blocks a row),
+        // 1 to 4 column tiles, inputs from tiny to large, and a token whose largest value
+        // dwarfs the rest (the fixed point's step is relative to it).
+        let mut c = Case::random(seed, DType::Q6_K, n, 256 * blocks, o);
+        for v in c.x.iter_mut() {
+            *v *= magnitude;
+        }
+        if outlier {
+            let at = seed as usize % c.x.len();
+            c.x[at] *= 1e4;
+        }
+        let op = Linear::with(LinearKernel::Gemv { weights_first });
+        let r = check(&gpu, &op, &c.inputs(), c.f32_tol()).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(r.elements, n * o);
+    });
+}
+
+#[test]
+fn a_non_finite_input_makes_only_its_own_tokens_q6_k_outputs_non_finite() {
+    let Some(gpu) = test_gpu() else { return };
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut c = Case::random(0x6b, DType::Q6_K, 3, 3584, 100);
+        c.x[c.k + 17] = bad;
+        let op = Linear::with(linear_for(3));
+        let gpu_out = run_gpu(&gpu, &op, &c.inputs()).expect("gpu");
+        let cpu_out = run_cpu(&op, &c.inputs()).expect("cpu");
+        let g: Vec<f32> = gpu_out[0]
+            .1
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let want = cpu_out[0].1.f32s();
+        for t in 0..3 {
+            let row = &g[t * c.o..(t + 1) * c.o];
+            if t == 1 {
+                assert!(
+                    row.iter().all(|v| !v.is_finite()),
+                    "{bad}: token 1 has finite outputs"
+                );
+            } else {
+                let tol = c.f32_tol();
+                for (a, b) in row.iter().zip(&want[t * c.o..(t + 1) * c.o]) {
+                    assert!(
+                        (a - b).abs() <= tol.abs + tol.rel * b.abs(),
+                        "{bad}: token {t}: {a} against {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Two weights over one x: the first weight's case and a second weight of its own width.
 fn pair_case(seed: u64, dtype: DType, n: usize, k: usize, o1: usize, o2: usize) -> (Case, Case) {
     let a = Case::random(seed, dtype, n, k, o1);
@@ -703,5 +765,103 @@ fn skinny_bf16_products_launched_once_for_a_profiler() {
             d.call(&gpu, 0).expect(name);
             gpu.device.synchronize().expect("synchronize");
         }
+    }
+}
+
+/// The lm head's shape: hidden 3,584 → 131,072 rows of Q6_K (385 MB, far past the L2).
+const LM_HEAD: (usize, usize) = (3584, 131_072);
+
+/// Microseconds of the generic GEMV `gemv_q6_k_<nt>` (the path before the integer-MMA
+/// product) launched directly on `d`'s buffers, and its output.
+fn time_generic_q6_k_gemv(gpu: &GpuCtx, d: &OnDevice) -> (f64, Vec<f32>) {
+    let source = ops::kernel_sources()
+        .into_iter()
+        .find(|(name, _)| *name == "linear.cu")
+        .expect("linear.cu")
+        .1;
+    let [xm, wm, _] = &d.metas;
+    let (n, k, o) = (xm.shape[0], xm.shape[1], wm.shape[0]);
+    let name = format!("gemv_q6_k_{}", n.next_power_of_two());
+    let kern = gpu.kernel("linear.cu", source, &name).expect("kernel");
+    let sms = gpu.device.sm_count() as usize;
+    let rb = DType::Q6_K.row_bytes(k).expect("whole blocks") as i64;
+    let call = |i: usize| -> Result<(), ops::OpError> {
+        // SAFETY: as Linear::cuda's generic GEMV arm (4 warps, 6 blocks a multiprocessor,
+        // two 4,128-byte buffers a warp), on buffers of n×k, o rows and n×o.
+        unsafe {
+            gpu.device
+                .launch(&kern)
+                .grid(o.div_ceil(4).min(sms * 6) as u32)
+                .block(128)
+                .shared_mem(4 * 2 * (4096 + 32))
+                .arg(d.ws[i % d.ws.len()].device_ptr())
+                .arg(d.x.device_ptr())
+                .arg(d.y.device_ptr())
+                .arg(n as i32)
+                .arg(k as i32)
+                .arg(o as i32)
+                .arg(rb)
+                .enqueue()
+                .map_err(ops::gpu::dev_err)
+        }
+    };
+    let reps = 4 * d.ws.len().max(25);
+    let us = time_calls_us(gpu, reps, &call).expect("timing");
+    (us, d.y.to_vec().expect("download"))
+}
+
+#[test]
+#[ignore = "timing of the Q6_K lm head at decode rows: run on the GPU host with --ignored"]
+fn q6_k_lm_head_timings_at_decode_rows() {
+    let Some(gpu) = test_gpu() else { return };
+    let (k, o) = LM_HEAD;
+    println!(
+        "{:<14} {:>3} {:>10} {:>9} {:>8} {:>12} {:>9}",
+        "q6_k lm head", "n", "µs", "GB/s", "of copy", "generic µs", "max diff"
+    );
+    for n in [1, 2, 4, 8] {
+        let d = OnDevice::with_kernel(
+            &gpu,
+            (n, k, o),
+            DType::Q6_K,
+            2,
+            LinearKernel::Gemv {
+                weights_first: true,
+            },
+        );
+        let reps = 4 * d.ws.len().max(25);
+        let us = time_calls_us(&gpu, reps, &|i| d.call(&gpu, i)).expect("timing");
+        let y = d.y.to_vec().expect("download");
+        let (generic_us, generic) = time_generic_q6_k_gemv(&gpu, &d);
+        let scale = generic.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = y
+            .iter()
+            .zip(&generic)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
+        let gbs = (d.w_bytes + 4 * n * (k + o)) as f64 / us / 1e3;
+        println!(
+            "{:<14} {n:>3} {us:>10.2} {gbs:>9.0} {:>7.1}% {generic_us:>12.2} {diff:>9.2e}",
+            "",
+            100.0 * gbs / H200_COPY_CEILING_GBS
+        );
+        assert!(
+            diff < 1e-5,
+            "n={n}: the two paths differ by {diff:e} of the largest output"
+        );
+    }
+}
+
+/// The lm head launched once at one and eight tokens (no graph, no repeats), for a profiler
+/// (`ncu -k regex:gemv_q6_k`); checks only that every launch succeeds.
+#[test]
+#[ignore = "one launch a shape for a profiler: run on the GPU host with --include-ignored"]
+fn q6_k_lm_head_launched_once_for_a_profiler() {
+    let Some(gpu) = test_gpu() else { return };
+    let (k, o) = LM_HEAD;
+    for n in [1, 8] {
+        let d = OnDevice::new(&gpu, (n, k, o), DType::Q6_K, 1);
+        d.call(&gpu, 0).expect("lm head");
+        gpu.device.synchronize().expect("synchronize");
     }
 }
