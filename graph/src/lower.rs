@@ -97,6 +97,11 @@ pub struct LoweringOptions {
     /// F32: the release's lm head is Q6_K) take the GEMV rather than the tensor-core tiles.
     /// At most [`GEMV_ROWS_LIMIT`].
     pub other_gemv_max_rows: usize,
+    /// Rows up to which Q6_K products (the release's lm head) take the GEMV, the integer-MMA
+    /// product where it takes the width, rather than the tensor-core tiles, whatever
+    /// [`Self::other_gemv_max_rows`] says. At most [`GEMV_ROWS_LIMIT`]. The lm head at 8 rows:
+    /// 205 µs on an H100 against the tiles' 442 on an H200 (bench/RESULTS.md 2026-12-07 (d)).
+    pub q6k_gemv_max_rows: usize,
     /// Tokens up to which MLA's per-head products are a GEMV. At most [`HEAD_GEMV_ROWS_LIMIT`].
     pub head_gemv_max_rows: usize,
     /// Routes up to which the routed experts take the GEMV on integer dot products (with the
@@ -219,6 +224,7 @@ impl Default for LoweringOptions {
             fuse_shared_expert: true,
             gemv_max_rows: 1,
             other_gemv_max_rows: 1,
+            q6k_gemv_max_rows: GEMV_ROWS_LIMIT,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
             expert_int_gemv_max_routes: 8,
             expert_gemv_max_routes: 0,
@@ -258,7 +264,7 @@ impl fmt::Display for LoweringOptions {
         write!(
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
-             gemv<={} (other types <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
+             gemv<={} (other types <={}, q6_k <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}); \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
@@ -273,6 +279,7 @@ impl fmt::Display for LoweringOptions {
             on(self.fuse_shared_expert),
             self.gemv_max_rows,
             self.other_gemv_max_rows,
+            self.q6k_gemv_max_rows,
             self.head_gemv_max_rows,
             self.expert_int_gemv_max_routes,
             self.expert_gemv_max_routes,
@@ -324,6 +331,7 @@ impl LoweringOptions {
                 self.other_gemv_max_rows,
                 GEMV_ROWS_LIMIT,
             ),
+            ("q6k_gemv_max_rows", self.q6k_gemv_max_rows, GEMV_ROWS_LIMIT),
             (
                 "head_gemv_max_rows",
                 self.head_gemv_max_rows,
@@ -382,12 +390,17 @@ impl LoweringOptions {
         } else {
             self.skinny_max_rows
         };
+        let other_gemv = rows <= self.other_gemv_max_rows.min(GEMV_ROWS_LIMIT)
+            && w.is_some_and(|w| !matches!(w.dtype, DType::BF16 | DType::IQ4_NL));
+        let q6k_gemv = rows <= self.q6k_gemv_max_rows.min(GEMV_ROWS_LIMIT)
+            && w.is_some_and(|w| {
+                w.dtype == DType::Q6_K
+                    && w.shape.len() == 2
+                    && ops::linear::q6_k_gemv_takes(rows, w.shape[1])
+            });
         if base == LinearKernel::TensorCore && rows <= limit && takes {
             LinearKernel::Skinny
-        } else if base == LinearKernel::TensorCore
-            && rows <= self.other_gemv_max_rows.min(GEMV_ROWS_LIMIT)
-            && w.is_some_and(|w| !matches!(w.dtype, DType::BF16 | DType::IQ4_NL))
-        {
+        } else if base == LinearKernel::TensorCore && (other_gemv || q6k_gemv) {
             LinearKernel::Gemv {
                 weights_first: self.pdl_weights_first,
             }
@@ -1323,5 +1336,30 @@ mod tests {
         };
         assert!(o.validate().unwrap_err().contains("gemv_max_rows = 9"));
         assert!(LoweringOptions::default().validate().is_ok());
+    }
+
+    #[test]
+    fn the_q6_k_lm_head_takes_the_gemv_up_to_eight_rows_and_the_tiles_past() {
+        let o = LoweringOptions::default();
+        let head = TensorMeta::new([131_072, 3584], DType::Q6_K);
+        let gemv = LinearKernel::Gemv {
+            weights_first: o.pdl_weights_first,
+        };
+        for rows in 1..=8 {
+            assert_eq!(o.linear_for(rows, Some(&head)), gemv, "{rows} rows");
+        }
+        assert_eq!(o.linear_for(9, Some(&head)), LinearKernel::TensorCore);
+        // A row too long for the integer-MMA product's shared memory stays on the tiles past
+        // one row (the generic GEMV was 3.4× slower than them at 8), as does a Q8_0 weight.
+        let long = TensorMeta::new([4096, 65_536], DType::Q6_K);
+        assert_eq!(o.linear_for(2, Some(&long)), LinearKernel::TensorCore);
+        let q8 = TensorMeta::new([4096, 3584], DType::Q8_0);
+        assert_eq!(o.linear_for(2, Some(&q8)), LinearKernel::TensorCore);
+        // Turned off, the tiles from two rows.
+        let off = LoweringOptions {
+            q6k_gemv_max_rows: 1,
+            ..o
+        };
+        assert_eq!(off.linear_for(2, Some(&head)), LinearKernel::TensorCore);
     }
 }

@@ -58,6 +58,10 @@ pub struct LoweringArgs {
     /// the lm head) runs on the GEMV (more: the tensor-core tiles; at most 8; default 1).
     #[arg(long, value_name = "N")]
     pub other_gemv_max_rows: Option<usize>,
+    /// Most rows a Q6_K product (the lm head) runs on the GEMV, the integer-MMA product where
+    /// it takes the width (more: the tensor-core tiles; at most 8; default 8).
+    #[arg(long = "q6k-gemv-max-rows", value_name = "N")]
+    pub q6k_gemv_max_rows: Option<usize>,
     /// Most rows a BF16 product takes on the skinny BF16 kernel (more: cuBLAS; 0 turns it
     /// off; default 16).
     #[arg(long, value_name = "N")]
@@ -190,6 +194,7 @@ impl LoweringArgs {
                 .bf16_skinny_narrow_max_rows
                 .unwrap_or(d.bf16_skinny_narrow_max_rows),
             other_gemv_max_rows: self.other_gemv_max_rows.unwrap_or(d.other_gemv_max_rows),
+            q6k_gemv_max_rows: self.q6k_gemv_max_rows.unwrap_or(d.q6k_gemv_max_rows),
             expert_skinny_max_routes: self
                 .expert_skinny_max_routes
                 .unwrap_or(d.expert_skinny_max_routes),
@@ -203,7 +208,7 @@ impl LoweringArgs {
         };
         opts.validate().map_err(|e| {
             anyhow::anyhow!(
-                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes: {e}"
+                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --q6k-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes: {e}"
             )
         })?;
         Ok(opts)

@@ -82,6 +82,12 @@ impl LinearKernel {
     }
 }
 
+/// Whether [`LinearKernel::Gemv`] runs `n` rows over a Q6_K weight of input width `k` on the
+/// integer-MMA product (otherwise on the generic GEMV, far slower past one row).
+pub fn q6_k_gemv_takes(n: usize, k: usize) -> bool {
+    plan::Q6kMmaPlan::choose(n, k, 1, 1).is_some()
+}
+
 /// Whether [`LinearKernel::Skinny`] runs a weight of this type and input width on the skinny
 /// product (otherwise on the tensor-core path).
 pub fn skinny_takes(dtype: DType, k: usize) -> bool {
