@@ -569,24 +569,27 @@ fn linear_timings_at_the_real_shapes() {
     }
 }
 
+/// One of linear.cu's kernels by name, for a timing that launches it directly.
+fn linear_cu_kernel(gpu: &GpuCtx, name: &str) -> cuda::Kernel {
+    let source = ops::kernel_sources()
+        .into_iter()
+        .find(|(file, _)| *file == "linear.cu")
+        .expect("linear.cu")
+        .1;
+    gpu.kernel("linear.cu", source, name).expect("kernel")
+}
+
 /// Microseconds of the prefill path's kernels launched directly (graph-replayed): the
 /// narrowing of x alone (`fit` None) or narrowing plus `linear_tq_<type>_<fit>`, whichever
 /// fit the op itself would choose.
 fn time_tq_variant(gpu: &GpuCtx, d: &OnDevice, fit: Option<&str>) -> f64 {
-    let source = ops::kernel_sources()
-        .into_iter()
-        .find(|(name, _)| *name == "linear.cu")
-        .expect("linear.cu")
-        .1;
     let [xm, wm, _] = &d.metas;
     let (n, k, o) = (xm.shape[0], xm.shape[1], wm.shape[0]);
     let xb = d.scratch.device_ptr().next_multiple_of(256);
-    let narrow = gpu
-        .kernel("linear.cu", source, "linear_x_bf16")
-        .expect("kernel");
+    let narrow = linear_cu_kernel(gpu, "linear_x_bf16");
     let tq = fit.map(|f| {
         let name = format!("linear_tq_{}_{f}", wm.dtype.name().to_lowercase());
-        gpu.kernel("linear.cu", source, &name).expect("kernel")
+        linear_cu_kernel(gpu, &name)
     });
     let rb = wm.dtype.row_bytes(k).expect("whole blocks") as i64;
     let call = |_: usize| -> Result<(), ops::OpError> {
@@ -774,15 +777,10 @@ const LM_HEAD: (usize, usize) = (3584, 131_072);
 /// Microseconds of the generic GEMV `gemv_q6_k_<nt>` (the path before the integer-MMA
 /// product) launched directly on `d`'s buffers, and its output.
 fn time_generic_q6_k_gemv(gpu: &GpuCtx, d: &OnDevice) -> (f64, Vec<f32>) {
-    let source = ops::kernel_sources()
-        .into_iter()
-        .find(|(name, _)| *name == "linear.cu")
-        .expect("linear.cu")
-        .1;
     let [xm, wm, _] = &d.metas;
     let (n, k, o) = (xm.shape[0], xm.shape[1], wm.shape[0]);
     let name = format!("gemv_q6_k_{}", n.next_power_of_two());
-    let kern = gpu.kernel("linear.cu", source, &name).expect("kernel");
+    let kern = linear_cu_kernel(gpu, &name);
     let sms = gpu.device.sm_count() as usize;
     let rb = DType::Q6_K.row_bytes(k).expect("whole blocks") as i64;
     let call = |i: usize| -> Result<(), ops::OpError> {
