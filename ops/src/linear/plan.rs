@@ -313,7 +313,7 @@ pub(crate) struct Q6kMmaPlan {
 
 impl Q6kMmaPlan {
     /// None past 8 tokens, for K not whole Q6_K blocks, or when x's fragments and the rings
-    /// would not fit a block's shared memory (K past ~13,700 inputs at one tile).
+    /// would not fit a block's shared memory (K past 13,568 inputs at one tile, 4,352 at four).
     pub(crate) fn choose(n: usize, k: usize, o: usize, sms: usize) -> Option<Q6kMmaPlan> {
         if n == 0 || n > 8 || k == 0 || !k.is_multiple_of(256) || o == 0 {
             return None;
