@@ -108,6 +108,11 @@ pub struct LoweringOptions {
     /// shared expert beside them); more take the f32 GEMV up to
     /// [`Self::expert_gemv_max_routes`], then the skinny kernel. At most [`GEMV_ROUTES_LIMIT`].
     pub expert_int_gemv_max_routes: usize,
+    /// The integer GEMV on persistent warps with a weight chunk a lane
+    /// ([`ExpertKernel::IntLanes`]) where the input width allows; off: the shared-memory tiles.
+    /// Off by default: its first build decoded one sequence at 168 t/s against the tiles' 231
+    /// (H100, bench/RESULTS.md 2026-12-07 (e)).
+    pub expert_int_lanes: bool,
     /// Routes up to which the routed experts take the GEMV; more take the grouped GEMM.
     /// At most [`GEMV_ROUTES_LIMIT`].
     pub expert_gemv_max_routes: usize,
@@ -227,6 +232,7 @@ impl Default for LoweringOptions {
             q6k_gemv_max_rows: GEMV_ROWS_LIMIT,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
             expert_int_gemv_max_routes: 8,
+            expert_int_lanes: false,
             expert_gemv_max_routes: 0,
             skinny_max_rows: 64,
             bf16_skinny_max_rows: 16,
@@ -264,7 +270,7 @@ impl fmt::Display for LoweringOptions {
         write!(
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
-             gemv<={} (other types <={}, q6_k <={}) head_gemv<={} expert_int_gemv<={} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
+             gemv<={} (other types <={}, q6_k <={}) head_gemv<={} expert_int_gemv<={}{} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}); \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
@@ -282,6 +288,7 @@ impl fmt::Display for LoweringOptions {
             self.q6k_gemv_max_rows,
             self.head_gemv_max_rows,
             self.expert_int_gemv_max_routes,
+            if self.expert_int_lanes { " lanes" } else { "" },
             self.expert_gemv_max_routes,
             self.skinny_max_rows,
             self.bf16_skinny_max_rows,
@@ -436,7 +443,16 @@ impl LoweringOptions {
             return ExpertKernel::Generic;
         }
         if routes <= self.expert_int_gemv_max_routes.min(GEMV_ROUTES_LIMIT) {
-            return ExpertKernel::IntGemv;
+            let n_expert = w
+                .and_then(|w| w.shape.first().copied())
+                .unwrap_or(usize::MAX);
+            return if self.expert_int_lanes && ops::moe::int_lanes_takes(n_in, swiglu, n_expert) {
+                ExpertKernel::IntLanes {
+                    weights_first: self.pdl_weights_first,
+                }
+            } else {
+                ExpertKernel::IntGemv
+            };
         }
         if routes <= self.expert_gemv_max_routes.min(GEMV_ROUTES_LIMIT) {
             return ExpertKernel::Gemv;
@@ -1207,7 +1223,7 @@ impl Fusions {
             let routes = meta(route_token).shape.first().copied().unwrap_or(0);
             let skinny = |n_in: usize, swiglu: bool, w: ValueId| {
                 let k = o.experts(routes, n_in, swiglu, Some(meta(w)), target);
-                k.is_skinny() || k == ExpertKernel::IntGemv
+                k.is_skinny() || matches!(k, ExpertKernel::IntGemv | ExpertKernel::IntLanes { .. })
             };
             if !skinny(d, true, w_gate) || !skinny(nf, false, dnn.inputs[1]) {
                 continue;
@@ -1361,5 +1377,42 @@ mod tests {
             ..o
         };
         assert_eq!(off.linear_for(2, Some(&head)), LinearKernel::TensorCore);
+    }
+
+    #[test]
+    fn the_lane_chunk_expert_gemv_takes_what_a_warp_covers_when_turned_on() {
+        let h100 = Target::Cuda {
+            compute_capability: (9, 0),
+        };
+        let gate = TensorMeta::new([64, 1024, 3584], DType::IQ4_NL);
+        let down = TensorMeta::new([64, 3584, 1024], DType::IQ4_NL);
+        let off = LoweringOptions::default();
+        assert!(!off.expert_int_lanes);
+        assert_eq!(
+            off.experts(4, 3584, true, Some(&gate), h100),
+            ExpertKernel::IntGemv
+        );
+        let on = LoweringOptions {
+            expert_int_lanes: true,
+            ..off
+        };
+        let lanes = ExpertKernel::IntLanes {
+            weights_first: on.pdl_weights_first,
+        };
+        assert_eq!(on.experts(4, 3584, true, Some(&gate), h100), lanes);
+        assert_eq!(on.experts(8, 1024, false, Some(&down), h100), lanes);
+        // A gate and an up row of 4,352 inputs are 34 chunks, more than a warp's lanes; 300
+        // experts overflow the kernel's list; 9 routes are past the integer GEMV.
+        let wide = TensorMeta::new([64, 1024, 4352], DType::IQ4_NL);
+        assert_eq!(
+            on.experts(4, 4352, true, Some(&wide), h100),
+            ExpertKernel::IntGemv
+        );
+        let many = TensorMeta::new([300, 1024, 3584], DType::IQ4_NL);
+        assert_eq!(
+            on.experts(4, 3584, true, Some(&many), h100),
+            ExpertKernel::IntGemv
+        );
+        assert_ne!(on.experts(9, 3584, true, Some(&gate), h100), lanes);
     }
 }

@@ -1128,6 +1128,9 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
         let ro = out(&gpu, TensorMeta::f32([rt, EMBD]));
         let kernels = [
             ExpertKernel::IntGemv,
+            ExpertKernel::IntLanes {
+                weights_first: true,
+            },
             ExpertKernel::Gemv,
             ExpertKernel::Skinny,
             ExpertKernel::SkinnyInt,
@@ -1136,8 +1139,10 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
         ];
         for kernel in kernels {
-            if matches!(kernel, ExpertKernel::IntGemv | ExpertKernel::Gemv)
-                && rt > ops::moe::GEMV_ROUTES_LIMIT
+            if matches!(
+                kernel,
+                ExpertKernel::IntGemv | ExpertKernel::IntLanes { .. } | ExpertKernel::Gemv
+            ) && rt > ops::moe::GEMV_ROUTES_LIMIT
             {
                 continue;
             }
@@ -1294,6 +1299,7 @@ fn kernel_tag(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
         ExpertKernel::Gemv => " [gemv]",
         ExpertKernel::IntGemv => " [int gemv]",
+        ExpertKernel::IntLanes { .. } => " [int lanes]",
         _ => " [grouped]",
     }
 }

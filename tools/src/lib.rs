@@ -116,6 +116,10 @@ pub struct LoweringArgs {
     /// capability 9.0 and the model's attention shape take by default.
     #[arg(long)]
     pub no_attention_wg: bool,
+    /// The routed experts' integer GEMV (1–2 tokens) on persistent warps with a weight chunk
+    /// a lane (`true`) or on its shared-memory tiles (`false`, the default).
+    #[arg(long, value_name = "BOOL")]
+    pub expert_int_lanes: Option<bool>,
     /// Routes an expert averages up to which the integer skinny gate+up products (past the
     /// deep ring's steps) copy their first four routes' inputs through the weight ring
     /// (default 1; 0: never).
@@ -166,6 +170,7 @@ impl LoweringArgs {
                 .unwrap_or(d.router_routes_max_rows),
             f16_latent_cache: !self.latent_cache_f32,
             attention_wg: !self.no_attention_wg,
+            expert_int_lanes: self.expert_int_lanes.unwrap_or(d.expert_int_lanes),
             expert_int_staged_gate_up_routes_an_expert: self
                 .expert_int_staged_gate_up_routes_an_expert
                 .unwrap_or(d.expert_int_staged_gate_up_routes_an_expert),

@@ -84,6 +84,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
     match kernel {
         ExpertKernel::Gemv => "gemv",
         ExpertKernel::IntGemv => "int gemv",
+        ExpertKernel::IntLanes { .. } => "int lanes",
         ExpertKernel::Skinny => "skinny",
         ExpertKernel::SkinnyInt => "skinny int",
         ExpertKernel::SkinnyIntDeep => "skinny int deep",
@@ -276,6 +277,14 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_sw += 0x1400;
         seed_down += 0x1400;
     }
+    let gemv_only = matches!(
+        kernel,
+        ExpertKernel::IntGemv | ExpertKernel::IntLanes { .. }
+    );
+    if gemv_only && kernel != ExpertKernel::IntGemv {
+        seed_sw += 0x1800;
+        seed_down += 0x1800;
+    }
     let name = expert_label(kernel);
     for (n, k, crowd) in [
         (1, 1, false),
@@ -288,7 +297,7 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         (6, TOPK, true),
     ] {
         let routes = n * k;
-        if kernel == ExpertKernel::IntGemv && routes > crate::moe::GEMV_ROUTES_LIMIT {
+        if gemv_only && routes > crate::moe::GEMV_ROUTES_LIMIT {
             continue;
         }
         // The skinny kernel's crowded case is the 160-route one.
@@ -447,10 +456,14 @@ pub fn cases() -> Vec<ParityCase> {
         ExpertKernel::SkinnyIntDeep,
         ExpertKernel::SkinnyIntStaged,
         ExpertKernel::IntGemv,
+        ExpertKernel::IntLanes {
+            weights_first: true,
+        },
     ] {
         grouped_expert_cases(&mut v, kernel, false);
         grouped_expert_cases(&mut v, kernel, true);
     }
+    int_lanes_width_cases(&mut v);
     for n in [1, 64, 600] {
         v.push(ParityCase::new(
             format!("route_plan/n={n} routes={}", n * TOPK),
@@ -535,4 +548,83 @@ pub fn cases() -> Vec<ParityCase> {
         ));
     }
     v
+}
+
+/// The lane-chunk integer GEMV at the widths its warp layout turns on: the release's expert
+/// (3,584 inputs to 1,024 SwiGLU outputs, 14 chunks a row so a warp has one gate and one up
+/// row and four idle lanes; 1,024 back to 3,584, eight rows of four chunks a warp) and an odd
+/// one (768 inputs, three chunks a row: five outputs a warp for SwiGLU, ten for the down
+/// projection; 1,000 outputs, ending inside a block's tile), each with the shared expert
+/// beside the routed ones, at one token's four routes and two tokens' eight on the same four
+/// experts (two routes each: a round of two, or two rounds of one).
+fn int_lanes_width_cases(v: &mut Vec<ParityCase>) {
+    const NE: usize = 8;
+    let kernel = ExpertKernel::IntLanes {
+        weights_first: true,
+    };
+    let f16_dot = |n: usize| 6.0 / 2048.0 * (n as f64).sqrt() * IQ4_WRMS * U_RMS;
+    // (SwiGLU inputs, its outputs, down inputs, its outputs)
+    for (sw_in, sw_out, dn_in, dn_out) in [(EMBD, 1024, 1024, EMBD), (768, 1000, 768, 1000)] {
+        let t_sw = (sw_in as f64).sqrt() * IQ4_WRMS * U_RMS;
+        let t_down = (dn_in as f64).sqrt() * IQ4_WRMS * U_RMS;
+        let sw_bound = nmse_bound(4e-3, 8.4 * t_sw * f16_dot(sw_in) / (0.7 * t_sw * t_sw));
+        let down_bound = nmse_bound(4e-3, f16_dot(dn_in) / t_down);
+        for n in [1usize, 2] {
+            let routes = n * TOPK;
+            let seed = 0x7100 + (sw_in + sw_out + n) as u64;
+            // Every token on experts 0..TOPK: two tokens give each of them two routes.
+            let same_experts = move || {
+                let ids: Vec<i32> = (0..n).flat_map(|_| 0..TOPK as i32).collect();
+                cpu_outputs(
+                    &RoutePlan {
+                        n_expert: NE,
+                        top_k: TOPK,
+                    },
+                    &[HostValue::i32([n, TOPK], &ids)],
+                )
+            };
+            v.push(ParityCase::new(
+                format!("expert_swiglu/int lanes +shared {sw_in}→{sw_out} routes={routes}"),
+                ExpertSwiGlu {
+                    n_expert: NE,
+                    n_ff: sw_out,
+                    kernel,
+                },
+                seed,
+                sw_bound,
+                move |r| {
+                    let plan = same_experts();
+                    vec![
+                        uniform(r, &[n, sw_in], -1.0, 1.0),
+                        iq4_weight(r, NE, sw_out, sw_in),
+                        iq4_weight(r, NE, sw_out, sw_in),
+                        plan[0].clone(),
+                        plan[1].clone(),
+                        iq4_matrix(r, sw_out, sw_in),
+                        iq4_matrix(r, sw_out, sw_in),
+                    ]
+                },
+            ));
+            v.push(ParityCase::new(
+                format!("expert_down/int lanes +shared {dn_in}→{dn_out} routes={routes}"),
+                ExpertDown {
+                    n_expert: NE,
+                    n_embd: dn_out,
+                    kernel,
+                },
+                seed + 1,
+                down_bound,
+                move |r| {
+                    let plan = same_experts();
+                    vec![
+                        uniform(r, &[routes, dn_in], -1.0, 1.0),
+                        iq4_weight(r, NE, dn_out, dn_in),
+                        plan[0].clone(),
+                        uniform(r, &[n, dn_in], -1.0, 1.0),
+                        iq4_matrix(r, dn_out, dn_in),
+                    ]
+                },
+            ));
+        }
+    }
 }

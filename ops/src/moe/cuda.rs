@@ -387,7 +387,11 @@ pub(super) fn expert_launch(
     kernel: ExpertKernel,
     a: &Experts<'_>,
 ) -> Result<(), OpError> {
-    if a.shared.is_some() && !(kernel.is_skinny() || kernel == ExpertKernel::IntGemv) {
+    let int_gemv = matches!(
+        kernel,
+        ExpertKernel::IntGemv | ExpertKernel::IntLanes { .. }
+    );
+    if a.shared.is_some() && !(kernel.is_skinny() || int_gemv) {
         return Err(OpError::shape(
             op,
             format!(
@@ -401,7 +405,9 @@ pub(super) fn expert_launch(
     }
     let tc = match kernel {
         ExpertKernel::Unlowered => return Err(unlowered(op)),
-        ExpertKernel::Gemv | ExpertKernel::IntGemv if a.routes > GEMV_ROUTES_LIMIT => {
+        ExpertKernel::Gemv | ExpertKernel::IntGemv | ExpertKernel::IntLanes { .. }
+            if a.routes > GEMV_ROUTES_LIMIT =>
+        {
             return Err(OpError::shape(
                 op,
                 format!(
@@ -410,7 +416,7 @@ pub(super) fn expert_launch(
                 ),
             ));
         }
-        ExpertKernel::Gemv | ExpertKernel::IntGemv => None,
+        ExpertKernel::Gemv | ExpertKernel::IntGemv | ExpertKernel::IntLanes { .. } => None,
         ExpertKernel::Grouped(tc) => Some(tc),
         ExpertKernel::Skinny
         | ExpertKernel::SkinnyInt
@@ -470,6 +476,9 @@ pub(super) fn expert_launch(
     }
     if kernel == ExpertKernel::IntGemv {
         return launch_expert_int_rows(ctx, op, a, slots);
+    }
+    if let ExpertKernel::IntLanes { weights_first } = kernel {
+        return launch_expert_int_lanes(ctx, op, a, slots, weights_first);
     }
     let Some(tc) = tc else {
         let sms = ctx.device.sm_count() as usize;
@@ -599,6 +608,106 @@ fn launch_expert_int_rows(
             .arg(shared.map_or(0, |s| s.y))
             .arg(i("shared rows", shared.map_or(0, |s| s.rows))?)
             .arg(i("route slots", slots)?)
+            .enqueue()
+            .map_err(dev_err)
+    }
+}
+
+/// Warps a block of `expert_int_lanes_iq4_<NR>` (`IQL_WARPS` in moe.cu), each with a
+/// two-stage ring of 4,608 bytes a stage (`IQL_STAGE`).
+const INT_LANES_WARPS: usize = 4;
+const INT_LANES_STAGE: usize = 4608;
+/// Blocks a multiprocessor the kernel's registers allow (`__launch_bounds__(128, 4)`).
+const INT_LANES_BLOCKS_PER_SM: usize = 4;
+/// Shared memory a block may use on the target (227 KiB opt-in on an H200), all of it dynamic.
+const INT_LANES_SMEM: usize = 227 * 1024;
+
+/// `expert_int_lanes_iq4_<NR>` (moe.cu): `expert_int_rows`' arithmetic with a weight chunk a
+/// lane on persistent warps (one wave of blocks walking the work items), the shared expert's
+/// items (when carried) first.
+fn launch_expert_int_lanes(
+    ctx: &GpuCtx,
+    op: &'static str,
+    a: &Experts<'_>,
+    slots: usize,
+    weights_first: bool,
+) -> Result<(), OpError> {
+    let i = |what, v| dim_i32(op, what, v);
+    let swiglu = a.wb.is_some();
+    if !int_lanes_takes(a.n_in, swiglu, a.n_expert) {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the lane-chunk expert GEMV takes whole 256-value chunks, at most {} inputs \
+                 here and {INT_LANES_EXPERTS} experts; found {} inputs and {} experts",
+                if swiglu { 4096 } else { 8192 },
+                a.n_in,
+                a.n_expert
+            ),
+        ));
+    }
+    let shared = a.shared.filter(|s| s.rows > 0);
+    if let Some(s) = shared {
+        s.check(op, swiglu, a.x_rows)?;
+    }
+    let nch = a.n_in / 256;
+    // Outputs an item: its 32 lanes' chunks cover this many rows (gate and up rows in pairs).
+    let outs = if swiglu { 32 / (2 * nch) } else { 32 / nch };
+    let items = (slots + usize::from(shared.is_some())) * a.n_out.div_ceil(outs);
+    // Every input row the launch reads, quantized: 528 bytes and 9 scales a 256-value chunk
+    // (`IQL_QCHUNK`, padded against bank conflicts).
+    let q_rows = if swiglu {
+        a.x_rows
+    } else {
+        a.routes + shared.map_or(0, |s| s.rows)
+    };
+    let smem = INT_LANES_WARPS * 2 * INT_LANES_STAGE
+        + 3 * INT_LANES_EXPERTS * 4
+        + 16
+        + q_rows * (a.n_in / 256) * (33 * 16 + 9 * 4);
+    if smem > INT_LANES_SMEM {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "{q_rows} input rows of {} values exceed the lane-chunk expert GEMV's shared \
+                 memory ({smem} bytes)",
+                a.n_in
+            ),
+        ));
+    }
+    let per_sm = (INT_LANES_SMEM / smem).clamp(1, INT_LANES_BLOCKS_PER_SM);
+    let sms = ctx.device.sm_count() as usize;
+    let blocks = items.div_ceil(INT_LANES_WARPS).clamp(1, sms * per_sm);
+    let kern = ctx.kernel("moe.cu", MOE_CU, &format!("expert_int_lanes_iq4_{}", a.nr))?;
+    // SAFETY: argument list matches expert_int_lanes_iq4_<NR>; weight rows, inputs and outputs
+    // are indexed within the shapes check_device verified (the shared expert's buffers are the
+    // op's own inputs and outputs), route ids and tokens are bounds-checked by the kernel, and
+    // the shared memory holds the rings and every quantized row (checked above).
+    unsafe {
+        ctx.device
+            .launch(&kern)
+            .grid(blocks as u32)
+            .block((32 * INT_LANES_WARPS) as u32)
+            .shared_mem(smem as u32)
+            .arg(a.wa.ptr)
+            .arg(a.wb.map_or(0, |w| w.ptr))
+            .arg(a.x.ptr)
+            .arg(a.offsets)
+            .arg(a.route_token)
+            .arg(a.y)
+            .arg(i("input width", a.n_in)?)
+            .arg(i("rows", a.n_out)?)
+            .arg(i("n_expert", a.n_expert)?)
+            .arg(i("input rows", a.x_rows)?)
+            .arg(i("routes", a.routes)?)
+            .arg(outs as i32)
+            .arg(shared.map_or(0, |s| s.wa))
+            .arg(shared.and_then(|s| s.wb).unwrap_or(0))
+            .arg(shared.map_or(0, |s| if swiglu { 0 } else { s.x }))
+            .arg(shared.map_or(0, |s| s.y))
+            .arg(i("shared rows", shared.map_or(0, |s| s.rows))?)
+            .arg(i("route slots", slots)?)
+            .arg(i32::from(weights_first))
             .enqueue()
             .map_err(dev_err)
     }

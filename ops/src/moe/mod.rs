@@ -31,6 +31,21 @@ const ROUTER_SLICE: usize = 128;
 /// The most routes the expert GEMV kernels take in one launch.
 pub const GEMV_ROUTES_LIMIT: usize = 32;
 
+/// The most experts [`ExpertKernel::IntLanes`] lists (`IQL_EXPERTS` in moe.cu).
+pub const INT_LANES_EXPERTS: usize = 256;
+
+/// Whether [`ExpertKernel::IntLanes`] takes an expert product of `n_in` inputs over
+/// `n_expert` experts: whole 256-value chunks, one a lane, a warp's 32 lanes covering at least
+/// one output (a gate and an up row for SwiGLU: up to 4,096 inputs; the down projection's one
+/// row: up to 8,192), at most [`INT_LANES_EXPERTS`] experts.
+pub fn int_lanes_takes(n_in: usize, swiglu: bool, n_expert: usize) -> bool {
+    let rows = if swiglu { 2 } else { 1 };
+    n_in > 0
+        && n_in.is_multiple_of(256)
+        && rows * (n_in / 256) <= 32
+        && n_expert <= INT_LANES_EXPERTS
+}
+
 /// Most routes a GEMV block sums at once (the largest `expert_rows_iq4_<NR>`).
 const GEMV_MAXR: usize = 8;
 
@@ -126,6 +141,11 @@ pub enum ExpertKernel {
     /// carries the shared expert beside the routed ones as the skinny kernel does. At most
     /// [`GEMV_ROUTES_LIMIT`] routes.
     IntGemv,
+    /// `IntGemv`'s arithmetic with one 144-byte chunk of a weight row in each lane's registers
+    /// (`expert_int_lanes_iq4_*`): a block's whole tile of weights in flight at once, where
+    /// [`int_lanes_takes`] allows. With `weights_first` the shared expert's blocks read their
+    /// weights before waiting for the predecessor.
+    IntLanes { weights_first: bool },
     /// The grouped GEMM on the tensor cores, on the given kernel.
     Grouped(TcKernel),
     /// The skinny grouped product for a decode step's few routes an expert (weights as the
@@ -165,6 +185,7 @@ impl ExpertKernel {
             ExpertKernel::Unlowered => "",
             ExpertKernel::Gemv => " [gemv]",
             ExpertKernel::IntGemv => " [int gemv]",
+            ExpertKernel::IntLanes { .. } => " [int lanes]",
             ExpertKernel::Grouped(TcKernel::MmaSync) => " [grouped mma.sync]",
             ExpertKernel::Grouped(TcKernel::Wgmma) => " [grouped wgmma]",
             ExpertKernel::Skinny => " [skinny]",

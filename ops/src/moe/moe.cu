@@ -574,6 +574,31 @@ __device__ __forceinline__ void iqx_quantize_block(const float* __restrict__ xr,
     *sx = __fdiv_rn(amax, IQX_Q) + poison;
 }
 
+// iqx_quantize_block by a warp, a value a lane (the same amax, scale, rounding and bytes):
+// a thread holds no block of 32 values in registers.
+__device__ __forceinline__ void iqx_quantize_block_warp(const float* __restrict__ xr, int b,
+                                                        uint4* __restrict__ qx,
+                                                        float* __restrict__ sx) {
+    const int lane = threadIdx.x & 31;
+    const float v = xr ? __ldg(xr + 32 * b + lane) : 0.0f;
+    float amax = fabsf(v), poison = v * 0.0f;  // NaN for a NaN or an infinity, else 0
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        poison += __shfl_xor_sync(0xffffffffu, poison, o);
+    }
+    const float inv = amax > 0.0f ? __fdiv_rn(IQX_Q, amax) : 0.0f;
+    const int q = max(-32512, min(32512, __float2int_rn(v * inv)));
+    const int hi = (q + 128) >> 8, lo = q - hi * 256;
+    // Word w holds values 2w, 2w + 16, 2w + 1, 2w + 17 (iq4q_codes' order).
+    const int i = lane & 15;
+    const int at = 4 * (i >> 1) + 2 * (i & 1) + (lane >> 4);
+    unsigned char* bytes = reinterpret_cast<unsigned char*>(qx);
+    bytes[at] = (unsigned char)(hi & 0xff);
+    bytes[32 + at] = (unsigned char)(lo & 0xff);
+    if (lane == 0) *sx = __fdiv_rn(amax, IQX_Q) + poison;
+}
+
 // iq4g_tile's contract on integer dot products. Dynamic shared memory: the RowsPlan's
 // (threads · (segment + NR·4 bytes)), then NR·(n_in/32)·68 bytes for the quantized inputs.
 template <int NR>
@@ -692,6 +717,308 @@ EXPERT_INT_ROWS(1)
 EXPERT_INT_ROWS(2)
 EXPERT_INT_ROWS(4)
 EXPERT_INT_ROWS(8)
+
+// ---- decode path: the integer GEMV with a chunk a lane, on persistent warps --------------
+//
+// expert_int_rows' arithmetic on another layout. A warp's work item is a few outputs of one
+// expert: lane l owns one 144-byte chunk (256 inputs) of one weight row, chunk l % nch of
+// row slot l / nch (nch = n_in / 256). SwiGLU takes `outs` = 32 / (2·nch) outputs an item as
+// gate slots 0..outs-1 and up slots outs..2·outs-1 (n_in ≤ 4096), the down projection
+// 32 / nch outputs (n_in ≤ 8192); lanes past them idle. The grid is a wave of blocks, each
+// warp walking items warp, warp + all warps, ...: an item's rows are copied into the warp's
+// two-stage ring (consecutive lanes take consecutive 16-byte pieces, so an instruction copies
+// 512 contiguous bytes) while the previous item is computed, so every warp keeps a tile in
+// flight from its first instruction to its last. Each block first lists the experts with
+// routes, issues its warps' first copies, then quantizes every input row the launch reads
+// (iqx_quantize_block, a thread a 32-value block, rows padded chunk by chunk against bank
+// conflicts) and reads both from shared memory only: no barrier after that. (expert_int_rows
+// quantizes its routes' rows per round behind a barrier, and its per-block cost model left a
+// fifth of the chip's warps resident at one token, each with one chunk in flight: 13.7 µs for
+// 16.5 MB of gate+up.) Each lane sums its chunk's 8 blocks in K order, as expert_int_rows
+// does; a row's chunks are added over its lanes by a fixed shuffle tree.
+//
+// The shared expert's items come first, so with `weights_first` a warp whose first item is
+// one copies its weights before waiting for the predecessor (they depend on no kernel).
+#define IQL_WARPS 4
+#define IQL_STAGE 4608  // 32 chunks of 144 bytes
+#define IQL_EXPERTS 256  // the most experts a launch may have (the launcher checks)
+#define IQL_QCHUNK 33    // 16-byte units of a chunk's quantized inputs (8 blocks of 4, padded)
+
+template <int NR>
+__device__ __forceinline__ void expert_int_lanes(
+    const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+    const float* __restrict__ x, const int* __restrict__ offsets,
+    const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,
+    int n_expert, int n_x_rows, int n_routes, int outs, const unsigned char* __restrict__ Sa,
+    const unsigned char* __restrict__ Sb, const float* __restrict__ xs, float* __restrict__ y_sh,
+    int n_sh, int slots, int weights_first) {
+    // All of it dynamic (the launcher opts in past 48 KiB for the whole): the rings, the active
+    // experts (id, first route, end of routes) and their count, the quantized rows.
+    extern __shared__ __align__(16) unsigned char iql_smem[];
+    int* act = reinterpret_cast<int*>(iql_smem + IQL_WARPS * 2 * IQL_STAGE);
+    int& n_act = act[3 * IQL_EXPERTS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool swiglu = Wb != nullptr;
+    const bool has_sh = Sa != nullptr && n_sh > 0;
+    const int nb = n_in >> 5, nch = n_in >> 8;
+    const long long row_bytes = (long long)nb * 18;
+    const int rows = swiglu ? 2 * outs : outs;  // row slots an item
+    const int groups = (n_out + outs - 1) / outs;
+    const int sh_items = has_sh ? groups : 0;
+    const int n_items = sh_items + slots * groups;
+    // Quantized input rows: SwiGLU the tokens' rows (routes and the shared expert read them
+    // by token), down the routes' rows then the shared expert's.
+    const int q_rows = swiglu ? n_x_rows : n_routes + (has_sh ? n_sh : 0);
+    unsigned char* ring = iql_smem + warp * 2 * IQL_STAGE;
+    uint4* qx = reinterpret_cast<uint4*>(iql_smem + IQL_WARPS * 2 * IQL_STAGE + 3 * IQL_EXPERTS * 4 + 16);
+    float* sx = reinterpret_cast<float*>(qx + (long long)q_rows * nch * IQL_QCHUNK);
+    // Block b of a row, chunk by chunk: a chunk's 8 blocks take IQL_QCHUNK 16-byte units (one
+    // of padding) and 9 scales (one of padding), so the lanes of a warp, each on its own chunk,
+    // read distinct banks (unpadded, chunks 512 bytes apart hit the same bank 8 lanes deep).
+    auto qx_at = [&](int row, int b) { return qx + (row * nch + (b >> 3)) * IQL_QCHUNK + 4 * (b & 7); };
+    auto sx_at = [&](int row, int b) { return sx + (row * nch + (b >> 3)) * 9 + (b & 7); };
+
+    // This lane's nine pieces of an item's copy: piece p = lane + 32·i is 16 bytes of lane-chunk
+    // p / 9, whose row slot and chunk fix its source: the byte offset from its matrix's row
+    // o0 (bits 4-26, under 2^18 for 32 rows of 8,192 inputs), the row it is past o0 (bits
+    // 27-31), bit 1 for the up weight's, bit 0 for a live piece.
+    unsigned poff[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+        const int p = lane + 32 * i;
+        const int L = p / 9, sub = p - 9 * L;
+        const int slot = L / nch, c = L - slot * nch;
+        const bool live = slot < rows;
+        const bool up = swiglu && slot >= outs;
+        const int r = up ? slot - outs : slot;
+        poff[i] = live ? (unsigned)(r * row_bytes + 144 * c + 16 * sub) | ((unsigned)r << 27) |
+                             (up ? 2u : 0u) | 1u
+                       : 0u;
+    }
+    // Issue item it's copy into stage st (a commit group either way).
+    auto issue = [&](int it, int st, const unsigned char* ga, const unsigned char* gb) {
+        const int o0 = (it % groups) * outs;
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(ring + st * IQL_STAGE) + 16 * lane;
+#pragma unroll
+        for (int i = 0; i < 9; ++i) {
+            unsigned o;
+            // Opaque, so the offsets stay one register each rather than being rebuilt.
+            asm volatile("mov.b32 %0, %1;" : "=r"(o) : "r"(poff[i]));
+            const bool live = (o & 1u) && o0 + (int)(o >> 27) < n_out;
+            const unsigned char* src =
+                (o & 2u ? gb : ga) + (long long)o0 * row_bytes + (o & 0x07fffff0u);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + 512 * i),
+                         "l"(live ? src : ga), "r"(live ? 16 : 0)
+                         : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    const long long mat = (long long)n_out * row_bytes;
+    // Item it's weights (null: a routed slot without an expert) and routes [r0, r1).
+    auto item_of = [&](int it, const unsigned char** ga, const unsigned char** gb, int* r0,
+                       int* r1) {
+        const int y = it / groups;
+        if (has_sh && y == 0) {
+            *ga = Sa;
+            *gb = swiglu ? Sb : Sa;
+            *r0 = 0;
+            *r1 = n_sh;
+            return;
+        }
+        const int k = y - (has_sh ? 1 : 0);
+        if (k >= n_act) {
+            *ga = nullptr;
+            return;
+        }
+        const int e = act[k];
+        *ga = Wa + e * mat;
+        *gb = swiglu ? Wb + e * mat : *ga;
+        *r0 = act[IQL_EXPERTS + k];
+        *r1 = act[2 * IQL_EXPERTS + k];
+    };
+
+    const int gw = blockIdx.x * IQL_WARPS + warp, nw = gridDim.x * IQL_WARPS;
+    // The first item's copy before the wait when it is the shared expert's.
+    const bool early = weights_first && gw < sh_items;
+    if (early) issue(gw, 0, Sa, swiglu ? Sb : Sa);
+    PDL_WAIT();
+    if (warp == 0) {
+        int base = 0;
+        for (int e0 = 0; e0 < n_expert; e0 += 32) {
+            const int e = e0 + lane;
+            const int lo = e < n_expert ? min(max(offsets[e], 0), n_routes) : 0;
+            const int hi = e < n_expert ? min(max(offsets[e + 1], lo), n_routes) : 0;
+            const bool a = e < n_expert && hi > lo;
+            const unsigned m = __ballot_sync(0xffffffffu, a);
+            if (a) {
+                const int k = base + __popc(m & ((1u << lane) - 1u));
+                act[k] = e;
+                act[IQL_EXPERTS + k] = lo;
+                act[2 * IQL_EXPERTS + k] = hi;
+            }
+            base += __popc(m);
+        }
+        if (lane == 0) n_act = base;
+    }
+    __syncthreads();
+    // The first item's copy goes out before the inputs are quantized, so that latency hides
+    // the quantization's.
+    const unsigned char *ga = nullptr, *gb = nullptr;
+    int r0 = 0, r1 = 0;
+    if (gw < n_items) {
+        item_of(gw, &ga, &gb, &r0, &r1);
+        if (!early && ga) issue(gw, 0, ga, gb);
+        if (!early && !ga) asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    // A thread a 32-value block, its loads together (a warp a block, a block after another,
+    // left each block's load latency exposed).
+    for (int p = threadIdx.x; p < q_rows * nb; p += blockDim.x) {
+        const int j = p / nb, b = p - j * nb;
+        const float* xr;
+        if (swiglu || j < n_routes)
+            xr = j < n_x_rows ? x + (long long)j * n_in : nullptr;
+        else
+            xr = xs + (long long)(j - n_routes) * n_in;
+        iqx_quantize_block(xr, b, qx_at(j, b), sx_at(j, b));
+    }
+    __syncthreads();
+
+    const Iq4gTable T = iq4q_table();
+    const int c0 = lane % nch;
+    const bool lane_live = lane < rows * nch;
+    int st = 0;
+    for (int it = gw; it < n_items; it += nw) {
+        // The next item's copy goes out before this one's wait.
+        const int nx = it + nw;
+        const unsigned char *na = nullptr, *nbp = nullptr;
+        int n0 = 0, n1 = 0;
+        if (nx < n_items) item_of(nx, &na, &nbp, &n0, &n1);
+        __syncwarp();  // every lane has read the stage the next copy overwrites
+        if (na)
+            issue(nx, st ^ 1, na, nbp);
+        else
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncwarp();
+        if (ga) {
+            const bool shared = has_sh && it < sh_items;
+            const int o0 = (it % groups) * outs;
+            unsigned w[36];
+            {
+                const uint4* mine =
+                    reinterpret_cast<const uint4*>(ring + st * IQL_STAGE + 144 * lane);
+#pragma unroll
+                for (int i = 0; i < 9; ++i) {
+                    const uint4 v = lane_live ? mine[i] : make_uint4(0u, 0u, 0u, 0u);
+                    w[4 * i] = v.x;
+                    w[4 * i + 1] = v.y;
+                    w[4 * i + 2] = v.z;
+                    w[4 * i + 3] = v.w;
+                }
+            }
+            for (int rg = r0; rg < r1; rg += NR) {
+                const int cnt = min(NR, r1 - rg);
+                // Each route's quantized row.
+                int qrow[NR];
+#pragma unroll
+                for (int jr = 0; jr < NR; ++jr) {
+                    int q = -1;
+                    if (jr < cnt) {
+                        const int r = rg + jr;
+                        if (swiglu)
+                            q = shared ? r : route_token[r];
+                        else
+                            q = shared ? n_routes + r : r;
+                    }
+                    qrow[jr] = (q >= 0 && q < q_rows) ? q : -1;
+                }
+                float acc[NR];
+#pragma unroll
+                for (int j = 0; j < NR; ++j) acc[j] = 0.0f;
+                if (lane_live) {
+#pragma unroll
+                    for (int b = 0; b < 8; ++b) {
+                        float d;
+                        unsigned q[4], c[8];
+                        iq4g_block(w, b, &d, q);
+                        iq4q_codes(T, q, c);
+                        const int gbk = 8 * c0 + b;
+#pragma unroll
+                        for (int jr = 0; jr < NR; ++jr) {
+                            if (jr >= cnt) break;
+                            if (qrow[jr] < 0) continue;
+                            const uint4* xq = qx_at(qrow[jr], gbk);
+                            const uint4 h0 = xq[0], h1 = xq[1], l0 = xq[2], l1 = xq[3];
+                            int sh = __dp4a((int)c[0], (int)h0.x, 0), sl = __dp4a((int)c[0], (int)l0.x, 0);
+                            sh = __dp4a((int)c[1], (int)h0.y, sh);
+                            sl = __dp4a((int)c[1], (int)l0.y, sl);
+                            sh = __dp4a((int)c[2], (int)h0.z, sh);
+                            sl = __dp4a((int)c[2], (int)l0.z, sl);
+                            sh = __dp4a((int)c[3], (int)h0.w, sh);
+                            sl = __dp4a((int)c[3], (int)l0.w, sl);
+                            sh = __dp4a((int)c[4], (int)h1.x, sh);
+                            sl = __dp4a((int)c[4], (int)l1.x, sl);
+                            sh = __dp4a((int)c[5], (int)h1.y, sh);
+                            sl = __dp4a((int)c[5], (int)l1.y, sl);
+                            sh = __dp4a((int)c[6], (int)h1.z, sh);
+                            sl = __dp4a((int)c[6], (int)l1.z, sl);
+                            sh = __dp4a((int)c[7], (int)h1.w, sh);
+                            sl = __dp4a((int)c[7], (int)l1.w, sl);
+                            acc[jr] = fmaf(d * *sx_at(qrow[jr], gbk), (float)(sh * 256 + sl), acc[jr]);
+                        }
+                    }
+                }
+                // A row's chunks summed over its lanes by a fixed tree (lane k of the row
+                // adds lane k + off's for off = 16, 8, 4, 2, 1 where that lane is the row's).
+                const int kin = lane % nch;
+                float* yo = shared ? y_sh : y;
+#pragma unroll
+                for (int j = 0; j < NR; ++j) {
+                    float v = acc[j];
+#pragma unroll
+                    for (int off = 16; off > 0; off >>= 1) {
+                        const float o = __shfl_down_sync(0xffffffffu, v, off);
+                        if (kin + off < nch) v += o;
+                    }
+                    // Lane o·nch holds output o's gate (or down) sum, lane (outs + o)·nch its up.
+                    const float u = __shfl_down_sync(0xffffffffu, v, swiglu ? outs * nch : 0);
+                    const int o = lane / nch;
+                    if (j < cnt && kin == 0 && o < outs && o0 + o < n_out)
+                        yo[(long long)(rg + j) * n_out + o0 + o] = swiglu ? iq4g_silu_times(v, u) : v;
+                }
+            }
+        }
+        ga = na;
+        gb = nbp;
+        r0 = n0;
+        r1 = n1;
+        st ^= 1;
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// grid: a wave of blocks of 32·IQL_WARPS threads; arguments as expert_int_rows (`slots`: the
+// routed slots, min(E, routes)). Dynamic shared memory: IQL_WARPS·2·IQL_STAGE bytes of rings,
+// 3·IQL_EXPERTS·4 + 16 of the expert list, then every quantized
+// input row: 564 bytes a 256-value chunk (IQL_QCHUNK units of inputs, 9 scales).
+#define EXPERT_INT_LANES(NR)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * IQL_WARPS, 4) expert_int_lanes_iq4_##NR(   \
+        const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,              \
+        const float* __restrict__ x, const int* __restrict__ offsets,                            \
+        const int* __restrict__ route_token, float* __restrict__ y, int n_in, int n_out,         \
+        int n_expert, int n_x_rows, int n_routes, int outs,                                      \
+        const unsigned char* __restrict__ Sa, const unsigned char* __restrict__ Sb,              \
+        const float* __restrict__ xs, float* __restrict__ y_sh, int n_sh, int slots,             \
+        int weights_first) {                                                                      \
+        PDL_WEIGHTS_FIRST();                                                                      \
+        expert_int_lanes<NR>(Wa, Wb, x, offsets, route_token, y, n_in, n_out, n_expert,          \
+                             n_x_rows, n_routes, outs, Sa, Sb, xs, y_sh, n_sh, slots,             \
+                             weights_first);                                                      \
+    }
+EXPERT_INT_LANES(1)
+EXPERT_INT_LANES(2)
+EXPERT_INT_LANES(4)
+EXPERT_INT_LANES(8)
 
 // One dense SwiGLU (the shared expert, the leading dense FFNs) for a decode step's few tokens:
 // the same tiles with token r as route r, gate and up rows side by side in one launch.
