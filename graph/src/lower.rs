@@ -110,8 +110,8 @@ pub struct LoweringOptions {
     pub expert_int_gemv_max_routes: usize,
     /// The integer GEMV on persistent warps with a weight chunk a lane
     /// ([`ExpertKernel::IntLanes`]) where the input width allows; off: the shared-memory tiles.
-    /// Off by default: its first build decoded one sequence at 168 t/s against the tiles' 231
-    /// (H100, bench/RESULTS.md 2026-12-07 (e)).
+    /// H100 (bench/RESULTS.md 2026-12-07 (e), run 3): one sequence 231.7 → 243.9 t/s, tg128
+    /// at d65536 180.9 → 188.9.
     pub expert_int_lanes: bool,
     /// Routes up to which the routed experts take the GEMV; more take the grouped GEMM.
     /// At most [`GEMV_ROUTES_LIMIT`].
@@ -232,7 +232,7 @@ impl Default for LoweringOptions {
             q6k_gemv_max_rows: GEMV_ROWS_LIMIT,
             head_gemv_max_rows: HEAD_GEMV_ROWS_LIMIT,
             expert_int_gemv_max_routes: 8,
-            expert_int_lanes: false,
+            expert_int_lanes: true,
             expert_gemv_max_routes: 0,
             skinny_max_rows: 64,
             bf16_skinny_max_rows: 16,
@@ -1380,22 +1380,21 @@ mod tests {
     }
 
     #[test]
-    fn the_lane_chunk_expert_gemv_takes_what_a_warp_covers_when_turned_on() {
+    fn the_lane_chunk_expert_gemv_takes_what_a_warp_covers_unless_turned_off() {
         let h100 = Target::Cuda {
             compute_capability: (9, 0),
         };
         let gate = TensorMeta::new([64, 1024, 3584], DType::IQ4_NL);
         let down = TensorMeta::new([64, 3584, 1024], DType::IQ4_NL);
-        let off = LoweringOptions::default();
-        assert!(!off.expert_int_lanes);
+        let on = LoweringOptions::default();
+        let off = LoweringOptions {
+            expert_int_lanes: false,
+            ..on
+        };
         assert_eq!(
             off.experts(4, 3584, true, Some(&gate), h100),
             ExpertKernel::IntGemv
         );
-        let on = LoweringOptions {
-            expert_int_lanes: true,
-            ..off
-        };
         let lanes = ExpertKernel::IntLanes {
             weights_first: on.pdl_weights_first,
         };

@@ -75,7 +75,7 @@ fn the_cuda_lowering_fuses_and_picks_a_kernel_for_every_step_shape() {
     }
     let decode = plan(&m, DECODE, HOPPER).to_string();
     assert!(decode.contains("linear_pair [gemv, weights first]"));
-    assert!(decode.contains("expert_swiglu n_expert=8 n_ff=32 [int gemv]"));
+    assert!(decode.contains("expert_swiglu n_expert=8 n_ff=32 [int lanes]"));
     let long = plan(&m, LONG_CHUNK, HOPPER).to_string();
     assert!(long.contains("[rows cpw=1]"), "{long}");
     assert!(long.contains("[grouped wgmma]"), "{long}");
@@ -166,12 +166,12 @@ fn the_shared_expert_rides_the_routed_skinny_launches_and_computes_the_declared_
     let one = plan(&m, DECODE, HOPPER).to_string();
     assert!(
         one.contains(
-            "moe.experts_act+shared.gate+up+act: expert_swiglu n_expert=8 n_ff=256 [int gemv]"
+            "moe.experts_act+shared.gate+up+act: expert_swiglu n_expert=8 n_ff=256 [int lanes]"
         ),
         "{one}"
     );
     assert!(
-        one.contains("moe.experts_down+shared.down: expert_down n_expert=8 n_embd=256 [int gemv]"),
+        one.contains("moe.experts_down+shared.down: expert_down n_expert=8 n_embd=256 [int lanes]"),
         "{one}"
     );
     // A long chunk's take the grouped GEMM: apart there.
@@ -688,7 +688,7 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
     all(labels(10, &on), "[skinny int]");
     all(labels(11, &on), "[skinny]");
     all(labels(8, &off), "[skinny]");
-    all(labels(2, &on), "[int gemv]");
+    all(labels(2, &on), "[int lanes]");
     assert!(
         on.to_string()
             .contains("(int <=5 an expert, deep ring <=3, staged inputs gate+up <=1 down <=5)"),
@@ -732,7 +732,7 @@ fn integer_expert_products_stage_their_inputs_where_that_was_measured_faster() {
         all(labels(batch, &on, down), "[skinny int staged]");
     }
     all(labels(11, &on, down), "[skinny]");
-    all(labels(2, &on, down), "[int gemv]");
+    all(labels(2, &on, down), "[int lanes]");
     // Gate+up stages up to its threshold's routes an expert (past the deep ring's steps).
     let gate_up_to_two = LoweringOptions {
         expert_int_deep_ring_routes_an_expert: 0,

@@ -117,7 +117,7 @@ pub struct LoweringArgs {
     #[arg(long)]
     pub no_attention_wg: bool,
     /// The routed experts' integer GEMV (1–2 tokens) on persistent warps with a weight chunk
-    /// a lane (`true`) or on its shared-memory tiles (`false`, the default).
+    /// a lane (`true`, the default) or on its shared-memory tiles (`false`).
     #[arg(long, value_name = "BOOL")]
     pub expert_int_lanes: Option<bool>,
     /// Routes an expert averages up to which the integer skinny gate+up products (past the
