@@ -574,29 +574,26 @@ __device__ __forceinline__ void iqx_quantize_block(const float* __restrict__ xr,
     *sx = __fdiv_rn(amax, IQX_Q) + poison;
 }
 
-// iqx_quantize_block by a warp, a value a lane (the same amax, scale, rounding and bytes):
-// a thread holds no block of 32 values in registers.
-__device__ __forceinline__ void iqx_quantize_block_warp(const float* __restrict__ xr, int b,
-                                                        uint4* __restrict__ qx,
-                                                        float* __restrict__ sx) {
-    const int lane = threadIdx.x & 31;
-    const float v = xr ? __ldg(xr + 32 * b + lane) : 0.0f;
-    float amax = fabsf(v), poison = v * 0.0f;  // NaN for a NaN or an infinity, else 0
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        poison += __shfl_xor_sync(0xffffffffu, poison, o);
-    }
-    const float inv = amax > 0.0f ? __fdiv_rn(IQX_Q, amax) : 0.0f;
-    const int q = max(-32512, min(32512, __float2int_rn(v * inv)));
-    const int hi = (q + 128) >> 8, lo = q - hi * 256;
-    // Word w holds values 2w, 2w + 16, 2w + 1, 2w + 17 (iq4q_codes' order).
-    const int i = lane & 15;
-    const int at = 4 * (i >> 1) + 2 * (i & 1) + (lane >> 4);
-    unsigned char* bytes = reinterpret_cast<unsigned char*>(qx);
-    bytes[at] = (unsigned char)(hi & 0xff);
-    bytes[32 + at] = (unsigned char)(lo & 0xff);
-    if (lane == 0) *sx = __fdiv_rn(amax, IQX_Q) + poison;
+// A block's 32 codes (iq4q_codes) against its quantized inputs (iqx_quantize_block's 16
+// words at xq): 256·Σ c·hi + Σ c·lo, exact in int32.
+__device__ __forceinline__ int iq4q_dot(const unsigned c[8], const uint4* xq) {
+    const uint4 h0 = xq[0], h1 = xq[1], l0 = xq[2], l1 = xq[3];
+    int sh = __dp4a((int)c[0], (int)h0.x, 0), sl = __dp4a((int)c[0], (int)l0.x, 0);
+    sh = __dp4a((int)c[1], (int)h0.y, sh);
+    sl = __dp4a((int)c[1], (int)l0.y, sl);
+    sh = __dp4a((int)c[2], (int)h0.z, sh);
+    sl = __dp4a((int)c[2], (int)l0.z, sl);
+    sh = __dp4a((int)c[3], (int)h0.w, sh);
+    sl = __dp4a((int)c[3], (int)l0.w, sl);
+    sh = __dp4a((int)c[4], (int)h1.x, sh);
+    sl = __dp4a((int)c[4], (int)l1.x, sl);
+    sh = __dp4a((int)c[5], (int)h1.y, sh);
+    sl = __dp4a((int)c[5], (int)l1.y, sl);
+    sh = __dp4a((int)c[6], (int)h1.z, sh);
+    sl = __dp4a((int)c[6], (int)l1.z, sl);
+    sh = __dp4a((int)c[7], (int)h1.w, sh);
+    sl = __dp4a((int)c[7], (int)l1.w, sl);
+    return sh * 256 + sl;
 }
 
 // iq4g_tile's contract on integer dot products. Dynamic shared memory: the RowsPlan's
@@ -649,23 +646,7 @@ __device__ __forceinline__ void iq4q_tile(const unsigned char* __restrict__ Wa,
                 for (int jr = 0; jr < NR; ++jr) {
                     if (jr >= cnt) break;
                     const uint4* xq = qx + 4 * (jr * nb + gb);
-                    const uint4 h0 = xq[0], h1 = xq[1], l0 = xq[2], l1 = xq[3];
-                    int sh = __dp4a((int)c[0], (int)h0.x, 0), sl = __dp4a((int)c[0], (int)l0.x, 0);
-                    sh = __dp4a((int)c[1], (int)h0.y, sh);
-                    sl = __dp4a((int)c[1], (int)l0.y, sl);
-                    sh = __dp4a((int)c[2], (int)h0.z, sh);
-                    sl = __dp4a((int)c[2], (int)l0.z, sl);
-                    sh = __dp4a((int)c[3], (int)h0.w, sh);
-                    sl = __dp4a((int)c[3], (int)l0.w, sl);
-                    sh = __dp4a((int)c[4], (int)h1.x, sh);
-                    sl = __dp4a((int)c[4], (int)l1.x, sl);
-                    sh = __dp4a((int)c[5], (int)h1.y, sh);
-                    sl = __dp4a((int)c[5], (int)l1.y, sl);
-                    sh = __dp4a((int)c[6], (int)h1.z, sh);
-                    sl = __dp4a((int)c[6], (int)l1.z, sl);
-                    sh = __dp4a((int)c[7], (int)h1.w, sh);
-                    sl = __dp4a((int)c[7], (int)l1.w, sl);
-                    acc[jr] = fmaf(d * sx[jr * nb + gb], (float)(sh * 256 + sl), acc[jr]);
+                    acc[jr] = fmaf(d * sx[jr * nb + gb], (float)iq4q_dot(c, xq), acc[jr]);
                 }
             }
         }
@@ -948,23 +929,7 @@ __device__ __forceinline__ void expert_int_lanes(
                             if (jr >= cnt) break;
                             if (qrow[jr] < 0) continue;
                             const uint4* xq = qx_at(qrow[jr], gbk);
-                            const uint4 h0 = xq[0], h1 = xq[1], l0 = xq[2], l1 = xq[3];
-                            int sh = __dp4a((int)c[0], (int)h0.x, 0), sl = __dp4a((int)c[0], (int)l0.x, 0);
-                            sh = __dp4a((int)c[1], (int)h0.y, sh);
-                            sl = __dp4a((int)c[1], (int)l0.y, sl);
-                            sh = __dp4a((int)c[2], (int)h0.z, sh);
-                            sl = __dp4a((int)c[2], (int)l0.z, sl);
-                            sh = __dp4a((int)c[3], (int)h0.w, sh);
-                            sl = __dp4a((int)c[3], (int)l0.w, sl);
-                            sh = __dp4a((int)c[4], (int)h1.x, sh);
-                            sl = __dp4a((int)c[4], (int)l1.x, sl);
-                            sh = __dp4a((int)c[5], (int)h1.y, sh);
-                            sl = __dp4a((int)c[5], (int)l1.y, sl);
-                            sh = __dp4a((int)c[6], (int)h1.z, sh);
-                            sl = __dp4a((int)c[6], (int)l1.z, sl);
-                            sh = __dp4a((int)c[7], (int)h1.w, sh);
-                            sl = __dp4a((int)c[7], (int)l1.w, sl);
-                            acc[jr] = fmaf(d * *sx_at(qrow[jr], gbk), (float)(sh * 256 + sl), acc[jr]);
+                            acc[jr] = fmaf(d * *sx_at(qrow[jr], gbk), (float)iq4q_dot(c, xq), acc[jr]);
                         }
                     }
                 }
