@@ -200,7 +200,110 @@ extern "C" __global__ void stall_stream(unsigned long long ns) {
 }
 "#;
 
+/// The source of [`Device::prefetch_l2`]'s kernel. Each thread asks L2 for 16 KiB slices of
+/// the ranges (`cp.async.bulk.prefetch.L2`: the copy engine fetches them, no register waits
+/// for the data) spread over many blocks, since one multiprocessor's copy engine alone would
+/// take tens of microseconds for a product's weights. The prefetch touches only weights, which
+/// no kernel writes, so it goes out before the wait for the predecessor; every block then
+/// waits, so the launch ends after its predecessor and the stream's order holds for its
+/// successor (which waits only for this launch). Below compute capability 9.0 it prefetches
+/// nothing.
+pub const L2_PREFETCH_CU: &str = r#"
+#define L2P_RANGES 8
+#define L2P_SLICE 16384ull
+struct L2Ranges {
+    unsigned long long ptr[L2P_RANGES];
+    unsigned long long bytes[L2P_RANGES];
+};
+extern "C" __global__ void __launch_bounds__(32) l2_prefetch(L2Ranges r, int n) {
+    PDL_WEIGHTS_FIRST();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned long long slices[L2P_RANGES], total = 0;
+#pragma unroll
+    for (int i = 0; i < L2P_RANGES; ++i) {
+        slices[i] = i < n ? (r.bytes[i] + L2P_SLICE - 1) / L2P_SLICE : 0;
+        total += slices[i];
+    }
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long g = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         g < total; g += step) {
+        unsigned long long s = g;
+        int i = 0;
+        while (i + 1 < L2P_RANGES && s >= slices[i]) {
+            s -= slices[i];
+            ++i;
+        }
+        const unsigned long long off = s * L2P_SLICE;
+        const unsigned size = (unsigned)min(L2P_SLICE, r.bytes[i] - off);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(r.ptr[i] + off), "r"(size)
+                     : "memory");
+    }
+#endif
+    PDL_WAIT();
+}
+"#;
+
+/// At most this many ranges go into one [`Device::prefetch_l2`] launch.
+pub const L2_PREFETCH_RANGES: usize = 8;
+
+/// The ranges of one prefetch launch, as its kernel receives them.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+struct L2Ranges {
+    ptr: [u64; L2_PREFETCH_RANGES],
+    bytes: [u64; L2_PREFETCH_RANGES],
+}
+
+// SAFETY: plain old data laid out as the kernel's `struct L2Ranges`.
+unsafe impl cudarc::driver::DeviceRepr for L2Ranges {}
+
 impl Device {
+    /// Asks L2 to fetch `ranges` (device address, bytes) of memory no kernel writes (weights),
+    /// so that a later kernel finds them there: a few threads' work, the data arriving while the
+    /// kernels between run. Each range is trimmed to whole 16-byte units inside it; more than
+    /// [`L2_PREFETCH_RANGES`] ranges take several launches. Ordered in the stream as a kernel
+    /// (it ends after its predecessor), so it may sit anywhere in a step.
+    pub fn prefetch_l2(
+        &self,
+        kernels: &crate::KernelCache,
+        ranges: &[(u64, u64)],
+    ) -> Result<(), CudaError> {
+        let k = kernels
+            .get("l2_prefetch.cu", L2_PREFETCH_CU, &["l2_prefetch"])?
+            .kernel("l2_prefetch")?;
+        for chunk in ranges.chunks(L2_PREFETCH_RANGES) {
+            let mut r = L2Ranges::default();
+            let mut n = 0usize;
+            let mut slices = 0u64;
+            for &(ptr, bytes) in chunk {
+                let start = ptr.next_multiple_of(16);
+                let end = (ptr + bytes) & !15;
+                if end <= start {
+                    continue;
+                }
+                r.ptr[n] = start;
+                r.bytes[n] = end - start;
+                slices += (end - start).div_ceil(16384);
+                n += 1;
+            }
+            if n == 0 {
+                continue;
+            }
+            let blocks = slices.div_ceil(32).clamp(1, 1024) as u32;
+            // SAFETY: matches `l2_prefetch(L2Ranges, int)`; the kernel only prefetches inside
+            // the ranges, which the caller says are device memory.
+            unsafe {
+                self.launch(&k)
+                    .grid(blocks)
+                    .block(32u32)
+                    .arg(r)
+                    .arg(n as i32)
+                    .enqueue()?
+            }
+        }
+        Ok(())
+    }
+
     /// Holds the stream for `micros` microseconds on the device (one thread sleeping), so that
     /// the host can enqueue a whole step behind it and the step then runs back to back, as a
     /// replayed graph would, instead of at the pace of host submission.

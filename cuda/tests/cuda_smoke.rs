@@ -690,6 +690,79 @@ fn programmatic_launches_still_see_every_predecessors_writes() {
     device.set_programmatic_launch(true);
 }
 
+/// A prefetch between two dependent kernels is a launch of its own in the stream: the kernel
+/// after it must still see everything the kernel before it wrote, eagerly and replayed, with
+/// programmatic launches on and off; ranges that are not 16-byte aligned, empty or past
+/// eight in number are taken as well.
+#[test]
+fn an_l2_prefetch_between_dependent_kernels_keeps_the_streams_order() {
+    let Some(device) = gpu() else { return };
+    let dir = TempDir::new("l2p");
+    let Some(cache) = kernel_cache(&device, &dir) else {
+        return;
+    };
+    let k = cache
+        .get("chain.cu", CHAIN_SRC, &["slow_copy_plus_one"])
+        .unwrap()
+        .kernel("slow_copy_plus_one")
+        .unwrap();
+    let n = 64 * 256;
+    let steps = 32;
+    let weights = device.alloc_zeros::<u8>(40 << 20).unwrap();
+    let base = weights.device_ptr();
+    let ranges: Vec<(u64, u64)> = (0..11u64)
+        .map(|i| {
+            (
+                base + i * (3 << 20) + (i % 3),
+                if i == 4 { 0 } else { (2 << 20) + 7 * i },
+            )
+        })
+        .collect();
+    for on in [true, false] {
+        device.set_programmatic_launch(on);
+        let a = device.alloc_zeros::<f32>(n).unwrap();
+        let b = device.alloc_zeros::<f32>(n).unwrap();
+        let step = |d: &Device, i: usize| -> Result<(), CudaError> {
+            let (src, dst) = if i.is_multiple_of(2) {
+                (&a, &b)
+            } else {
+                (&b, &a)
+            };
+            d.prefetch_l2(&cache, &ranges[..1 + i % ranges.len()])?;
+            // SAFETY: slow_copy_plus_one(const float*, float*, unsigned) over n elements.
+            unsafe {
+                d.launch(&k)
+                    .grid(64u32)
+                    .block(256u32)
+                    .arg(src)
+                    .arg(dst)
+                    .arg(n as u32)
+                    .enqueue()
+            }
+        };
+        for i in 0..steps {
+            step(&device, i).unwrap();
+        }
+        let last = if steps % 2 == 0 { &a } else { &b };
+        assert!(
+            last.to_vec().unwrap().iter().all(|&v| v == steps as f32),
+            "eager chain with prefetches, programmatic launch {on}"
+        );
+        let graph = device
+            .capture(|d| (0..steps).try_for_each(|i| step(d, i)))
+            .unwrap();
+        graph.launch().unwrap();
+        assert!(
+            last.to_vec()
+                .unwrap()
+                .iter()
+                .all(|&v| v == 2.0 * steps as f32),
+            "replayed chain with prefetches, programmatic launch {on}"
+        );
+    }
+    device.set_programmatic_launch(true);
+}
+
 #[test]
 fn preloading_compiles_each_source_once_and_later_lookups_need_no_compile() {
     let Some(device) = gpu() else { return };
