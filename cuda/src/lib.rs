@@ -28,7 +28,7 @@ mod tma;
 pub use blas::{Blas, GemmOutput};
 pub use device::{Device, DeviceInfo};
 pub use error::CudaError;
-pub use graph::{EventTrail, Graph, L2_PREFETCH_CU, L2_PREFETCH_RANGES, STALL_CU, Timer};
+pub use graph::{EventTrail, Graph, STALL_CU, Timer};
 pub use kernels::{
     CacheStats, Kernel, KernelCache, KernelCacheConfig, Module, OfflineBuild, arch_for, cache_key,
     compile_offline, default_cache_dir, fnv1a64,

@@ -225,10 +225,8 @@ pub(crate) fn open_device(device: Device) -> Result<Option<Arc<GpuCtx>>, EngineE
             let ctx = GpuCtx::open(ordinal).map_err(|e| unavailable(e.to_string()))?;
             // Every kernel source now, in parallel, rather than each at its first launch
             // (inside a request's step on a host whose disk cache is cold).
-            let mut sources = ops::kernel_sources().to_vec();
-            sources.push(("l2_prefetch.cu", cuda::L2_PREFETCH_CU));
             ctx.kernels
-                .preload(&sources)
+                .preload(&ops::kernel_sources())
                 .map_err(|e| unavailable(format!("compiling the kernels: {e}")))?;
             Ok(Some(Arc::new(ctx)))
         }

@@ -617,17 +617,6 @@ impl CudaExecutor {
         };
         for (k, &n) in plan.schedule.iter().enumerate() {
             let node = &g.nodes[n];
-            if let Some(list) = plan.prefetch.get(k).filter(|l| !l.is_empty()) {
-                let mut ranges = Vec::with_capacity(list.len());
-                for &(v, want) in list {
-                    let (ptr, bytes) = resolve(v)?;
-                    ranges.push((ptr, want.min(bytes) as u64));
-                }
-                self.ctx
-                    .device
-                    .prefetch_l2(&self.ctx.kernels, &ranges)
-                    .map_err(dev(format!("prefetching weights before {}", node.name)))?;
-            }
             let aliases = node.op.aliases();
             let mut outs = Vec::with_capacity(node.outputs.len());
             for &o in &node.outputs {

@@ -13,11 +13,8 @@ pub use cuda_exec::{
     weight_layout,
 };
 pub use exec::{AlignedBuf, CpuExecutor, HostState, HostWeights};
-pub use lower::{L2_PREFETCH_WINDOW, LoweringOptions, Target, lower};
-pub use plan::{
-    Bucket, DEFAULT_BLOCK_SIZE, KvPool, L2_PREFETCH_LOOKBACK, LogitRows, Plan, SLOT_ALIGN, Slot,
-    StepShape, l2_prefetches,
-};
+pub use lower::{LoweringOptions, Target, lower};
+pub use plan::{Bucket, DEFAULT_BLOCK_SIZE, KvPool, LogitRows, Plan, SLOT_ALIGN, Slot, StepShape};
 
 use ops::OpError;
 

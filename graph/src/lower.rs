@@ -213,19 +213,7 @@ pub struct LoweringOptions {
     pub attention_wg: bool,
     /// The one-token BF16 GEMVs issue their weight loads before waiting for their predecessor.
     pub pdl_weights_first: bool,
-    /// Decode steps on compute capability 9.0 ask L2 for a product's weights a node or two
-    /// before it runs, within this many bytes of L2 (`crate::plan::l2_prefetches`); 0: never.
-    pub l2_prefetch_window: usize,
-    /// Dense weights of a product smaller than this are not prefetched.
-    pub l2_prefetch_min: usize,
 }
-
-/// [`LoweringOptions::l2_prefetch_window`]'s default: about half of an H100's or H200's 50 MB
-/// L2 for a product's weights and what the nodes before it read.
-pub const L2_PREFETCH_WINDOW: usize = 24 << 20;
-
-/// The largest [`LoweringOptions::l2_prefetch_window`] the options accept.
-pub const L2_PREFETCH_WINDOW_LIMIT: usize = 1 << 30;
 
 impl Default for LoweringOptions {
     fn default() -> Self {
@@ -265,8 +253,6 @@ impl Default for LoweringOptions {
             f16_latent_cache: true,
             attention_wg: true,
             pdl_weights_first: true,
-            l2_prefetch_window: L2_PREFETCH_WINDOW,
-            l2_prefetch_min: 1 << 20,
         }
     }
 }
@@ -287,8 +273,7 @@ impl fmt::Display for LoweringOptions {
              gemv<={} (other types <={}, q6_k <={}) head_gemv<={} expert_int_gemv<={}{} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}); \
              router tiled>={} router+routes<={} topk inverse>={} \
-             hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}; \
-             l2 prefetch window={} KiB (products of >={} KiB)",
+             hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
             on(self.pair_linears),
@@ -332,9 +317,7 @@ impl fmt::Display for LoweringOptions {
             } else {
                 "f32"
             },
-            on(self.pdl_weights_first),
-            self.l2_prefetch_window >> 10,
-            self.l2_prefetch_min >> 10
+            on(self.pdl_weights_first)
         )
     }
 }
@@ -342,14 +325,6 @@ impl fmt::Display for LoweringOptions {
 impl LoweringOptions {
     /// Whether a GPU plan stores the latent cache as F16: only where every attention kernel
     /// the options allow reads f16 operands.
-    /// Whether a plan of `bucket` for `target` prefetches weights into L2 (decode steps on
-    /// compute capability 9.0, where `cp.async.bulk.prefetch` exists, with a window).
-    pub fn l2_prefetches(&self, target: Target, bucket: crate::Bucket) -> bool {
-        let hopper =
-            matches!(target, Target::Cuda { compute_capability } if compute_capability >= (9, 0));
-        hopper && self.l2_prefetch_window > 0 && matches!(bucket, crate::Bucket::Decode { .. })
-    }
-
     pub fn latent_cache_is_f16(&self) -> bool {
         self.f16_latent_cache && self.attention_f16_split
     }
@@ -389,13 +364,6 @@ impl LoweringOptions {
             if v > limit {
                 return Err(format!("{name} = {v}: the kernels take at most {limit}"));
             }
-        }
-        if self.l2_prefetch_window > L2_PREFETCH_WINDOW_LIMIT {
-            return Err(format!(
-                "l2_prefetch_window = {} bytes: at most {} MiB (no GPU's L2 holds more)",
-                self.l2_prefetch_window,
-                L2_PREFETCH_WINDOW_LIMIT >> 20
-            ));
         }
         Ok(())
     }

@@ -169,110 +169,6 @@ pub struct Plan {
     /// The device the graph was lowered for and the options it was lowered with (None for a
     /// graph planned as declared).
     pub lowering: Option<(Target, LoweringOptions)>,
-    /// Per schedule position: weights (and how many of their leading bytes) a GPU asks L2 to
-    /// fetch before it launches that node, for a product a node or two later
-    /// ([`l2_prefetches`]). Empty unless the lowering asked for it.
-    pub prefetch: Vec<Vec<(ValueId, usize)>>,
-}
-
-/// Positions back from a product at which its weights' prefetch may go out.
-pub const L2_PREFETCH_LOOKBACK: usize = 3;
-
-/// Where a decode step's products have their weights prefetched into L2, by schedule position
-/// (see [`Plan::prefetch`]). A step of few rows spends most of its time in kernels bound by
-/// latency (the hc boundaries, the router, attention over short contexts), which leave the
-/// memory idle; the products after them wait on DRAM for weights that could already be in L2.
-///
-/// A node's dense weights (its weight inputs but routed expert stacks) of at least `min`
-/// bytes are prefetched before a node [`L2_PREFETCH_LOOKBACK`] or fewer positions earlier
-/// where what the nodes from there to it read (weights, stacks whole, activations, the cache
-/// rows an attention reads at the bucket's depth) leaves room in a `window` of L2 bytes for
-/// the weights, or for a quarter of the window of them (their leading bytes: the rest is read
-/// from DRAM as before): the earliest such node that already prefetches (each prefetch is a
-/// launch), else the earliest. Nodes whose window is already full (a routed product between,
-/// a long context's attention) get none.
-pub fn l2_prefetches(
-    graph: &Graph,
-    schedule: &[usize],
-    bucket: Bucket,
-    window: usize,
-    min: usize,
-) -> Vec<Vec<(ValueId, usize)>> {
-    let mut out = vec![Vec::new(); schedule.len()];
-    if window == 0 {
-        return out;
-    }
-    let reads: Vec<usize> = schedule
-        .iter()
-        .map(|&n| {
-            let node = &graph.nodes[n];
-            let mut r = graph.node_bytes(node) as usize;
-            if let Some(cr) = node.op.cache_reads() {
-                let row = node
-                    .inputs
-                    .get(cr.cache)
-                    .map(|&v| &graph.value(v).meta)
-                    .and_then(|m| Some(m.bytes()? / (*m.shape.first()?).max(1)))
-                    .unwrap_or(0);
-                r += row * bucket.kv() * bucket.seqs();
-            }
-            r
-        })
-        .collect();
-    for (pos, &n) in schedule.iter().enumerate() {
-        let node = &graph.nodes[n];
-        let stacks: Vec<ValueId> = node
-            .op
-            .routed_weights()
-            .map(|rw| {
-                rw.weights
-                    .iter()
-                    .filter_map(|&i| node.inputs.get(i).copied())
-                    .collect()
-            })
-            .unwrap_or_default();
-        let mut dense: Vec<(ValueId, usize)> = Vec::new();
-        for &v in &node.inputs {
-            let info = graph.value(v);
-            if info.kind != ValueKind::Weight
-                || stacks.contains(&v)
-                || dense.iter().any(|&(d, _)| d == v)
-            {
-                continue;
-            }
-            dense.push((v, info.meta.bytes().unwrap_or(0)));
-        }
-        let w: usize = dense.iter().map(|&(_, b)| b).sum();
-        if w < min.max(1) {
-            continue;
-        }
-        // (position, bytes) of every place the window allows, earliest first.
-        let fits: Vec<(usize, usize)> = (1..=L2_PREFETCH_LOOKBACK.min(pos))
-            .rev()
-            .filter_map(|back| {
-                let between: usize = reads[pos - back..pos].iter().sum();
-                let take = w.min(window.saturating_sub(between));
-                (take > 0 && take >= w.min(window / 4)).then_some((pos - back, take))
-            })
-            .collect();
-        // A position that already prefetches takes this too: each prefetch is a launch.
-        let Some(&(at, take)) = fits
-            .iter()
-            .find(|&&(at, _)| !out[at].is_empty())
-            .or(fits.first())
-        else {
-            continue;
-        };
-        let mut left = take;
-        for &(v, b) in &dense {
-            if left == 0 {
-                break;
-            }
-            out[at].push((v, b.min(left)));
-            left -= b.min(left);
-        }
-    }
-    out
 }
 
 static NEXT_PLAN_ID: AtomicU64 = AtomicU64::new(1);
@@ -303,15 +199,6 @@ impl Plan {
         opts: &LoweringOptions,
     ) -> Result<Plan, GraphError> {
         let mut plan = Plan::new(lower(graph, target, opts)?, shape)?;
-        if opts.l2_prefetches(target, shape.bucket) {
-            plan.prefetch = l2_prefetches(
-                &plan.graph,
-                &plan.schedule,
-                shape.bucket,
-                opts.l2_prefetch_window,
-                opts.l2_prefetch_min,
-            );
-        }
         plan.lowering = Some((target, opts.clone()));
         Ok(plan)
     }
@@ -464,7 +351,6 @@ impl Plan {
             scratch,
             device_arena_bytes,
             lowering: None,
-            prefetch: vec![Vec::new(); end],
         })
     }
 
@@ -539,19 +425,6 @@ impl Plan {
         }
         for (step, &n) in self.schedule.iter().enumerate() {
             let node = &g.nodes[n];
-            if let Some(list) = self.prefetch.get(step).filter(|l| !l.is_empty()) {
-                let what: Vec<String> = list
-                    .iter()
-                    .map(|&(v, b)| {
-                        let info = g.value(v);
-                        match info.meta.bytes() {
-                            Some(all) if all > b => format!("{} ({b} of {all} bytes)", info.name),
-                            _ => format!("{} ({b} bytes)", info.name),
-                        }
-                    })
-                    .collect();
-                let _ = writeln!(s, "     prefetch into L2: {}", what.join(", "));
-            }
             let ins: Vec<String> = node.inputs.iter().map(|&i| place(i)).collect();
             let outs: Vec<String> = node.outputs.iter().map(|&o| place(o)).collect();
             let _ = writeln!(

@@ -17,10 +17,9 @@ fn resource_lines(log: &str) -> Vec<&str> {
 #[test]
 fn every_kernel_source_compiles_for_sm_90a_without_spilling() {
     let mut spilled = Vec::new();
-    let sources = ops::kernel_sources().into_iter().chain([
-        ("stall.cu", cuda::STALL_CU),
-        ("l2_prefetch.cu", cuda::L2_PREFETCH_CU),
-    ]);
+    let sources = ops::kernel_sources()
+        .into_iter()
+        .chain([("stall.cu", cuda::STALL_CU)]);
     for (name, source) in sources {
         let build = match compile_offline(name, source, ARCH, &["--ptxas-options=-v".into()]) {
             Ok(b) => b,
@@ -97,10 +96,9 @@ fn kernels_without_pdl_enter(source: &str) -> Vec<String> {
 /// memory before `griddepcontrol.wait` could read its predecessor's inputs half-written.
 #[test]
 fn every_kernel_waits_for_its_predecessor_before_anything_else() {
-    let sources = ops::kernel_sources().into_iter().chain([
-        ("stall.cu", cuda::STALL_CU),
-        ("l2_prefetch.cu", cuda::L2_PREFETCH_CU),
-    ]);
+    let sources = ops::kernel_sources()
+        .into_iter()
+        .chain([("stall.cu", cuda::STALL_CU)]);
     let mut missing = Vec::new();
     for (name, source) in sources {
         for kernel in kernels_without_pdl_enter(source) {

@@ -128,10 +128,6 @@ pub struct LoweringArgs {
     /// The same for the integer skinny down products (default 5; 0: never).
     #[arg(long, value_name = "N")]
     pub expert_int_staged_down_routes_an_expert: Option<usize>,
-    /// MiB of L2 a decode step's products may have their weights prefetched into, a node or two
-    /// before they run (compute capability 9.0; default 24; 0: no prefetch).
-    #[arg(long, value_name = "MIB")]
-    pub l2_prefetch_window_mb: Option<usize>,
 }
 
 impl LoweringArgs {
@@ -175,9 +171,6 @@ impl LoweringArgs {
             f16_latent_cache: !self.latent_cache_f32,
             attention_wg: !self.no_attention_wg,
             expert_int_lanes: self.expert_int_lanes.unwrap_or(d.expert_int_lanes),
-            l2_prefetch_window: self
-                .l2_prefetch_window_mb
-                .map_or(d.l2_prefetch_window, |mb| mb.saturating_mul(1 << 20)),
             expert_int_staged_gate_up_routes_an_expert: self
                 .expert_int_staged_gate_up_routes_an_expert
                 .unwrap_or(d.expert_int_staged_gate_up_routes_an_expert),
@@ -220,7 +213,7 @@ impl LoweringArgs {
         };
         opts.validate().map_err(|e| {
             anyhow::anyhow!(
-                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --q6k-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes / --l2-prefetch-window-mb: {e}"
+                "--hc-rows / XING4_HC_ROWS / --gemv-max-rows / --other-gemv-max-rows / --q6k-gemv-max-rows / --head-gemv-max-rows / --expert-int-gemv-max-routes / --expert-gemv-max-routes: {e}"
             )
         })?;
         Ok(opts)
@@ -379,30 +372,5 @@ mod tests {
             ..LoweringArgs::default()
         };
         assert!(too_many.options_with(|_| None).is_err());
-        let no_prefetch = LoweringArgs {
-            l2_prefetch_window_mb: Some(0),
-            ..LoweringArgs::default()
-        };
-        assert_eq!(
-            no_prefetch
-                .options_with(|_| None)
-                .unwrap()
-                .l2_prefetch_window,
-            0
-        );
-        let wide = LoweringArgs {
-            l2_prefetch_window_mb: Some(40),
-            ..LoweringArgs::default()
-        };
-        assert_eq!(
-            wide.options_with(|_| None).unwrap().l2_prefetch_window,
-            40 << 20
-        );
-        let past_any_l2 = LoweringArgs {
-            l2_prefetch_window_mb: Some(usize::MAX),
-            ..LoweringArgs::default()
-        };
-        let err = past_any_l2.options_with(|_| None).unwrap_err();
-        assert!(err.to_string().contains("l2_prefetch_window"), "{err}");
     }
 }
