@@ -147,7 +147,12 @@ pub struct Kernel {
     source_name: Arc<str>,
     func: CudaFunction,
     dynamic_smem_limit: Arc<AtomicU32>,
+    /// The function's static shared memory in bytes, [`UNKNOWN_STATIC_SMEM`] until asked.
+    static_smem: Arc<AtomicU32>,
 }
+
+/// [`Kernel::static_smem`] before the driver was asked.
+const UNKNOWN_STATIC_SMEM: u32 = u32::MAX;
 
 impl std::fmt::Debug for Kernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -155,8 +160,8 @@ impl std::fmt::Debug for Kernel {
     }
 }
 
-/// What a block may use without opting in.
-const DEFAULT_DYNAMIC_SMEM: u32 = 48 * 1024;
+/// Shared memory (static and dynamic together) a block may use without opting in.
+const DEFAULT_SMEM: u32 = 48 * 1024;
 
 impl Kernel {
     pub fn name(&self) -> &str {
@@ -171,10 +176,36 @@ impl Kernel {
         &self.func
     }
 
-    /// Raises the kernel's dynamic shared memory limit to at least `bytes` (needed above
-    /// 48 KiB). Not a stream operation, so it is allowed during capture.
+    /// Raises the kernel's dynamic shared memory limit to at least `bytes`: needed where its
+    /// static shared memory and `bytes` together pass 48 KiB (without the opt-in the driver
+    /// allows 48 KiB less the static bytes, and refuses the launch with an invalid value).
+    /// Not a stream operation, so it is allowed during capture.
     pub fn ensure_dynamic_shared_mem(&self, bytes: u32) -> Result<(), CudaError> {
-        if bytes <= DEFAULT_DYNAMIC_SMEM.max(self.dynamic_smem_limit.load(Ordering::Relaxed)) {
+        if bytes <= self.dynamic_smem_limit.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let launch_error = |source| CudaError::Launch {
+            kernel: self.name.to_string(),
+            grid: (0, 0, 0),
+            block: (0, 0, 0),
+            shared_mem: bytes,
+            source,
+        };
+        let mut fixed = self.static_smem.load(Ordering::Relaxed);
+        if fixed == UNKNOWN_STATIC_SMEM {
+            // SAFETY: the function handle is alive (held by self.func's module).
+            let v = unsafe {
+                cudarc::driver::result::function::get_function_attribute(
+                    self.func.cu_function(),
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                )
+            }
+            .map_err(launch_error)?;
+            fixed = u32::try_from(v).unwrap_or(0);
+            self.static_smem.store(fixed, Ordering::Relaxed);
+        }
+        if fixed.saturating_add(bytes) <= DEFAULT_SMEM {
+            self.dynamic_smem_limit.fetch_max(bytes, Ordering::Relaxed);
             return Ok(());
         }
         let value = i32::try_from(bytes).map_err(|_| CudaError::InvalidArgument {
@@ -192,13 +223,7 @@ impl Kernel {
                 value,
             )
         }
-        .map_err(|source| CudaError::Launch {
-            kernel: self.name.to_string(),
-            grid: (0, 0, 0),
-            block: (0, 0, 0),
-            shared_mem: bytes,
-            source,
-        })?;
+        .map_err(launch_error)?;
         self.dynamic_smem_limit.fetch_max(bytes, Ordering::Relaxed);
         Ok(())
     }
@@ -246,7 +271,8 @@ impl Module {
             name: name.into(),
             source_name: self.source_name.clone(),
             func,
-            dynamic_smem_limit: Arc::new(AtomicU32::new(DEFAULT_DYNAMIC_SMEM)),
+            dynamic_smem_limit: Arc::new(AtomicU32::new(0)),
+            static_smem: Arc::new(AtomicU32::new(UNKNOWN_STATIC_SMEM)),
         };
         kernels.insert(name.to_string(), kernel.clone());
         Ok(kernel)

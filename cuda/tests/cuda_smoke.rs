@@ -52,6 +52,22 @@ extern "C" __global__ void reverse_in_smem(const float* x, float* y, unsigned n)
 }
 "#;
 
+// 40 KiB of static shared memory beside n floats of dynamic: past 48 KiB together from
+// n = 2,049 on, which the driver refuses unless the kernel opted in for its dynamic bytes.
+const SMEM_STATIC_SRC: &str = r#"
+extern "C" __global__ void reverse_beside_static(const float* x, float* y, unsigned n) {
+    PDL_ENTER();
+    __shared__ float twice[10240];
+    extern __shared__ float s[];
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {
+        s[i] = x[i];
+        twice[i] = 2.0f * x[i];
+    }
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) y[i] = s[n - 1 - i] + twice[i];
+}
+"#;
+
 /// The device, or `None` after printing why the test is skipped. Only a missing driver or GPU
 /// skips; any other error is a failure.
 fn gpu() -> Option<Device> {
@@ -448,6 +464,52 @@ fn a_launch_above_48_kib_of_shared_memory_opts_in_automatically() {
     let y = dy.to_vec().unwrap();
     let expected: Vec<f32> = x.iter().rev().copied().collect();
     assert_eq!(y, expected);
+}
+
+/// A kernel's static shared memory counts against the 48 KiB a block has without opting in:
+/// 16 KiB of dynamic shared memory beside 40 KiB of static must opt in, though 16 KiB alone
+/// would not.
+#[test]
+fn dynamic_shared_memory_beside_static_past_48_kib_opts_in_too() {
+    let Some(device) = gpu() else { return };
+    if device.info().max_shared_mem_per_block_optin < 64 * 1024 {
+        println!("skipped: this GPU allows less than 64 KiB of shared memory per block");
+        return;
+    }
+    let dir = TempDir::new("smem-static");
+    let Some(cache) = kernel_cache(&device, &dir) else {
+        return;
+    };
+    let k = cache
+        .get(
+            "smem_static.cu",
+            SMEM_STATIC_SRC,
+            &["reverse_beside_static"],
+        )
+        .unwrap()
+        .kernel("reverse_beside_static")
+        .unwrap();
+    for n in [1024usize, 4096] {
+        let x = ramp(n, 1.0);
+        let dx = device.upload(&x).unwrap();
+        let dy = device.alloc_zeros::<f32>(n).unwrap();
+        // SAFETY: reverse_beside_static(const float*, float*, unsigned) with n floats of dynamic
+        // shared memory (n <= 10240).
+        unsafe {
+            device
+                .launch(&k)
+                .block(256)
+                .shared_mem((n * 4) as u32)
+                .arg(&dx)
+                .arg(&dy)
+                .arg(n as u32)
+                .enqueue()
+                .unwrap();
+        }
+        let y = dy.to_vec().unwrap();
+        let expected: Vec<f32> = (0..n).map(|i| x[n - 1 - i] + 2.0 * x[i]).collect();
+        assert_eq!(y, expected, "{n} floats of dynamic shared memory");
+    }
 }
 
 #[test]
