@@ -447,13 +447,23 @@ fn a_launch_above_48_kib_of_shared_memory_opts_in_automatically() {
         .unwrap();
     let n = 25_000usize; // 100 000 bytes of shared memory
     let x = ramp(n, 1.0);
-    let dx = device.upload(&x).unwrap();
+    let y = run_with_shared_floats(&device, &k, &x, 1024);
+    let expected: Vec<f32> = x.iter().rev().copied().collect();
+    assert_eq!(y, expected);
+}
+
+/// Launches `k(const float* x, float* y, unsigned n)`, one block of `block` threads with
+/// x.len() floats of dynamic shared memory, and returns y.
+fn run_with_shared_floats(device: &Device, k: &cuda::Kernel, x: &[f32], block: u32) -> Vec<f32> {
+    let n = x.len();
+    let dx = device.upload(x).unwrap();
     let dy = device.alloc_zeros::<f32>(n).unwrap();
-    // SAFETY: reverse_in_smem(const float*, float*, unsigned) with n floats of shared memory.
+    // SAFETY: the callers' kernels take (const float*, float*, unsigned) and use n floats of
+    // dynamic shared memory.
     unsafe {
         device
-            .launch(&k)
-            .block(1024)
+            .launch(k)
+            .block(block)
             .shared_mem((n * 4) as u32)
             .arg(&dx)
             .arg(&dy)
@@ -461,9 +471,7 @@ fn a_launch_above_48_kib_of_shared_memory_opts_in_automatically() {
             .enqueue()
             .unwrap();
     }
-    let y = dy.to_vec().unwrap();
-    let expected: Vec<f32> = x.iter().rev().copied().collect();
-    assert_eq!(y, expected);
+    dy.to_vec().unwrap()
 }
 
 /// A kernel's static shared memory counts against the 48 KiB a block has without opting in:
@@ -491,22 +499,7 @@ fn dynamic_shared_memory_beside_static_past_48_kib_opts_in_too() {
         .unwrap();
     for n in [1024usize, 4096] {
         let x = ramp(n, 1.0);
-        let dx = device.upload(&x).unwrap();
-        let dy = device.alloc_zeros::<f32>(n).unwrap();
-        // SAFETY: reverse_beside_static(const float*, float*, unsigned) with n floats of dynamic
-        // shared memory (n <= 10240).
-        unsafe {
-            device
-                .launch(&k)
-                .block(256)
-                .shared_mem((n * 4) as u32)
-                .arg(&dx)
-                .arg(&dy)
-                .arg(n as u32)
-                .enqueue()
-                .unwrap();
-        }
-        let y = dy.to_vec().unwrap();
+        let y = run_with_shared_floats(&device, &k, &x, 256);
         let expected: Vec<f32> = (0..n).map(|i| x[n - 1 - i] + 2.0 * x[i]).collect();
         assert_eq!(y, expected, "{n} floats of dynamic shared memory");
     }
