@@ -147,12 +147,9 @@ pub struct Kernel {
     source_name: Arc<str>,
     func: CudaFunction,
     dynamic_smem_limit: Arc<AtomicU32>,
-    /// The function's static shared memory in bytes, [`UNKNOWN_STATIC_SMEM`] until asked.
-    static_smem: Arc<AtomicU32>,
+    /// The function's static shared memory in bytes (read once, when it is loaded).
+    static_smem: u32,
 }
-
-/// [`Kernel::static_smem`] before the driver was asked.
-const UNKNOWN_STATIC_SMEM: u32 = u32::MAX;
 
 impl std::fmt::Debug for Kernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -184,27 +181,7 @@ impl Kernel {
         if bytes <= self.dynamic_smem_limit.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let launch_error = |source| CudaError::Launch {
-            kernel: self.name.to_string(),
-            grid: (0, 0, 0),
-            block: (0, 0, 0),
-            shared_mem: bytes,
-            source,
-        };
-        let mut fixed = self.static_smem.load(Ordering::Relaxed);
-        if fixed == UNKNOWN_STATIC_SMEM {
-            // SAFETY: the function handle is alive (held by self.func's module).
-            let v = unsafe {
-                cudarc::driver::result::function::get_function_attribute(
-                    self.func.cu_function(),
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
-                )
-            }
-            .map_err(launch_error)?;
-            fixed = u32::try_from(v).unwrap_or(0);
-            self.static_smem.store(fixed, Ordering::Relaxed);
-        }
-        if fixed.saturating_add(bytes) <= DEFAULT_SMEM {
+        if self.static_smem.saturating_add(bytes) <= DEFAULT_SMEM {
             self.dynamic_smem_limit.fetch_max(bytes, Ordering::Relaxed);
             return Ok(());
         }
@@ -223,7 +200,13 @@ impl Kernel {
                 value,
             )
         }
-        .map_err(launch_error)?;
+        .map_err(|source| CudaError::Launch {
+            kernel: self.name.to_string(),
+            grid: (0, 0, 0),
+            block: (0, 0, 0),
+            shared_mem: bytes,
+            source,
+        })?;
         self.dynamic_smem_limit.fetch_max(bytes, Ordering::Relaxed);
         Ok(())
     }
@@ -267,12 +250,20 @@ impl Module {
             self.module.load_function(name)
         })?
         .map_err(missing)?;
+        // SAFETY: the function handle was just loaded and its module is held by `func`.
+        let static_smem = unsafe {
+            cudarc::driver::result::function::get_function_attribute(
+                func.cu_function(),
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+            )
+        }
+        .map_err(missing)?;
         let kernel = Kernel {
             name: name.into(),
             source_name: self.source_name.clone(),
             func,
             dynamic_smem_limit: Arc::new(AtomicU32::new(0)),
-            static_smem: Arc::new(AtomicU32::new(UNKNOWN_STATIC_SMEM)),
+            static_smem: u32::try_from(static_smem).unwrap_or(0),
         };
         kernels.insert(name.to_string(), kernel.clone());
         Ok(kernel)
