@@ -172,6 +172,11 @@ pub struct LoweringOptions {
     /// latency less to hide behind): 8, 32 and 64 sequences 42.3 / 73.5 / 87.3 µs a layer
     /// against 43.0 / 77.0 / 94.1.
     pub expert_int_staged_down_routes_an_expert: usize,
+    /// Routes from which the skinny expert products (integer or f16 path alike) take the
+    /// streamed integer kernel (`ExpertKernel::SkinnyIntStream`) on compute capability 9.0 and
+    /// later (0: never): persistent blocks, a copying warp keeping whole weight rows in
+    /// flight by bulk copies, up to 16 routes an expert decoded at once.
+    pub expert_int_stream_min_routes: usize,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
@@ -242,6 +247,7 @@ impl Default for LoweringOptions {
             expert_int_deep_ring_routes_an_expert: 3,
             expert_int_staged_gate_up_routes_an_expert: 1,
             expert_int_staged_down_routes_an_expert: 5,
+            expert_int_stream_min_routes: 0,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
@@ -271,7 +277,7 @@ impl fmt::Display for LoweringOptions {
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}, q6_k <={}) head_gemv<={} expert_int_gemv<={}{} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
-             <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}); \
+             <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}, stream>={}); \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
@@ -298,6 +304,7 @@ impl fmt::Display for LoweringOptions {
             self.expert_int_deep_ring_routes_an_expert,
             self.expert_int_staged_gate_up_routes_an_expert,
             self.expert_int_staged_down_routes_an_expert,
+            self.expert_int_stream_min_routes,
             self.router_tiled_min_rows,
             self.router_routes_max_rows,
             self.topk_inverse_min_rows,
@@ -460,6 +467,16 @@ impl LoweringOptions {
         if routes <= self.expert_skinny_max_routes && ops::moe_prefill::skinny_supports(n_in) {
             // The stacked weight's first dimension: its experts.
             let n_expert = w.and_then(|w| w.shape.first().copied()).unwrap_or(0);
+            let bulk_copies =
+                matches!(target, Target::Cuda { compute_capability: (m, _) } if m >= 9);
+            if bulk_copies
+                && self.expert_int_stream_min_routes > 0
+                && routes >= self.expert_int_stream_min_routes
+                && n_expert <= ops::moe_prefill::STREAM_MAX_EXPERTS
+                && ops::moe_prefill::stream_supports(n_in)
+            {
+                return ExpertKernel::SkinnyIntStream;
+            }
             if routes <= self.expert_skinny_int_routes_an_expert * n_expert {
                 let deep = swiglu
                     && routes > n_expert

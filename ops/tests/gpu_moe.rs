@@ -633,17 +633,19 @@ fn the_grouped_expert_path_is_bit_reproducible_at_top_four() {
 /// take them (8, 32 and 64 tokens: on the integer path tiles of one and of two n8 tiles of
 /// routes): the CPU's products within the f16 inputs' bounds, and the same bits a second run.
 /// The integer path's deep ring and its staged inputs add the same
-/// products in the same order as its default, so they give the same bits.
+/// products in the same order as its default, so they give the same bits; the streamed
+/// kernel adds K slices in order, so it only repeats its own.
 #[test]
 fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches() {
     let Some(gpu) = test_gpu() else { return };
-    for n in [8, 32, 64] {
+    for n in [8, 32, 64, 128] {
         let mut int_bits: Vec<Vec<u8>> = Vec::new();
         for kernel in [
             ExpertKernel::Skinny,
             ExpertKernel::SkinnyInt,
             ExpertKernel::SkinnyIntDeep,
             ExpertKernel::SkinnyIntStaged,
+            ExpertKernel::SkinnyIntStream,
         ] {
             let experts = real_chain_on(n, kernel)
                 .into_iter()
@@ -1136,6 +1138,7 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             ExpertKernel::SkinnyInt,
             ExpertKernel::SkinnyIntDeep,
             ExpertKernel::SkinnyIntStaged,
+            ExpertKernel::SkinnyIntStream,
             ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
         ];
         for kernel in kernels {
@@ -1232,7 +1235,9 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
         (64, ExpertKernel::SkinnyInt),
         (8, ExpertKernel::SkinnyIntStaged),
         (64, ExpertKernel::SkinnyIntStaged),
+        (64, ExpertKernel::SkinnyIntStream),
         (128, ExpertKernel::Skinny),
+        (128, ExpertKernel::SkinnyIntStream),
     ];
     for (n, kernel) in shapes {
         let mut r = Rng::new(90 + n as u64);
@@ -1297,6 +1302,7 @@ fn kernel_tag(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::SkinnyInt => " [skinny int]",
         ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
         ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
+        ExpertKernel::SkinnyIntStream => " [skinny int stream]",
         ExpertKernel::Gemv => " [gemv]",
         ExpertKernel::IntGemv => " [int gemv]",
         ExpertKernel::IntLanes { .. } => " [int lanes]",

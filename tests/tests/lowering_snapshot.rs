@@ -690,10 +690,50 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
     all(labels(8, &off), "[skinny]");
     all(labels(2, &on), "[int lanes]");
     assert!(
-        on.to_string()
-            .contains("(int <=5 an expert, deep ring <=3, staged inputs gate+up <=1 down <=5)"),
+        on.to_string().contains(
+            "(int <=5 an expert, deep ring <=3, staged inputs gate+up <=1 down <=5, stream>=0)"
+        ),
         "{on}"
     );
+}
+
+/// The streamed integer kernel takes the skinny expert products from its routes on, on the
+/// integer and the f16 path's steps alike, only where bulk copies exist (compute capability
+/// 9.0 and later), and never below the GEMV's routes.
+#[test]
+fn decode_experts_past_the_stream_threshold_take_the_streamed_kernel_on_hopper() {
+    let m = tiny();
+    let stream = LoweringOptions {
+        expert_int_stream_min_routes: 12,
+        ..LoweringOptions::default()
+    };
+    let ampere = Target::Cuda {
+        compute_capability: (8, 0),
+    };
+    let labels = |batch: usize, target: Target| {
+        let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
+        let lines: Vec<String> = build_plan(&m, shape, None, target, &stream)
+            .unwrap()
+            .to_string()
+            .lines()
+            // The tiny model's down products take the generic kernel (an input width of 32).
+            .filter(|l| l.contains(": expert_swiglu "))
+            .map(|l| l.to_string())
+            .collect();
+        assert!(!lines.is_empty());
+        lines
+    };
+    let all = |lines: Vec<String>, label: &str| {
+        for l in &lines {
+            assert!(l.ends_with(label), "{l}");
+        }
+    };
+    // The tiny model routes top-4: 3 tokens are 12 routes, 2 tokens 8 (the integer GEMV's).
+    all(labels(3, HOPPER), "[skinny int stream]");
+    all(labels(11, HOPPER), "[skinny int stream]");
+    all(labels(2, HOPPER), "[int lanes]");
+    all(labels(3, ampere), "[skinny int deep]");
+    assert!(stream.to_string().contains("stream>=12"), "{stream}");
 }
 
 /// The integer path's products copy their first routes' inputs through the weight ring where

@@ -128,6 +128,10 @@ pub struct LoweringArgs {
     /// The same for the integer skinny down products (default 5; 0: never).
     #[arg(long, value_name = "N")]
     pub expert_int_staged_down_routes_an_expert: Option<usize>,
+    /// Routes from which the skinny expert products take the streamed integer kernel on
+    /// compute capability 9.0 and later (0: never).
+    #[arg(long, value_name = "N")]
+    pub expert_int_stream_min_routes: Option<usize>,
 }
 
 impl LoweringArgs {
@@ -177,6 +181,9 @@ impl LoweringArgs {
             expert_int_staged_down_routes_an_expert: self
                 .expert_int_staged_down_routes_an_expert
                 .unwrap_or(d.expert_int_staged_down_routes_an_expert),
+            expert_int_stream_min_routes: self
+                .expert_int_stream_min_routes
+                .unwrap_or(d.expert_int_stream_min_routes),
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self

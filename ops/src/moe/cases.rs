@@ -89,6 +89,7 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::SkinnyInt => "skinny int",
         ExpertKernel::SkinnyIntDeep => "skinny int deep",
         ExpertKernel::SkinnyIntStaged => "skinny int staged",
+        ExpertKernel::SkinnyIntStream => "skinny int stream",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
@@ -277,6 +278,10 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_sw += 0x1400;
         seed_down += 0x1400;
     }
+    if kernel == ExpertKernel::SkinnyIntStream {
+        seed_sw += 0x1c00;
+        seed_down += 0x1c00;
+    }
     let gemv_only = matches!(
         kernel,
         ExpertKernel::IntGemv | ExpertKernel::IntLanes { .. }
@@ -286,6 +291,14 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_down += 0x1800;
     }
     let name = expert_label(kernel);
+    // The streamed kernel's bulk copies exist from compute capability 9.0.
+    let on_its_card = move |c: ParityCase| {
+        if kernel == ExpertKernel::SkinnyIntStream {
+            c.only_on((9, 0))
+        } else {
+            c
+        }
+    };
     for (n, k, crowd) in [
         (1, 1, false),
         (2, 1, false),
@@ -315,7 +328,7 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
                 &[HostValue::i32([n, k], &ids)],
             )
         };
-        v.push(ParityCase::new(
+        v.push(on_its_card(ParityCase::new(
             format!("expert_swiglu/{name}{label} routes={routes}{tag}"),
             ExpertSwiGlu {
                 n_expert: X_NE,
@@ -339,8 +352,8 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
                 }
                 ins
             },
-        ));
-        v.push(ParityCase::new(
+        )));
+        v.push(on_its_card(ParityCase::new(
             format!("expert_down/{name}{label} routes={routes}{tag}"),
             ExpertDown {
                 n_expert: X_NE,
@@ -362,7 +375,7 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
                 }
                 ins
             },
-        ));
+        )));
     }
 }
 
@@ -455,6 +468,7 @@ pub fn cases() -> Vec<ParityCase> {
         ExpertKernel::SkinnyInt,
         ExpertKernel::SkinnyIntDeep,
         ExpertKernel::SkinnyIntStaged,
+        ExpertKernel::SkinnyIntStream,
         ExpertKernel::IntGemv,
         ExpertKernel::IntLanes {
             weights_first: true,

@@ -421,7 +421,8 @@ pub(super) fn expert_launch(
         ExpertKernel::Skinny
         | ExpertKernel::SkinnyInt
         | ExpertKernel::SkinnyIntDeep
-        | ExpertKernel::SkinnyIntStaged => None,
+        | ExpertKernel::SkinnyIntStaged
+        | ExpertKernel::SkinnyIntStream => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     iq4_expert_weights(op, a)?;
@@ -468,6 +469,7 @@ pub(super) fn expert_launch(
                     ExpertKernel::SkinnyInt => SkinnyPath::Int,
                     ExpertKernel::SkinnyIntDeep => SkinnyPath::IntDeep,
                     ExpertKernel::SkinnyIntStaged => SkinnyPath::IntStaged,
+                    ExpertKernel::SkinnyIntStream => SkinnyPath::IntStream,
                     _ => SkinnyPath::F16,
                 },
                 scratch,
@@ -988,7 +990,7 @@ impl TopKSum {
 
 #[cfg(test)]
 mod tests {
-    use super::super::prefill::skinny_route_tile;
+    use super::super::prefill::{skinny_route_tile, stream_smem_bytes, stream_unit};
     use super::{SMEM_LIMIT, router_token_tile, select_block};
 
     #[test]
@@ -1006,6 +1008,39 @@ mod tests {
         // Few routes take one tile however they are grouped.
         assert_eq!(skinny_route_tile(8, Some(1)), 1);
         assert_eq!(skinny_route_tile(9, Some(1)), 2);
+    }
+
+    #[test]
+    fn the_streamed_kernels_rows_meet_no_bank_twice_and_two_blocks_fit_a_multiprocessor() {
+        for n_in in (256..=4096).step_by(256) {
+            for swiglu in [true, false] {
+                let (mt, pitch) = stream_unit(n_in, swiglu).expect("rows fit");
+                assert!(
+                    pitch >= n_in / 32 * 18 && pitch.is_multiple_of(16),
+                    "n_in={n_in}"
+                );
+                // Lane (g, t) reads word t of its block in row g: the eight rows' first words
+                // fall in eight distinct groups of four banks.
+                let mut groups: Vec<usize> = (0..8).map(|g| (g * pitch / 4) % 32 / 4).collect();
+                groups.sort_unstable();
+                groups.dedup();
+                assert_eq!(groups.len(), 8, "n_in={n_in}: pitch {pitch}");
+                assert!(
+                    swiglu && mt == 1 || !swiglu && (1..=4).contains(&mt),
+                    "n_in={n_in}"
+                );
+            }
+        }
+        // The release's gate+up (3,584 inputs) and down (1,024, four m16 tiles a unit): two
+        // blocks a multiprocessor within an H200's 228 KiB.
+        assert_eq!(stream_unit(1024, false).map(|u| u.0), Some(4));
+        for (n_in, swiglu) in [(3584, true), (1024, false)] {
+            assert!(2 * (stream_smem_bytes(n_in, swiglu).unwrap() + 1024) <= 228 * 1024);
+        }
+        // Wide rows take fewer tiles a unit, then one block a multiprocessor, then none.
+        assert_eq!(stream_unit(4096, false).map(|u| u.0), Some(1));
+        assert!(stream_smem_bytes(8192, true).unwrap() <= 227 * 1024);
+        assert_eq!(stream_unit(16384, true), None);
     }
 
     #[test]

@@ -163,6 +163,11 @@ pub enum ExpertKernel {
     /// ring a k-tile ahead (`expert_skinny_iq4_qs`, four blocks a multiprocessor) where the
     /// default loads them from global memory a few blocks ahead.
     SkinnyIntStaged,
+    /// `SkinnyInt`'s arithmetic streamed (`expert_stream_iq4_q`, compute capability 9.0 and
+    /// later): persistent blocks over the step's (expert, 8-output or 64-row unit) work, a
+    /// copying warp moving whole weight rows into the block's ring by bulk copies, consumer
+    /// warps taking K slices of up to 16 routes a pass; the slices' sums added in order.
+    SkinnyIntStream,
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.
     Generic,
@@ -177,6 +182,7 @@ impl ExpertKernel {
                 | ExpertKernel::SkinnyInt
                 | ExpertKernel::SkinnyIntDeep
                 | ExpertKernel::SkinnyIntStaged
+                | ExpertKernel::SkinnyIntStream
         )
     }
 
@@ -192,6 +198,7 @@ impl ExpertKernel {
             ExpertKernel::SkinnyInt => " [skinny int]",
             ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
             ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
+            ExpertKernel::SkinnyIntStream => " [skinny int stream]",
             ExpertKernel::Generic => " [generic]",
         }
     }

@@ -1450,3 +1450,391 @@ EXPERT_SKINNY(expert_skinny_iq4_q3, 1, true, 3, 4, 4)
 EXPERT_SKINNY_X(expert_skinny_iq4_qs, 1, true, 2, 4, 4, 4)
 #undef EXPERT_SKINNY
 #undef EXPERT_SKINNY_X
+
+// ---- The integer expert products streamed through a block's ring (sm_90) ----------------------
+//
+// expert_skinny_iq4_q's arithmetic (codes as signed bytes, 16-bit inputs as hi and lo MMA
+// columns, a block's 256·c_hi + c_lo scaled by its d in f32) on another schedule. There each
+// warp copies its own k-tiles into a two-stage ring and waits on them: at 4 routes an expert
+// (64 sequences) a fifth of its stall samples were those waits and a third its MMAs waiting for
+// inputs loaded from L2, and the kernel read 39% of the copy ceiling. Here a persistent block
+// of ST_WARPS consumer warps and one copying warp walks a contiguous share of the step's
+// (expert, unit) work, expert by expert:
+// - A unit is 16·MT whole weight rows (SwiGLU: 8 outputs' gate rows then their up rows, MT = 1;
+//   down: 64 output rows, MT = 4). The copying warp moves a unit into a slot of the block's ring
+//   by one bulk copy a row (rows padded so that the fragments' loads meet no bank twice),
+//   counted on the slot's full barrier, as soon as the consumers have released the slot: the
+//   slots in flight no longer depend on any one warp's progress.
+// - Every consumer warp takes one m16 tile and one K slice of the unit (ST_WARPS / MT slices):
+//   it decodes each weight of its slice once for up to 16 routes (a pass; experts with more
+//   routes take more passes over the same rows, which L2 then holds).
+// - The warps' partial sums go to the slot's reduction area; the last warp to finish (a shared
+//   counter) adds them in slice order, scales them by the routes' input scales and writes the
+//   outputs, then releases the slot. Every output has one writer and a fixed order, so a run
+//   repeats bit for bit; the sums differ from expert_skinny_iq4_q's only in being added in
+//   slices, not end to end.
+// - Blocks split the work by a cost of 4 a pass plus 1 an n8 tile of routes a unit, so the
+//   shared expert's many routes weigh as they cost; a block's units are consecutive, so it
+//   reads the same routes' inputs unit after unit (from L1).
+// The inputs are expert_x_q16's rows (xh, sx); route and row rules are expert_skinny_iq4_q's.
+#define ST_WARPS 8
+#define ST_TILES 4                                // n8 tiles a pass: 16 routes
+#define ST_PASS (4 * ST_TILES)
+#define ST_RED (ST_WARPS * ST_TILES * 2 * 32)     // floats of a slot's partial sums
+#define ST_ENTRIES 257                            // routed experts a launch may have, + shared
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ST_BULK 1
+#else
+#define ST_BULK 0
+#endif
+
+__device__ __forceinline__ void st_mbar_init(unsigned bar, unsigned count) {
+#if ST_BULK
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void st_mbar_expect(unsigned bar, unsigned bytes) {
+#if ST_BULK
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void st_mbar_arrive(unsigned bar) {
+#if ST_BULK
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void st_mbar_wait(unsigned bar, unsigned parity) {
+#if ST_BULK
+    asm volatile(
+        "{\n .reg .pred done;\n ST_WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra ST_WAIT_%=;\n}" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+#endif
+}
+__device__ __forceinline__ void st_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+#if ST_BULK
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+#endif
+}
+
+// The block's list of experts with routes (the shared expert first), their routes and the
+// cost of the work before each, and the walk over its share of (entry, unit, pass) items.
+struct StList {
+    const int* e;       // expert, -1 for the shared one
+    const int* r0;      // first route (the shared one: 0)
+    const int* r1;      // end of routes
+    const int* prefix;  // cost of the units of the entries before (n + 1)
+    int n;
+};
+
+__device__ __forceinline__ int st_unit_cost(int routes) {
+    return 4 * ((routes + ST_PASS - 1) / ST_PASS) + (routes + 3) / 4;
+}
+
+struct StWalk {
+    int k, unit, pass;  // k == n: done
+};
+
+// The first item of the block's share: units whose cost starts in [lo, hi).
+__device__ __forceinline__ StWalk st_first(const StList& L, int units, long long lo) {
+    StWalk w{L.n, 0, 0};
+    for (int k = 0; k < L.n; ++k) {
+        if (L.prefix[k + 1] <= lo) continue;
+        const int c = st_unit_cost(L.r1[k] - L.r0[k]);
+        const long long into = lo - L.prefix[k];
+        const int j = into <= 0 ? 0 : (int)((into + c - 1) / c);
+        if (j < units) return StWalk{k, j, 0};
+    }
+    return w;
+}
+
+__device__ __forceinline__ bool st_live(const StList& L, const StWalk& w, int units, long long hi) {
+    if (w.k >= L.n) return false;
+    const int c = st_unit_cost(L.r1[w.k] - L.r0[w.k]);
+    return L.prefix[w.k] + (long long)w.unit * c < hi;
+}
+
+__device__ __forceinline__ void st_next(const StList& L, StWalk& w, int units) {
+    const int passes = (L.r1[w.k] - L.r0[w.k] + ST_PASS - 1) / ST_PASS;
+    if (++w.pass < passes) return;
+    w.pass = 0;
+    if (++w.unit < units) return;
+    w.unit = 0;
+    ++w.k;
+}
+
+// One consumer warp's K slice [b0, b1) of m-tile rows (wt: the slot's tile base) for TA n8
+// tiles of routes: acc[j][h] = route 4j + t's sum of row g + 8h, in units of its input scale.
+template <int TA>
+__device__ __forceinline__ void st_slice(const unsigned char* wt, int pitch, int b0, int b1,
+                                         const uint2* __restrict__ xq2, const unsigned xoff[ST_TILES],
+                                         int n_tiles, const unsigned kc[4], float acc[ST_TILES][2]) {
+    constexpr int XW = TA >= 4 ? 2 : 4;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    uint2 xq[XW][TA];
+    auto load_x = [&](int b, int slot) {
+#pragma unroll
+        for (int j = 0; j < TA; ++j) {
+            uint2 v = make_uint2(0u, 0u);
+            if (j < n_tiles && xoff[j] != ~0u) v = __ldg(xq2 + xoff[j] + b * 8);
+#pragma unroll
+            for (int q = 0; q < XW; ++q)
+                if (q == slot) xq[q][j] = v;
+        }
+    };
+#pragma unroll
+    for (int q = 0; q < XW; ++q)
+        if (b0 + q < b1) load_x(b0 + q, q);
+    const unsigned char* rp0 = wt + g * pitch;
+    const unsigned char* rq0 = rp0 + 8 * pitch;
+    for (int bb = b0; bb < b1; bb += XW) {
+#pragma unroll
+        for (int q = 0; q < XW; ++q) {
+            const int b = bb + q;
+            if (b >= b1) break;
+            const unsigned char* rp = rp0 + 18 * b;
+            const unsigned char* rq = rq0 + 18 * b;
+            unsigned cl[2], ch[2];
+            skq_codes(tc_load_qs(rp, b, t), kc, cl);
+            skq_codes(tc_load_qs(rq, b, t), kc, ch);
+            const float dl = sk_h2f(*reinterpret_cast<const unsigned short*>(rp));
+            const float dh = sk_h2f(*reinterpret_cast<const unsigned short*>(rq));
+            const unsigned a[4] = {cl[0], ch[0], cl[1], ch[1]};
+#pragma unroll
+            for (int j = 0; j < TA; ++j) {
+                if (TA > 1 && j >= n_tiles) continue;
+                unsigned d[4];
+                skq_mma(d, a, xq[q][j].x, xq[q][j].y);
+                acc[j][0] = __fmaf_rn(dl, skq_pair(d[0], d[1]), acc[j][0]);
+                acc[j][1] = __fmaf_rn(dh, skq_pair(d[2], d[3]), acc[j][1]);
+            }
+            if (b + XW < b1) load_x(b + XW, q);
+        }
+    }
+}
+
+// grid: a wave of persistent blocks, two a multiprocessor (__maxnreg__(112): the launch bounds
+// for two blocks of 288 threads gave ptxas 96 registers and spills), block 32·(ST_WARPS + 1). Arguments
+// as expert_skinny_iq4_q's grouped mode (xh, sx from expert_x_q16; the shared expert Sa/Sb with
+// n_sh routes, inputs from row sh_x0 + r), plus mt (m16 tiles a unit: 1 in SwiGLU mode), pitch
+// (bytes a staged row: row bytes, padded) and slots (the ring's). Dynamic shared memory:
+// slots·16·mt·pitch of ring, slots·ST_RED floats, 2·slots barriers and slots counters, then the
+// list (4·ST_ENTRIES + 2 ints).
+extern "C" __global__ void __maxnreg__(112)
+expert_stream_iq4_q(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+                    const uint4* __restrict__ xh, const float* __restrict__ sx,
+                    const int* __restrict__ offsets, const int* __restrict__ route_token,
+                    float* __restrict__ y, int n_in, int n_out, int n_expert, int n_x_rows,
+                    int n_routes, const unsigned char* __restrict__ Sa,
+                    const unsigned char* __restrict__ Sb, float* __restrict__ y_sh, int n_sh,
+                    int sh_x0, int mt_n, int pitch, int slots) {
+    PDL_ENTER();
+    extern __shared__ __align__(16) unsigned char st_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const bool swiglu = Wb != nullptr;
+    const bool has_sh = Sa != nullptr && n_sh > 0;
+    const int unit_rows = 16 * mt_n;
+    const long long slot_bytes = (long long)unit_rows * pitch;
+    float* red = reinterpret_cast<float*>(st_smem + slots * slot_bytes);
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(red + slots * ST_RED);
+    int* cnt = reinterpret_cast<int*>(bars + 2 * slots);
+    int* le = cnt + slots;
+    int* lr0 = le + ST_ENTRIES;
+    int* lr1 = lr0 + ST_ENTRIES;
+    int* lpre = lr1 + ST_ENTRIES;  // ST_ENTRIES + 1
+    int* ln = lpre + ST_ENTRIES + 1;
+    const int outs = swiglu ? 8 : unit_rows;
+    const int units = (n_out + outs - 1) / outs;
+    const long long row_bytes = (long long)(n_in >> 5) * 18;
+    const long long mat = (long long)n_out * row_bytes;
+
+    if (warp == 0) {
+        // The list: the shared expert, then every expert with routes, and the prefix of costs.
+        int base = 0, run = 0;
+        if (has_sh) {
+            if (lane == 0) {
+                le[0] = -1;
+                lr0[0] = 0;
+                lr1[0] = n_sh;
+                lpre[0] = 0;
+            }
+            base = 1;
+            run = units * st_unit_cost(n_sh);
+        } else if (lane == 0) {
+            lpre[0] = 0;
+        }
+        for (int e0 = 0; e0 < n_expert; e0 += 32) {
+            const int e = e0 + lane;
+            const int lo = e < n_expert ? min(max(offsets[e], 0), n_routes) : 0;
+            const int hi = e < n_expert ? min(max(offsets[e + 1], lo), n_routes) : 0;
+            const bool a = e < n_expert && hi > lo;
+            const unsigned m = __ballot_sync(0xffffffffu, a);
+            int c = a ? units * st_unit_cost(hi - lo) : 0;
+            // Inclusive scan of the costs over the lanes.
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, c, o);
+                if (lane >= o) c += v;
+            }
+            if (a) {
+                const int k = base + __popc(m & ((1u << lane) - 1u));
+                le[k] = e;
+                lr0[k] = lo;
+                lr1[k] = hi;
+                lpre[k + 1] = run + c;
+            }
+            base += __popc(m);
+            run += __shfl_sync(0xffffffffu, c, 31);
+        }
+        if (lane == 0) {
+            *ln = base;
+            if (has_sh) lpre[1] = units * st_unit_cost(n_sh);
+        }
+    }
+    if (tid < slots) {
+        st_mbar_init((unsigned)__cvta_generic_to_shared(bars + 2 * tid), 1);
+        st_mbar_init((unsigned)__cvta_generic_to_shared(bars + 2 * tid + 1), ST_WARPS);
+        cnt[tid] = 0;
+    }
+#if ST_BULK
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+    __syncthreads();
+    const StList L{le, lr0, lr1, lpre, *ln};
+    const long long total = L.prefix[L.n];
+    const long long lo = (total * blockIdx.x + gridDim.x - 1) / gridDim.x;
+    const long long hi = (total * (blockIdx.x + 1) + gridDim.x - 1) / gridDim.x;
+    StWalk w = st_first(L, units, lo);
+    const unsigned ring = (unsigned)__cvta_generic_to_shared(st_smem);
+    const unsigned bar0 = (unsigned)__cvta_generic_to_shared(bars);
+
+    if (warp == ST_WARPS) {
+        // The copying warp: a unit's rows into the next slot once its consumers released it.
+        for (int li = 0; st_live(L, w, units, hi); ++li, st_next(L, w, units)) {
+            const int slot = li % slots;
+            const unsigned full = bar0 + 16 * slot, empty = full + 8;
+            if (li >= slots) st_mbar_wait(empty, ((li / slots) - 1) & 1);
+            const int e = L.e[w.k];
+            const unsigned char* ga = e < 0 ? Sa : Wa + e * mat;
+            const unsigned char* gb = swiglu ? (e < 0 ? Sb : Wb + e * mat) : ga;
+            const int o0 = w.unit * outs;
+            const int live = min(outs, n_out - o0);
+            const unsigned bytes = (unsigned)((swiglu ? 2 * live : live) * row_bytes);
+            if (lane == 0) st_mbar_expect(full, bytes);
+            __syncwarp();
+#if ST_BULK
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+            for (int i = lane; i < unit_rows; i += 32) {
+                const int o = swiglu ? (i & 7) : i;
+                if (o >= live) continue;
+                const unsigned char* src = (swiglu && (i & 8) ? gb : ga) + (o0 + o) * row_bytes;
+                st_bulk(ring + slot * (unsigned)slot_bytes + i * pitch, src, (unsigned)row_bytes, full);
+            }
+        }
+        return;
+    }
+
+    // A consumer warp: m16 tile mt, K slice ks.
+    const int kslices = ST_WARPS / mt_n;
+    const int mt = warp % mt_n, ks = warp / mt_n;
+    const int nb = n_in >> 5;
+    const int b0 = ks * nb / kslices, b1 = (ks + 1) * nb / kslices;
+    const int g = lane >> 2, t = lane & 3;
+    const uint2* __restrict__ xq2 = reinterpret_cast<const uint2*>(xh);
+    unsigned kc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) kc[i] = skq_consts[i];
+    for (int li = 0; st_live(L, w, units, hi); ++li, st_next(L, w, units)) {
+        const int slot = li % slots;
+        const unsigned full = bar0 + 16 * slot, empty = full + 8;
+        const int e = L.e[w.k];
+        const int rbase = L.r0[w.k] + w.pass * ST_PASS;
+        const int rn = min(ST_PASS, L.r1[w.k] - rbase);
+        const int n_tiles = (rn + 3) >> 2;
+        // The input row of route q of the pass, -1 for none.
+        auto x_row = [&](int q) {
+            int src = -1;
+            if (q < rn) {
+                const int r = rbase + q;
+                src = e < 0 ? (swiglu ? r : sh_x0 + r) : (swiglu ? route_token[r] : r);
+            }
+            return (src >= 0 && src < n_x_rows) ? src : -1;
+        };
+        unsigned xoff[ST_TILES];
+#pragma unroll
+        for (int j = 0; j < ST_TILES; ++j) {
+            const int src = x_row(4 * j + (g >> 1));
+            xoff[j] = src >= 0 ? (unsigned)src * (unsigned)(n_in >> 2) + (g & 1) * 4 + t : ~0u;
+        }
+        float acc[ST_TILES][2];
+#pragma unroll
+        for (int j = 0; j < ST_TILES; ++j) acc[j][0] = acc[j][1] = 0.0f;
+        st_mbar_wait(full, (li / slots) & 1);
+        const unsigned char* wt = st_smem + slot * slot_bytes + 16 * mt * pitch;
+        if (n_tiles <= 1)
+            st_slice<1>(wt, pitch, b0, b1, xq2, xoff, n_tiles, kc, acc);
+        else if (n_tiles == 2)
+            st_slice<2>(wt, pitch, b0, b1, xq2, xoff, n_tiles, kc, acc);
+        else
+            st_slice<4>(wt, pitch, b0, b1, xq2, xoff, n_tiles, kc, acc);
+        float* sred = red + slot * ST_RED;
+#pragma unroll
+        for (int j = 0; j < ST_TILES; ++j) {
+            if (j >= n_tiles) continue;
+            sred[((warp * ST_TILES + j) * 2) * 32 + lane] = acc[j][0];
+            sred[((warp * ST_TILES + j) * 2 + 1) * 32 + lane] = acc[j][1];
+        }
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) {
+            __threadfence_block();
+            last = atomicAdd(cnt + slot, 1) == ST_WARPS - 1;
+            __threadfence_block();
+        }
+        last = __shfl_sync(0xffffffffu, last, 0);
+        __syncwarp();  // orders lane 0's acquire before the other lanes' reads of the partials
+        if (last) {
+            const int o0 = w.unit * outs;
+            float* yo = e < 0 ? y_sh : y;
+            for (int m = 0; m < mt_n; ++m) {
+#pragma unroll
+                for (int j = 0; j < ST_TILES; ++j) {
+                    if (j >= n_tiles) continue;
+                    const int q = 4 * j + t;
+                    float v[2];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float s = sred[((m * ST_TILES + j) * 2 + h) * 32 + lane];
+                        for (int k = 1; k < kslices; ++k)
+                            s = __fadd_rn(s, sred[(((k * mt_n + m) * ST_TILES + j) * 2 + h) * 32 + lane]);
+                        v[h] = s;
+                    }
+                    if (q >= rn) continue;
+                    const int src = x_row(q);
+                    const float s = src >= 0 ? sx[src] : 0.0f;
+                    float* yr = yo + (long long)(rbase + q) * n_out;
+                    if (swiglu) {
+                        const int o = o0 + g;
+                        if (o < n_out) yr[o] = tc_silu_times(__fmul_rn(v[0], s), __fmul_rn(v[1], s));
+                    } else {
+                        const int o = o0 + 16 * m + g;
+                        if (o < n_out) yr[o] = __fmul_rn(v[0], s);
+                        if (o + 8 < n_out) yr[o + 8] = __fmul_rn(v[1], s);
+                    }
+                }
+            }
+            if (lane == 0) cnt[slot] = 0;
+            __syncwarp();
+        }
+        if (lane == 0) st_mbar_arrive(empty);
+    }
+}

@@ -281,6 +281,10 @@ pub(crate) enum SkinnyPath {
     /// The integer path with the first four routes' inputs copied through the weight ring
     /// (`expert_skinny_iq4_qs`, four blocks a multiprocessor).
     IntStaged,
+    /// The integer path's arithmetic streamed (`expert_stream_iq4_q`, compute capability 9.0
+    /// and later): persistent blocks whose copying warp moves whole weight rows into a ring
+    /// by bulk copies, consumer warps taking K slices of up to 16 routes a pass.
+    IntStream,
 }
 
 impl SkinnyPath {
@@ -296,6 +300,7 @@ impl SkinnyPath {
             SkinnyPath::Int => ("expert_skinny_iq4_q".to_string(), 2),
             SkinnyPath::IntDeep => ("expert_skinny_iq4_q3".to_string(), 3),
             SkinnyPath::IntStaged => ("expert_skinny_iq4_qs".to_string(), 2),
+            SkinnyPath::IntStream => ("expert_stream_iq4_q".to_string(), ST_SLOTS),
         }
     }
 
@@ -310,6 +315,66 @@ impl SkinnyPath {
 }
 /// Warps a skinny block has: `kw` of them share a row tile's K, so a block covers 4/kw tiles.
 const SK_WARPS: usize = 4;
+
+/// The streamed kernel's consumer warps (`ST_WARPS`), its ring's slots, the floats of a
+/// slot's partial sums (`ST_RED`) and the entries of its expert list (`ST_ENTRIES`: the routed
+/// experts a launch may have, plus the shared one).
+const ST_WARPS: usize = 8;
+const ST_SLOTS: usize = 2;
+const ST_RED: usize = ST_WARPS * 4 * 2 * 32;
+const ST_ENTRIES: usize = 257;
+/// The most experts a stacked weight may have for the streamed kernel.
+pub const STREAM_MAX_EXPERTS: usize = ST_ENTRIES - 1;
+/// Blocks of the streamed kernel a multiprocessor (its launch bounds).
+const ST_BLOCKS_PER_SM: usize = 2;
+
+/// Shared memory a block may take on compute capability 9.0 (227 KiB), and what each of two
+/// blocks a multiprocessor may (228 KiB less 1 KiB a block the system keeps, halved).
+const ST_SMEM_LIMIT: usize = 227 * 1024;
+const ST_SMEM_TWO_BLOCKS: usize = 113 * 1024;
+
+/// Bytes a staged row takes: a row of `n_in / 32` blocks padded by 16 bytes where its 4-byte
+/// words number an even multiple of 4 modulo 32, so that the eight rows of a fragment's loads
+/// start on eight distinct 4-bank groups.
+fn stream_pitch(n_in: usize) -> usize {
+    let row_bytes = n_in / 32 * 18;
+    if (row_bytes / 16).is_multiple_of(2) {
+        row_bytes + 16
+    } else {
+        row_bytes
+    }
+}
+
+fn stream_smem_with(mt: usize, pitch: usize) -> usize {
+    ST_SLOTS * 16 * mt * pitch + ST_SLOTS * (ST_RED * 4 + 16 + 4) + (4 * ST_ENTRIES + 2) * 4
+}
+
+/// The streamed kernel's m16 tiles a unit and staged row bytes: SwiGLU one (8 outputs' gate
+/// and up rows), down four (64 output rows) where two blocks a multiprocessor still fit, else
+/// two or one. None where even one tile a slot exceeds a block's shared memory.
+pub(crate) fn stream_unit(n_in: usize, swiglu: bool) -> Option<(usize, usize)> {
+    let pitch = stream_pitch(n_in);
+    let tiles: &[usize] = if swiglu { &[1] } else { &[4, 2, 1] };
+    tiles
+        .iter()
+        .copied()
+        .find(|&mt| stream_smem_with(mt, pitch) <= ST_SMEM_TWO_BLOCKS)
+        .or_else(|| (stream_smem_with(1, pitch) <= ST_SMEM_LIMIT).then_some(1))
+        .map(|mt| (mt, pitch))
+}
+
+/// Dynamic shared memory of one streamed block: the ring, the partial sums, two barriers and a
+/// counter a slot, the expert list.
+#[cfg(test)]
+pub(crate) fn stream_smem_bytes(n_in: usize, swiglu: bool) -> Option<usize> {
+    stream_unit(n_in, swiglu).map(|(mt, pitch)| stream_smem_with(mt, pitch))
+}
+
+/// Whether the streamed kernel takes products of this input width (whole 256-value k-tiles
+/// whose rows fit its ring).
+pub fn stream_supports(n_in: usize) -> bool {
+    skinny_supports(n_in) && stream_unit(n_in, true).is_some() && stream_unit(n_in, false).is_some()
+}
 
 /// Warps that share a row tile's `k_tiles` k-tiles: as few as keep one and a half waves of
 /// warps on an H200 (132 multiprocessors × 16 resident warps) for `tiles` (row tile, expert)
@@ -544,6 +609,84 @@ pub(crate) unsafe fn launch_expert_skinny(
                 .enqueue()
                 .map_err(dev_err)?;
         }
+    }
+    if path == SkinnyPath::IntStream {
+        let SkinnyRoutes::Grouped {
+            offsets,
+            route_token,
+            n_expert,
+        } = routes_from
+        else {
+            return Err(OpError::shape(
+                op,
+                "the streamed kernel takes grouped routes only".to_string(),
+            ));
+        };
+        aligned("offsets", offsets, 4)?;
+        let cc = ctx.device.compute_capability();
+        if cc.0 < 9 {
+            return Err(OpError::Type(format!(
+                "{op}: the streamed expert kernel needs compute capability 9.0 or later (bulk \
+                 copies), the device has {}.{}",
+                cc.0, cc.1
+            )));
+        }
+        if n_expert + 1 > ST_ENTRIES {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "the streamed kernel lists at most {} experts, found {n_expert}",
+                    ST_ENTRIES - 1
+                ),
+            ));
+        }
+        let swiglu = wb.is_some();
+        let Some((mt, pitch)) = stream_unit(n_in, swiglu) else {
+            return Err(OpError::shape(
+                op,
+                format!("the streamed kernel's ring cannot hold rows of {n_in} inputs"),
+            ));
+        };
+        let smem = stream_smem_with(mt, pitch);
+        let outs = if swiglu { 8 } else { 16 * mt };
+        let units = n_out.div_ceil(outs);
+        let entries = n_expert.min(routes) + usize::from(shared.is_some());
+        let grid = (ST_BLOCKS_PER_SM * ctx.device.sm_count() as usize)
+            .min(units * entries)
+            .max(1);
+        let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_stream_iq4_q")?;
+        // SAFETY: the argument list matches expert_stream_iq4_q; the caller guarantees the
+        // buffers, xh and sx were written above, and the kernel bounds every route, token and
+        // row index by the sizes passed.
+        return unsafe {
+            ctx.device
+                .launch(&kern)
+                .grid(grid as u32)
+                .block((32 * (ST_WARPS + 1)) as u32)
+                .shared_mem(smem as u32)
+                .arg(wa)
+                .arg(wb.unwrap_or(0))
+                .arg(xh)
+                .arg(sx)
+                .arg(offsets)
+                .arg(route_token)
+                .arg(y)
+                .arg(i("input width", n_in)?)
+                .arg(i("rows", n_out)?)
+                .arg(i("n_expert", n_expert)?)
+                .arg(i("input rows", x_rows + x2_rows)?)
+                .arg(i("routes", routes)?)
+                .arg(shared.map_or(0, |s| s.wa))
+                .arg(shared.and_then(|s| s.wb).unwrap_or(0))
+                .arg(shared.map_or(0, |s| s.y))
+                .arg(i("shared rows", shared.map_or(0, |s| s.rows))?)
+                .arg(i("routes", if swiglu { 0 } else { x_rows })?)
+                .arg(mt as i32)
+                .arg(i("staged row bytes", pitch)?)
+                .arg(ST_SLOTS as i32)
+                .enqueue()
+                .map_err(dev_err)
+        };
     }
     let (offsets, route_token, n_expert) = match routes_from {
         SkinnyRoutes::Grouped {
