@@ -177,6 +177,9 @@ pub struct LoweringOptions {
     /// later (0: never): persistent blocks, a copying warp keeping whole weight rows in
     /// flight by bulk copies, up to 16 routes an expert decoded at once.
     pub expert_int_stream_min_routes: usize,
+    /// The streamed kernel's copying warp moves a weight row by one bulk copy (`true`) rather
+    /// than by its lanes' 16-byte copies.
+    pub expert_int_stream_bulk: bool,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
@@ -248,6 +251,7 @@ impl Default for LoweringOptions {
             expert_int_staged_gate_up_routes_an_expert: 1,
             expert_int_staged_down_routes_an_expert: 5,
             expert_int_stream_min_routes: 0,
+            expert_int_stream_bulk: false,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
@@ -277,7 +281,7 @@ impl fmt::Display for LoweringOptions {
             f,
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}, q6_k <={}) head_gemv<={} expert_int_gemv<={}{} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
-             <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}, stream>={}); \
+             <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}, stream>={}{}); \
              router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
@@ -305,6 +309,11 @@ impl fmt::Display for LoweringOptions {
             self.expert_int_staged_gate_up_routes_an_expert,
             self.expert_int_staged_down_routes_an_expert,
             self.expert_int_stream_min_routes,
+            if self.expert_int_stream_bulk {
+                " bulk"
+            } else {
+                ""
+            },
             self.router_tiled_min_rows,
             self.router_routes_max_rows,
             self.topk_inverse_min_rows,
@@ -475,7 +484,9 @@ impl LoweringOptions {
                 && n_expert <= ops::moe_prefill::STREAM_MAX_EXPERTS
                 && ops::moe_prefill::stream_supports(n_in)
             {
-                return ExpertKernel::SkinnyIntStream;
+                return ExpertKernel::SkinnyIntStream {
+                    bulk: self.expert_int_stream_bulk,
+                };
             }
             if routes <= self.expert_skinny_int_routes_an_expert * n_expert {
                 let deep = swiglu

@@ -645,7 +645,8 @@ fn the_skinny_expert_paths_match_the_cpu_and_repeat_their_bits_at_decode_batches
             ExpertKernel::SkinnyInt,
             ExpertKernel::SkinnyIntDeep,
             ExpertKernel::SkinnyIntStaged,
-            ExpertKernel::SkinnyIntStream,
+            ExpertKernel::SkinnyIntStream { bulk: false },
+            ExpertKernel::SkinnyIntStream { bulk: true },
         ] {
             let experts = real_chain_on(n, kernel)
                 .into_iter()
@@ -1138,7 +1139,8 @@ fn batched_decode_expert_timings_at_the_real_shapes() {
             ExpertKernel::SkinnyInt,
             ExpertKernel::SkinnyIntDeep,
             ExpertKernel::SkinnyIntStaged,
-            ExpertKernel::SkinnyIntStream,
+            ExpertKernel::SkinnyIntStream { bulk: false },
+            ExpertKernel::SkinnyIntStream { bulk: true },
             ExpertKernel::Grouped(ops::moe_prefill::TcKernel::for_device(&gpu)),
         ];
         for kernel in kernels {
@@ -1235,9 +1237,10 @@ fn batched_decode_expert_launches_once_a_shape_for_a_profiler() {
         (64, ExpertKernel::SkinnyInt),
         (8, ExpertKernel::SkinnyIntStaged),
         (64, ExpertKernel::SkinnyIntStaged),
-        (64, ExpertKernel::SkinnyIntStream),
+        (64, ExpertKernel::SkinnyIntStream { bulk: false }),
+        (64, ExpertKernel::SkinnyIntStream { bulk: true }),
         (128, ExpertKernel::Skinny),
-        (128, ExpertKernel::SkinnyIntStream),
+        (128, ExpertKernel::SkinnyIntStream { bulk: false }),
     ];
     for (n, kernel) in shapes {
         let mut r = Rng::new(90 + n as u64);
@@ -1302,7 +1305,8 @@ fn kernel_tag(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::SkinnyInt => " [skinny int]",
         ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
         ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
-        ExpertKernel::SkinnyIntStream => " [skinny int stream]",
+        ExpertKernel::SkinnyIntStream { bulk: false } => " [skinny int stream]",
+        ExpertKernel::SkinnyIntStream { bulk: true } => " [skinny int stream bulk]",
         ExpertKernel::Gemv => " [gemv]",
         ExpertKernel::IntGemv => " [int gemv]",
         ExpertKernel::IntLanes { .. } => " [int lanes]",

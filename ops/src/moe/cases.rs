@@ -89,7 +89,8 @@ fn expert_label(kernel: ExpertKernel) -> &'static str {
         ExpertKernel::SkinnyInt => "skinny int",
         ExpertKernel::SkinnyIntDeep => "skinny int deep",
         ExpertKernel::SkinnyIntStaged => "skinny int staged",
-        ExpertKernel::SkinnyIntStream => "skinny int stream",
+        ExpertKernel::SkinnyIntStream { bulk: false } => "skinny int stream",
+        ExpertKernel::SkinnyIntStream { bulk: true } => "skinny int stream bulk",
         ExpertKernel::Generic => "generic",
         ExpertKernel::Grouped(TcKernel::MmaSync) => "grouped mma.sync",
         _ => "grouped wgmma",
@@ -278,9 +279,10 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
         seed_sw += 0x1400;
         seed_down += 0x1400;
     }
-    if kernel == ExpertKernel::SkinnyIntStream {
-        seed_sw += 0x1c00;
-        seed_down += 0x1c00;
+    if let ExpertKernel::SkinnyIntStream { bulk } = kernel {
+        let k = if bulk { 0x2000 } else { 0x1c00 };
+        seed_sw += k;
+        seed_down += k;
     }
     let gemv_only = matches!(
         kernel,
@@ -293,7 +295,7 @@ fn grouped_expert_cases(v: &mut Vec<ParityCase>, kernel: ExpertKernel, shared: b
     let name = expert_label(kernel);
     // The streamed kernel's bulk copies exist from compute capability 9.0.
     let on_its_card = move |c: ParityCase| {
-        if kernel == ExpertKernel::SkinnyIntStream {
+        if matches!(kernel, ExpertKernel::SkinnyIntStream { .. }) {
             c.only_on((9, 0))
         } else {
             c
@@ -468,7 +470,8 @@ pub fn cases() -> Vec<ParityCase> {
         ExpertKernel::SkinnyInt,
         ExpertKernel::SkinnyIntDeep,
         ExpertKernel::SkinnyIntStaged,
-        ExpertKernel::SkinnyIntStream,
+        ExpertKernel::SkinnyIntStream { bulk: false },
+        ExpertKernel::SkinnyIntStream { bulk: true },
         ExpertKernel::IntGemv,
         ExpertKernel::IntLanes {
             weights_first: true,

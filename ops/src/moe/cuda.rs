@@ -422,7 +422,7 @@ pub(super) fn expert_launch(
         | ExpertKernel::SkinnyInt
         | ExpertKernel::SkinnyIntDeep
         | ExpertKernel::SkinnyIntStaged
-        | ExpertKernel::SkinnyIntStream => None,
+        | ExpertKernel::SkinnyIntStream { .. } => None,
         ExpertKernel::Generic => return launch_expert_generic(ctx, op, a),
     };
     iq4_expert_weights(op, a)?;
@@ -469,7 +469,7 @@ pub(super) fn expert_launch(
                     ExpertKernel::SkinnyInt => SkinnyPath::Int,
                     ExpertKernel::SkinnyIntDeep => SkinnyPath::IntDeep,
                     ExpertKernel::SkinnyIntStaged => SkinnyPath::IntStaged,
-                    ExpertKernel::SkinnyIntStream => SkinnyPath::IntStream,
+                    ExpertKernel::SkinnyIntStream { bulk } => SkinnyPath::IntStream { bulk },
                     _ => SkinnyPath::F16,
                 },
                 scratch,

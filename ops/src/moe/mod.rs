@@ -166,8 +166,9 @@ pub enum ExpertKernel {
     /// `SkinnyInt`'s arithmetic streamed (`expert_stream_iq4_q`, compute capability 9.0 and
     /// later): persistent blocks over the step's (expert, 8-output or 64-row unit) work, a
     /// copying warp moving whole weight rows into the block's ring by bulk copies, consumer
-    /// warps taking K slices of up to 16 routes a pass; the slices' sums added in order.
-    SkinnyIntStream,
+    /// warps taking K slices of up to 16 routes a pass; the slices' sums added in order. With
+    /// `bulk` the copying warp moves a row by one bulk copy, else by its lanes' 16-byte copies.
+    SkinnyIntStream { bulk: bool },
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.
     Generic,
@@ -182,7 +183,7 @@ impl ExpertKernel {
                 | ExpertKernel::SkinnyInt
                 | ExpertKernel::SkinnyIntDeep
                 | ExpertKernel::SkinnyIntStaged
-                | ExpertKernel::SkinnyIntStream
+                | ExpertKernel::SkinnyIntStream { .. }
         )
     }
 
@@ -198,7 +199,8 @@ impl ExpertKernel {
             ExpertKernel::SkinnyInt => " [skinny int]",
             ExpertKernel::SkinnyIntDeep => " [skinny int deep]",
             ExpertKernel::SkinnyIntStaged => " [skinny int staged]",
-            ExpertKernel::SkinnyIntStream => " [skinny int stream]",
+            ExpertKernel::SkinnyIntStream { bulk: false } => " [skinny int stream]",
+            ExpertKernel::SkinnyIntStream { bulk: true } => " [skinny int stream bulk]",
             ExpertKernel::Generic => " [generic]",
         }
     }

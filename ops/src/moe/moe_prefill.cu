@@ -1462,9 +1462,10 @@ EXPERT_SKINNY_X(expert_skinny_iq4_qs, 1, true, 2, 4, 4, 4)
 // (expert, unit) work, expert by expert:
 // - A unit is 16·MT whole weight rows (SwiGLU: 8 outputs' gate rows then their up rows, MT = 1;
 //   down: 64 output rows, MT = 4). The copying warp moves a unit into a slot of the block's ring
-//   by one bulk copy a row (rows padded so that the fragments' loads meet no bank twice),
-//   counted on the slot's full barrier, as soon as the consumers have released the slot: the
-//   slots in flight no longer depend on any one warp's progress.
+//   (rows padded so that the fragments' loads meet no bank twice) as soon as the consumers have
+//   released the slot, by 16-byte cp.async copies whose completion each lane counts on the
+//   slot's full barrier, or (_bulk) one bulk copy a row counted in bytes: the slots in flight
+//   no longer depend on any one warp's progress.
 // - Every consumer warp takes one m16 tile and one K slice of the unit (ST_WARPS / MT slices):
 //   it decodes each weight of its slice once for up to 16 routes (a pass; experts with more
 //   routes take more passes over the same rows, which L2 then holds).
@@ -1621,22 +1622,20 @@ __device__ __forceinline__ void st_slice(const unsigned char* wt, int pitch, int
     }
 }
 
-// grid: a wave of persistent blocks, two a multiprocessor (__maxnreg__(112): the launch bounds
-// for two blocks of 288 threads gave ptxas 96 registers and spills), block 32·(ST_WARPS + 1). Arguments
+// grid: a wave of persistent blocks, two a multiprocessor, block 32·(ST_WARPS + 1). Arguments
 // as expert_skinny_iq4_q's grouped mode (xh, sx from expert_x_q16; the shared expert Sa/Sb with
 // n_sh routes, inputs from row sh_x0 + r), plus mt (m16 tiles a unit: 1 in SwiGLU mode), pitch
 // (bytes a staged row: row bytes, padded) and slots (the ring's). Dynamic shared memory:
 // slots·16·mt·pitch of ring, slots·ST_RED floats, 2·slots barriers and slots counters, then the
 // list (4·ST_ENTRIES + 2 ints).
-extern "C" __global__ void __maxnreg__(112)
-expert_stream_iq4_q(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
+template <bool BULK>
+__device__ __forceinline__ void expert_stream_body(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
                     const uint4* __restrict__ xh, const float* __restrict__ sx,
                     const int* __restrict__ offsets, const int* __restrict__ route_token,
                     float* __restrict__ y, int n_in, int n_out, int n_expert, int n_x_rows,
                     int n_routes, const unsigned char* __restrict__ Sa,
                     const unsigned char* __restrict__ Sb, float* __restrict__ y_sh, int n_sh,
                     int sh_x0, int mt_n, int pitch, int slots) {
-    PDL_ENTER();
     extern __shared__ __align__(16) unsigned char st_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const bool swiglu = Wb != nullptr;
@@ -1700,7 +1699,7 @@ expert_stream_iq4_q(const unsigned char* __restrict__ Wa, const unsigned char* _
         }
     }
     if (tid < slots) {
-        st_mbar_init((unsigned)__cvta_generic_to_shared(bars + 2 * tid), 1);
+        st_mbar_init((unsigned)__cvta_generic_to_shared(bars + 2 * tid), BULK ? 1 : 32);
         st_mbar_init((unsigned)__cvta_generic_to_shared(bars + 2 * tid + 1), ST_WARPS);
         cnt[tid] = 0;
     }
@@ -1727,17 +1726,31 @@ expert_stream_iq4_q(const unsigned char* __restrict__ Wa, const unsigned char* _
             const unsigned char* gb = swiglu ? (e < 0 ? Sb : Wb + e * mat) : ga;
             const int o0 = w.unit * outs;
             const int live = min(outs, n_out - o0);
-            const unsigned bytes = (unsigned)((swiglu ? 2 * live : live) * row_bytes);
-            if (lane == 0) st_mbar_expect(full, bytes);
-            __syncwarp();
+            const unsigned dst0 = ring + slot * (unsigned)slot_bytes;
+            if constexpr (BULK) {
+                const unsigned bytes = (unsigned)((swiglu ? 2 * live : live) * row_bytes);
+                if (lane == 0) st_mbar_expect(full, bytes);
+                __syncwarp();
 #if ST_BULK
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
-            for (int i = lane; i < unit_rows; i += 32) {
-                const int o = swiglu ? (i & 7) : i;
-                if (o >= live) continue;
-                const unsigned char* src = (swiglu && (i & 8) ? gb : ga) + (o0 + o) * row_bytes;
-                st_bulk(ring + slot * (unsigned)slot_bytes + i * pitch, src, (unsigned)row_bytes, full);
+                for (int i = lane; i < unit_rows; i += 32) {
+                    const int o = swiglu ? (i & 7) : i;
+                    if (o >= live) continue;
+                    const unsigned char* src = (swiglu && (i & 8) ? gb : ga) + (o0 + o) * row_bytes;
+                    st_bulk(dst0 + i * pitch, src, (unsigned)row_bytes, full);
+                }
+            } else {
+                // 16-byte copies, the lanes along a row (a row's copies are contiguous), each
+                // lane's completion counted on the full barrier without a pending arrival.
+                const int chunks = (int)(row_bytes >> 4);
+                for (int i = 0; i < unit_rows; ++i) {
+                    const int o = swiglu ? (i & 7) : i;
+                    if (o >= live) continue;
+                    const unsigned char* src = (swiglu && (i & 8) ? gb : ga) + (o0 + o) * row_bytes;
+                    for (int c = lane; c < chunks; c += 32) sk_cp16(dst0 + i * pitch + 16 * c, src + 16 * c, 16);
+                }
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
             }
         }
         return;
@@ -1838,3 +1851,23 @@ expert_stream_iq4_q(const unsigned char* __restrict__ Wa, const unsigned char* _
         if (lane == 0) st_mbar_arrive(empty);
     }
 }
+
+// Two a multiprocessor: __maxnreg__(112), as the launch bounds for two blocks of 288 threads
+// gave ptxas 96 registers and spills. _bulk: one bulk copy a weight row (compute capability
+// 9.0); the other: 16-byte cp.async copies by the copying warp's lanes.
+#define EXPERT_STREAM(NAME, BULK)                                                                 \
+    extern "C" __global__ void __maxnreg__(112) NAME(                                             \
+        const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,               \
+        const uint4* __restrict__ xh, const float* __restrict__ sx,                               \
+        const int* __restrict__ offsets, const int* __restrict__ route_token,                     \
+        float* __restrict__ y, int n_in, int n_out, int n_expert, int n_x_rows, int n_routes,     \
+        const unsigned char* __restrict__ Sa, const unsigned char* __restrict__ Sb,               \
+        float* __restrict__ y_sh, int n_sh, int sh_x0, int mt_n, int pitch, int slots) {          \
+        PDL_ENTER();                                                                              \
+        expert_stream_body<BULK>(Wa, Wb, xh, sx, offsets, route_token, y, n_in, n_out, n_expert,  \
+                                 n_x_rows, n_routes, Sa, Sb, y_sh, n_sh, sh_x0, mt_n, pitch,      \
+                                 slots);                                                          \
+    }
+EXPERT_STREAM(expert_stream_iq4_q, false)
+EXPERT_STREAM(expert_stream_iq4_q_bulk, true)
+#undef EXPERT_STREAM

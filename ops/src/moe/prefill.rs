@@ -283,8 +283,9 @@ pub(crate) enum SkinnyPath {
     IntStaged,
     /// The integer path's arithmetic streamed (`expert_stream_iq4_q`, compute capability 9.0
     /// and later): persistent blocks whose copying warp moves whole weight rows into a ring
-    /// by bulk copies, consumer warps taking K slices of up to 16 routes a pass.
-    IntStream,
+    /// (`_bulk`: by bulk copies, else by 16-byte copies of its lanes), consumer warps taking K
+    /// slices of up to 16 routes a pass.
+    IntStream { bulk: bool },
 }
 
 impl SkinnyPath {
@@ -300,7 +301,10 @@ impl SkinnyPath {
             SkinnyPath::Int => ("expert_skinny_iq4_q".to_string(), 2),
             SkinnyPath::IntDeep => ("expert_skinny_iq4_q3".to_string(), 3),
             SkinnyPath::IntStaged => ("expert_skinny_iq4_qs".to_string(), 2),
-            SkinnyPath::IntStream => ("expert_stream_iq4_q".to_string(), ST_SLOTS),
+            SkinnyPath::IntStream { bulk: false } => ("expert_stream_iq4_q".to_string(), ST_SLOTS),
+            SkinnyPath::IntStream { bulk: true } => {
+                ("expert_stream_iq4_q_bulk".to_string(), ST_SLOTS)
+            }
         }
     }
 
@@ -610,7 +614,7 @@ pub(crate) unsafe fn launch_expert_skinny(
                 .map_err(dev_err)?;
         }
     }
-    if path == SkinnyPath::IntStream {
+    if matches!(path, SkinnyPath::IntStream { .. }) {
         let SkinnyRoutes::Grouped {
             offsets,
             route_token,
@@ -654,7 +658,8 @@ pub(crate) unsafe fn launch_expert_skinny(
         let grid = (ST_BLOCKS_PER_SM * ctx.device.sm_count() as usize)
             .min(units * entries)
             .max(1);
-        let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, "expert_stream_iq4_q")?;
+        let (name, _) = path.kernel(1);
+        let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, &name)?;
         // SAFETY: the argument list matches expert_stream_iq4_q; the caller guarantees the
         // buffers, xh and sx were written above, and the kernel bounds every route, token and
         // row index by the sizes passed.
