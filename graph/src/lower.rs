@@ -177,8 +177,9 @@ pub struct LoweringOptions {
     /// later (0: never): persistent blocks, a copying warp keeping whole weight rows in
     /// flight by bulk copies, up to 16 routes an expert decoded at once.
     pub expert_int_stream_min_routes: usize,
-    /// The streamed kernel's copying warp moves a weight row by one bulk copy (`true`) rather
-    /// than by its lanes' 16-byte copies.
+    /// The streamed kernel's copying warp moves a weight row by one bulk copy (`true`, the one
+    /// measured on a card so far: bench/RESULTS.md 2026-12-07 (g)) rather than by its lanes'
+    /// 16-byte copies.
     pub expert_int_stream_bulk: bool,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
@@ -251,7 +252,7 @@ impl Default for LoweringOptions {
             expert_int_staged_gate_up_routes_an_expert: 1,
             expert_int_staged_down_routes_an_expert: 5,
             expert_int_stream_min_routes: 0,
-            expert_int_stream_bulk: false,
+            expert_int_stream_bulk: true,
             router_tiled_min_rows: 512,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,

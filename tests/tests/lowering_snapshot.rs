@@ -691,7 +691,7 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
     all(labels(2, &on), "[int lanes]");
     assert!(
         on.to_string().contains(
-            "(int <=5 an expert, deep ring <=3, staged inputs gate+up <=1 down <=5, stream>=0)"
+            "(int <=5 an expert, deep ring <=3, staged inputs gate+up <=1 down <=5, stream>=0 bulk)"
         ),
         "{on}"
     );
@@ -710,9 +710,9 @@ fn decode_experts_past_the_stream_threshold_take_the_streamed_kernel_on_hopper()
     let ampere = Target::Cuda {
         compute_capability: (8, 0),
     };
-    let labels = |batch: usize, target: Target| {
+    let labels = |batch: usize, target: Target, o: &LoweringOptions| {
         let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
-        let lines: Vec<String> = build_plan(&m, shape, None, target, &stream)
+        let lines: Vec<String> = build_plan(&m, shape, None, target, o)
             .unwrap()
             .to_string()
             .lines()
@@ -729,11 +729,16 @@ fn decode_experts_past_the_stream_threshold_take_the_streamed_kernel_on_hopper()
         }
     };
     // The tiny model routes top-4: 3 tokens are 12 routes, 2 tokens 8 (the integer GEMV's).
-    all(labels(3, HOPPER), "[skinny int stream]");
-    all(labels(11, HOPPER), "[skinny int stream]");
-    all(labels(2, HOPPER), "[int lanes]");
-    all(labels(3, ampere), "[skinny int deep]");
-    assert!(stream.to_string().contains("stream>=12"), "{stream}");
+    all(labels(3, HOPPER, &stream), "[skinny int stream bulk]");
+    all(labels(11, HOPPER, &stream), "[skinny int stream bulk]");
+    let lanes = LoweringOptions {
+        expert_int_stream_bulk: false,
+        ..stream
+    };
+    all(labels(3, HOPPER, &lanes), "[skinny int stream]");
+    all(labels(2, HOPPER, &stream), "[int lanes]");
+    all(labels(3, ampere, &stream), "[skinny int deep]");
+    assert!(stream.to_string().contains("stream>=12 bulk"), "{stream}");
 }
 
 /// The integer path's products copy their first routes' inputs through the weight ring where

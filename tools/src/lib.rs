@@ -132,10 +132,10 @@ pub struct LoweringArgs {
     /// compute capability 9.0 and later (0: never).
     #[arg(long, value_name = "N")]
     pub expert_int_stream_min_routes: Option<usize>,
-    /// The streamed expert kernel moves weight rows by bulk copies (one a row) rather than by
-    /// 16-byte copies.
-    #[arg(long)]
-    pub expert_int_stream_bulk: bool,
+    /// The streamed expert kernel moves weight rows by bulk copies, one a row (`true`, the
+    /// default), or by its copying warp's 16-byte copies (`false`).
+    #[arg(long, value_name = "BOOL")]
+    pub expert_int_stream_bulk: Option<bool>,
 }
 
 impl LoweringArgs {
@@ -188,7 +188,9 @@ impl LoweringArgs {
             expert_int_stream_min_routes: self
                 .expert_int_stream_min_routes
                 .unwrap_or(d.expert_int_stream_min_routes),
-            expert_int_stream_bulk: self.expert_int_stream_bulk,
+            expert_int_stream_bulk: self
+                .expert_int_stream_bulk
+                .unwrap_or(d.expert_int_stream_bulk),
             attention_f16_split: !(self.attention_f32
                 || env("XING4_ATTENTION_F32").is_some_and(|v| v == "1")),
             attention_flash_min_rows: self
