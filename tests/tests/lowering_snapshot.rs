@@ -22,6 +22,28 @@ fn tiny() -> Arc<Model> {
     support::synthetic(Preset::Tiny, 11, "lowering_snapshot")
 }
 
+/// The plan lines of a decode step's routed gate+up products (`batch` sequences), each checked
+/// to end with `label`. The tiny model's down products take the generic kernel (an input width
+/// of 32), so its gate+up products are the ones the expert thresholds move.
+fn gate_up_labels_end_with(
+    m: &Model,
+    batch: usize,
+    target: Target,
+    o: &LoweringOptions,
+    label: &str,
+) {
+    let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
+    let plan = build_plan(m, shape, None, target, o).unwrap().to_string();
+    let lines: Vec<&str> = plan
+        .lines()
+        .filter(|l| l.contains(": expert_swiglu "))
+        .collect();
+    assert!(!lines.is_empty());
+    for l in lines {
+        assert!(l.ends_with(label), "{l}");
+    }
+}
+
 fn plan(model: &Model, bucket: Bucket, target: Target) -> Plan {
     let shape = StepShape::single(bucket, LogitRows::Last);
     build_plan(model, shape, None, target, &LoweringOptions::default()).unwrap()
@@ -661,34 +683,20 @@ fn decode_experts_with_few_routes_each_take_the_integer_skinny_path() {
         expert_int_deep_ring_routes_an_expert: 0,
         ..LoweringOptions::default()
     };
-    let labels = |batch: usize, o: &LoweringOptions| {
-        let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
-        let lines: Vec<String> = build_plan(&m, shape, None, HOPPER, o)
-            .unwrap()
-            .to_string()
-            .lines()
-            .filter(|l| l.contains(": expert_swiglu "))
-            .map(|l| l.to_string())
-            .collect();
-        assert!(!lines.is_empty());
-        lines
-    };
-    let all = |lines: Vec<String>, label: &str| {
-        for l in &lines {
-            assert!(l.ends_with(label), "{l}");
-        }
+    let all = |batch: usize, o: &LoweringOptions, label: &str| {
+        gate_up_labels_end_with(&m, batch, HOPPER, o, label)
     };
     // The tiny model routes top-4 of 8 experts: 3 tokens are 1.5 routes an expert, past one
     // and within the deep ring's 3; 10 tokens are 5.
-    all(labels(3, &on), "[skinny int deep]");
+    all(3, &on, "[skinny int deep]");
     // 6 tokens are 24 routes, three an expert: the deep ring's last; 7 are past it.
-    all(labels(6, &on), "[skinny int deep]");
-    all(labels(7, &on), "[skinny int]");
-    all(labels(3, &no_deep_ring), "[skinny int]");
-    all(labels(10, &on), "[skinny int]");
-    all(labels(11, &on), "[skinny]");
-    all(labels(8, &off), "[skinny]");
-    all(labels(2, &on), "[int lanes]");
+    all(6, &on, "[skinny int deep]");
+    all(7, &on, "[skinny int]");
+    all(3, &no_deep_ring, "[skinny int]");
+    all(10, &on, "[skinny int]");
+    all(11, &on, "[skinny]");
+    all(8, &off, "[skinny]");
+    all(2, &on, "[int lanes]");
     assert!(
         on.to_string().contains(
             "(int <=5 an expert, deep ring <=3, staged inputs gate+up <=1 down <=5, stream>=0 bulk)"
@@ -710,34 +718,19 @@ fn decode_experts_past_the_stream_threshold_take_the_streamed_kernel_on_hopper()
     let ampere = Target::Cuda {
         compute_capability: (8, 0),
     };
-    let labels = |batch: usize, target: Target, o: &LoweringOptions| {
-        let shape = StepShape::single(Bucket::Decode { batch, kv: 128 }, LogitRows::Last);
-        let lines: Vec<String> = build_plan(&m, shape, None, target, o)
-            .unwrap()
-            .to_string()
-            .lines()
-            // The tiny model's down products take the generic kernel (an input width of 32).
-            .filter(|l| l.contains(": expert_swiglu "))
-            .map(|l| l.to_string())
-            .collect();
-        assert!(!lines.is_empty());
-        lines
-    };
-    let all = |lines: Vec<String>, label: &str| {
-        for l in &lines {
-            assert!(l.ends_with(label), "{l}");
-        }
+    let all = |batch: usize, target: Target, o: &LoweringOptions, label: &str| {
+        gate_up_labels_end_with(&m, batch, target, o, label)
     };
     // The tiny model routes top-4: 3 tokens are 12 routes, 2 tokens 8 (the integer GEMV's).
-    all(labels(3, HOPPER, &stream), "[skinny int stream bulk]");
-    all(labels(11, HOPPER, &stream), "[skinny int stream bulk]");
+    all(3, HOPPER, &stream, "[skinny int stream bulk]");
+    all(11, HOPPER, &stream, "[skinny int stream bulk]");
     let lanes = LoweringOptions {
         expert_int_stream_bulk: false,
         ..stream
     };
-    all(labels(3, HOPPER, &lanes), "[skinny int stream]");
-    all(labels(2, HOPPER, &stream), "[int lanes]");
-    all(labels(3, ampere, &stream), "[skinny int deep]");
+    all(3, HOPPER, &lanes, "[skinny int stream]");
+    all(2, HOPPER, &stream, "[int lanes]");
+    all(3, ampere, &stream, "[skinny int deep]");
     assert!(stream.to_string().contains("stream>=12 bulk"), "{stream}");
 }
 

@@ -1007,6 +1007,22 @@ __device__ __forceinline__ float skq_pair(unsigned hi, unsigned lo) {
                      __fsub_rn(__uint_as_float(lo), SKQ_MAGIC_F));
 }
 
+// The A fragment of block b of rows rp and rq (8 rows apart: m16 rows g and g + 8) for lane
+// t of its quad, and the two rows' block scales.
+__device__ __forceinline__ void skq_a_rows(const unsigned char* rp, const unsigned char* rq, int b,
+                                           int t, const unsigned kc[4], unsigned a[4], float* dl,
+                                           float* dh) {
+    unsigned cl[2], ch[2];
+    skq_codes(tc_load_qs(rp, b, t), kc, cl);
+    skq_codes(tc_load_qs(rq, b, t), kc, ch);
+    *dl = sk_h2f(*reinterpret_cast<const unsigned short*>(rp));
+    *dh = sk_h2f(*reinterpret_cast<const unsigned short*>(rq));
+    a[0] = cl[0];
+    a[1] = ch[0];
+    a[2] = cl[1];
+    a[3] = ch[1];
+}
+
 __device__ __forceinline__ void sk_cp16(unsigned dst, const unsigned char* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
                  : "memory");
@@ -1273,12 +1289,9 @@ __device__ __forceinline__ void expert_skinny_body(
                     const unsigned char* rp = wst + 16 * mt * SK_ROWB + 18 * b;
                     const unsigned char* rq = rp + 8 * SK_ROWB;
                     if constexpr (Q8) {
-                        unsigned cl[2], ch[2];
-                        skq_codes(tc_load_qs(rp, b, t), kc, cl);
-                        skq_codes(tc_load_qs(rq, b, t), kc, ch);
-                        const float dl = sk_h2f(*reinterpret_cast<const unsigned short*>(rp));
-                        const float dh = sk_h2f(*reinterpret_cast<const unsigned short*>(rq));
-                        const unsigned a[4] = {cl[0], ch[0], cl[1], ch[1]};
+                        unsigned a[4];
+                        float dl, dh;
+                        skq_a_rows(rp, rq, b, t, kc, a, &dl, &dh);
 #pragma unroll
                         for (int j = 0; j < 2; ++j) {
                             if (j >= ta) continue;
@@ -1603,12 +1616,9 @@ __device__ __forceinline__ void st_slice(const unsigned char* wt, int pitch, int
             if (b >= b1) break;
             const unsigned char* rp = rp0 + 18 * b;
             const unsigned char* rq = rq0 + 18 * b;
-            unsigned cl[2], ch[2];
-            skq_codes(tc_load_qs(rp, b, t), kc, cl);
-            skq_codes(tc_load_qs(rq, b, t), kc, ch);
-            const float dl = sk_h2f(*reinterpret_cast<const unsigned short*>(rp));
-            const float dh = sk_h2f(*reinterpret_cast<const unsigned short*>(rq));
-            const unsigned a[4] = {cl[0], ch[0], cl[1], ch[1]};
+            unsigned a[4];
+            float dl, dh;
+            skq_a_rows(rp, rq, b, t, kc, a, &dl, &dh);
 #pragma unroll
             for (int j = 0; j < TA; ++j) {
                 if (TA > 1 && j >= n_tiles) continue;
