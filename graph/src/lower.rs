@@ -175,7 +175,8 @@ pub struct LoweringOptions {
     /// Routes from which the skinny expert products (integer or f16 path alike) take the
     /// streamed integer kernel (`ExpertKernel::SkinnyIntStream`) on compute capability 9.0 and
     /// later (0: never): persistent blocks, a copying warp keeping whole weight rows in
-    /// flight by bulk copies, up to 16 routes an expert decoded at once.
+    /// flight, up to 16 routes an expert decoded at once. Off: on an H100 it decoded 8 to 128
+    /// sequences at 0.48–0.73× the skinny kernels' rate (bench/RESULTS.md 2026-12-07 (g)).
     pub expert_int_stream_min_routes: usize,
     /// The streamed kernel's copying warp moves a weight row by one bulk copy (`true`, the one
     /// measured on a card so far: bench/RESULTS.md 2026-12-07 (g)) rather than by its lanes'

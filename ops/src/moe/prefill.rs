@@ -482,6 +482,67 @@ impl SkinnyShared {
     }
 }
 
+/// A streamed launch's route table and its unit: m16 tiles and staged row bytes.
+struct StreamShape {
+    offsets: u64,
+    route_token: u64,
+    n_expert: usize,
+    mt: usize,
+    pitch: usize,
+}
+
+/// The streamed kernel's shape for a launch, or why it cannot take it: dense routes, a card
+/// without bulk copies, more experts than its list holds, rows its ring cannot hold.
+fn stream_shape(
+    ctx: &GpuCtx,
+    op: &'static str,
+    routes_from: SkinnyRoutes,
+    n_in: usize,
+    swiglu: bool,
+) -> Result<StreamShape, OpError> {
+    let SkinnyRoutes::Grouped {
+        offsets,
+        route_token,
+        n_expert,
+    } = routes_from
+    else {
+        return Err(OpError::shape(
+            op,
+            "the streamed kernel takes grouped routes only".to_string(),
+        ));
+    };
+    aligned("offsets", offsets, 4)?;
+    let cc = ctx.device.compute_capability();
+    if cc.0 < 9 {
+        return Err(OpError::Type(format!(
+            "{op}: the streamed expert kernel needs compute capability 9.0 or later (bulk \
+             copies), the device has {}.{}",
+            cc.0, cc.1
+        )));
+    }
+    if n_expert > STREAM_MAX_EXPERTS {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "the streamed kernel lists at most {STREAM_MAX_EXPERTS} experts, found {n_expert}"
+            ),
+        ));
+    }
+    let (mt, pitch) = stream_unit(n_in, swiglu).ok_or_else(|| {
+        OpError::shape(
+            op,
+            format!("the streamed kernel's ring cannot hold rows of {n_in} inputs"),
+        )
+    })?;
+    Ok(StreamShape {
+        offsets,
+        route_token,
+        n_expert,
+        mt,
+        pitch,
+    })
+}
+
 /// The grouped (or dense) product of [`launch_expert_gemm_tc`]'s contract for a decode step's
 /// few routes an expert: the inputs narrowed to f16 into the scratch (`expert_x_f16`), then
 /// `expert_skinny_iq4_<NT>` (weights as the MMA's A operand, routes in tiles of 8·NT). With
@@ -562,6 +623,13 @@ pub(crate) unsafe fn launch_expert_skinny(
         }
         _ => (0, 0),
     };
+    // The streamed kernel's shape, refused before anything is launched.
+    let stream = match path {
+        SkinnyPath::IntStream { .. } => {
+            Some(stream_shape(ctx, op, routes_from, n_in, wb.is_some())?)
+        }
+        _ => None,
+    };
     let need = skinny_scratch_bytes(x_rows + x2_rows, n_in);
     scratch.require(op, need)?;
     let xh = scratch.ptr.next_multiple_of(256);
@@ -614,43 +682,15 @@ pub(crate) unsafe fn launch_expert_skinny(
                 .map_err(dev_err)?;
         }
     }
-    if matches!(path, SkinnyPath::IntStream { .. }) {
-        let SkinnyRoutes::Grouped {
-            offsets,
-            route_token,
-            n_expert,
-        } = routes_from
-        else {
-            return Err(OpError::shape(
-                op,
-                "the streamed kernel takes grouped routes only".to_string(),
-            ));
-        };
-        aligned("offsets", offsets, 4)?;
-        let cc = ctx.device.compute_capability();
-        if cc.0 < 9 {
-            return Err(OpError::Type(format!(
-                "{op}: the streamed expert kernel needs compute capability 9.0 or later (bulk \
-                 copies), the device has {}.{}",
-                cc.0, cc.1
-            )));
-        }
-        if n_expert + 1 > ST_ENTRIES {
-            return Err(OpError::shape(
-                op,
-                format!(
-                    "the streamed kernel lists at most {} experts, found {n_expert}",
-                    ST_ENTRIES - 1
-                ),
-            ));
-        }
+    if let Some(StreamShape {
+        offsets,
+        route_token,
+        n_expert,
+        mt,
+        pitch,
+    }) = stream
+    {
         let swiglu = wb.is_some();
-        let Some((mt, pitch)) = stream_unit(n_in, swiglu) else {
-            return Err(OpError::shape(
-                op,
-                format!("the streamed kernel's ring cannot hold rows of {n_in} inputs"),
-            ));
-        };
         let smem = stream_smem_with(mt, pitch);
         let outs = if swiglu { 8 } else { 16 * mt };
         let units = n_out.div_ceil(outs);
