@@ -125,6 +125,113 @@ router_logits_tiled(const float* __restrict__ z, const float* __restrict__ W, fl
     }
 }
 
+// The logits themselves for a decode step's tokens, as part[t][0][e] (one slice): every
+// 128-input slice's sum formed exactly as router_logits forms it (a lane's four products in k
+// order, then the lanes' xor butterfly, here unrolled in registers, leaves in bit-reversed
+// order so that about five partial sums are live) and the slices added in order as
+// router_select adds them, so the bits are those two kernels' — with no partials written and
+// read back and no shuffles (router_logits spends more on its reductions than on the dots and
+// took 10.5 µs of a 64-token step). Block 256: 4 tokens × 8 experts over every slice, a
+// thread 2 tokens × 2 experts of one slice; the slices' sums meet in shared memory
+// (n_slices · 32 floats) and one thread a (token, expert) adds them in slice order.
+#define RW_T 4
+#define RW_E 8
+
+struct RwQuad {
+    float v[4];  // (token a, expert a), (a, b), (b, a), (b, b)
+};
+
+__device__ __forceinline__ float rw_leaf(float4 w, float4 z) {
+    float a = __fmul_rn(w.x, z.x);
+    a = fmaf(w.y, z.y, a);
+    a = fmaf(w.z, z.z, a);
+    return fmaf(w.w, z.w, a);
+}
+
+// The four terms of lane I (d % 4 == 0: a float4 is wholly in or out; past D the loads read
+// column 0 and the term is zero, as router_logits' zero-filled lanes give).
+struct RwLeaf {
+    float4 p, q, x, y;  // weights a, b; inputs a, b
+};
+
+__device__ __forceinline__ RwLeaf rw_load(const float* __restrict__ za, const float* __restrict__ zb,
+                                          const float* __restrict__ wa, const float* __restrict__ wb,
+                                          int k, int d) {
+    const int kk = k < d ? k : 0;
+    return RwLeaf{__ldg(reinterpret_cast<const float4*>(wa + kk)),
+                  __ldg(reinterpret_cast<const float4*>(wb + kk)),
+                  __ldg(reinterpret_cast<const float4*>(za + kk)),
+                  __ldg(reinterpret_cast<const float4*>(zb + kk))};
+}
+
+__device__ __forceinline__ RwQuad rw_terms(const RwLeaf& l, bool in) {
+    RwQuad r;
+    r.v[0] = in ? rw_leaf(l.p, l.x) : 0.0f;
+    r.v[1] = in ? rw_leaf(l.q, l.x) : 0.0f;
+    r.v[2] = in ? rw_leaf(l.p, l.y) : 0.0f;
+    r.v[3] = in ? rw_leaf(l.q, l.y) : 0.0f;
+    return r;
+}
+
+__device__ __forceinline__ RwQuad rw_add(RwQuad a, const RwQuad& b) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) a.v[c] = __fadd_rn(a.v[c], b.v[c]);
+    return a;
+}
+
+// The butterfly's sum over lanes I, I + OFF, I + 2·OFF, …: at step `off` of the shuffle chain
+// lane i adds lane i ^ off, so lane 0's total pairs lanes (i, i + 16) first and (0, 1) last.
+// A subtree of four lanes (OFF == 8) loads its terms together, so they are in flight at once.
+template <int I, int OFF>
+__device__ __forceinline__ RwQuad rw_tree(const float* __restrict__ za, const float* __restrict__ zb,
+                                          const float* __restrict__ wa, const float* __restrict__ wb,
+                                          int k0, int d) {
+    if constexpr (OFF == 8) {
+        const RwLeaf a = rw_load(za, zb, wa, wb, k0 + 4 * I, d);
+        const RwLeaf b = rw_load(za, zb, wa, wb, k0 + 4 * (I + 16), d);
+        const RwLeaf c = rw_load(za, zb, wa, wb, k0 + 4 * (I + 8), d);
+        const RwLeaf e = rw_load(za, zb, wa, wb, k0 + 4 * (I + 24), d);
+        return rw_add(rw_add(rw_terms(a, k0 + 4 * I < d), rw_terms(b, k0 + 4 * (I + 16) < d)),
+                      rw_add(rw_terms(c, k0 + 4 * (I + 8) < d), rw_terms(e, k0 + 4 * (I + 24) < d)));
+    } else {
+        return rw_add(rw_tree<I, 2 * OFF>(za, zb, wa, wb, k0, d),
+                      rw_tree<I + OFF, 2 * OFF>(za, zb, wa, wb, k0, d));
+    }
+}
+
+// grid (ceil(E / RW_E), ceil(n / RW_T)), block 256, dynamic shared n_slices · RW_T · RW_E
+// floats; d % 4 == 0, z and W 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(256)
+router_logits_summed(const float* __restrict__ z, const float* __restrict__ W,
+                     float* __restrict__ logits, int n, int d, int n_expert, int n_slices) {
+    PDL_ENTER();
+    extern __shared__ float rw_sums[];  // [slice][token][expert]
+    const int t0 = blockIdx.y * RW_T, e0 = blockIdx.x * RW_E;
+    for (int task = threadIdx.x; task < n_slices * 8; task += blockDim.x) {
+        const int s = task >> 3, tp = (task >> 2) & 1, ep = task & 3;
+        // Rows past the tokens or experts read the last real one; their sums are not kept.
+        const int ta = min(t0 + 2 * tp, n - 1), tb = min(t0 + 2 * tp + 1, n - 1);
+        const int ea = min(e0 + 2 * ep, n_expert - 1), eb = min(e0 + 2 * ep + 1, n_expert - 1);
+        const RwQuad r = rw_tree<0, 1>(z + (long long)ta * d, z + (long long)tb * d,
+                                       W + (long long)ea * d, W + (long long)eb * d,
+                                       s * RL_SLICE, d);
+        float* o = rw_sums + s * (RW_T * RW_E) + (2 * tp) * RW_E + 2 * ep;
+        o[0] = r.v[0];
+        o[1] = r.v[1];
+        o[RW_E] = r.v[2];
+        o[RW_E + 1] = r.v[3];
+    }
+    __syncthreads();
+    if (threadIdx.x < RW_T * RW_E) {
+        const int t = t0 + threadIdx.x / RW_E, e = e0 + threadIdx.x % RW_E;
+        if (t < n && e < n_expert) {
+            float v = rw_sums[threadIdx.x];
+            for (int s = 1; s < n_slices; ++s) v = __fadd_rn(v, rw_sums[s * (RW_T * RW_E) + threadIdx.x]);
+            logits[(long long)t * n_expert + e] = v;
+        }
+    }
+}
+
 // Rust's f32::total_cmp as a signed-integer key.
 __device__ __forceinline__ int total_key(float x) {
     int b = __float_as_int(x);
