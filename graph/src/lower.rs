@@ -186,10 +186,6 @@ pub struct LoweringOptions {
     /// slices: 14 blocks for 64 tokens of the release's width, 25 µs of a decode step where
     /// the slice kernel's 4-token blocks spread over the chip).
     pub router_tiled_min_rows: usize,
-    /// Tokens from which the slice router's blocks add their slices themselves (4 tokens × 8
-    /// experts a block over every slice, the same bits: no partials through memory for the
-    /// selection); below it the 4-token split-K blocks spread over the chip.
-    pub router_summed_min_rows: usize,
     /// Tokens up to which the router's selection and the route plan run as one block (one
     /// launch fewer a MoE layer; 0: never).
     pub router_routes_max_rows: usize,
@@ -259,7 +255,6 @@ impl Default for LoweringOptions {
             expert_int_stream_min_routes: 0,
             expert_int_stream_bulk: true,
             router_tiled_min_rows: 512,
-            router_summed_min_rows: 16,
             router_routes_max_rows: 8,
             topk_inverse_min_rows: 132,
             hc_rows_min_rows: 32,
@@ -289,7 +284,7 @@ impl fmt::Display for LoweringOptions {
             "fuse hc={} norm_linear={} pair={} gate_up={} kv_write={} shared_add={} routed_hc={} query_kv={} shared_expert={}; \
              gemv<={} (other types <={}, q6_k <={}) head_gemv<={} expert_int_gemv<={}{} expert_gemv<={} routes; skinny<={} rows (bf16 <={}, narrow <={}), \
              <={} routes (int <={} an expert, deep ring <={}, staged inputs gate+up <={} down <={}, stream>={}{}); \
-             router tiled>={} summed>={} router+routes<={} topk inverse>={} \
+             router tiled>={} router+routes<={} topk inverse>={} \
              hc rows>={} (cpw {}) flash>={} (>={} from kv {}) split-k products={}{} cache={}; weights first={}",
             on(self.fuse_hc),
             on(self.fuse_norm_linear),
@@ -322,7 +317,6 @@ impl fmt::Display for LoweringOptions {
                 ""
             },
             self.router_tiled_min_rows,
-            self.router_summed_min_rows,
             self.router_routes_max_rows,
             self.topk_inverse_min_rows,
             self.hc_rows_min_rows,
@@ -763,13 +757,21 @@ fn choose_kernel(
     }
     if let Some(op) = op_as::<Router>(node) {
         return Some(Arc::new(Router {
-            kernel: router_kernel(r0, o),
+            kernel: if r0 >= o.router_tiled_min_rows {
+                RouterKernel::Tiled
+            } else {
+                RouterKernel::Slices
+            },
             ..op.clone()
         }));
     }
     if let Some(op) = op_as::<RouterRoutes>(node) {
         let mut op = op.clone();
-        op.router.kernel = router_kernel(r0, o);
+        op.router.kernel = if r0 >= o.router_tiled_min_rows {
+            RouterKernel::Tiled
+        } else {
+            RouterKernel::Slices
+        };
         return Some(Arc::new(op));
     }
     if let Some(op) = op_as::<TopKSum>(node) {
@@ -1353,17 +1355,6 @@ impl Fusions {
             nodes,
             outputs,
         }
-    }
-}
-
-/// The router's logits kernel for a step of `rows` tokens.
-fn router_kernel(rows: usize, o: &LoweringOptions) -> RouterKernel {
-    if rows >= o.router_tiled_min_rows {
-        RouterKernel::Tiled
-    } else if rows >= o.router_summed_min_rows {
-        RouterKernel::Summed
-    } else {
-        RouterKernel::Slices
     }
 }
 

@@ -16,9 +16,8 @@ use ops::{DType, Op};
 mod support;
 use ops::parity::Rng;
 use support::{
-    ATTENTION_FLASH_MIN_ROWS, Buf, HC_ROWS_MIN_ROWS, ROUTER_SUMMED_MIN_ROWS, ROUTER_TILED_MIN_ROWS,
-    TOPK_INVERSE_MIN_ROWS, attention_for, expert_for, hc_pre_for, head_for, linear_for, router_for,
-    run, topk_for,
+    ATTENTION_FLASH_MIN_ROWS, Buf, HC_ROWS_MIN_ROWS, ROUTER_TILED_MIN_ROWS, TOPK_INVERSE_MIN_ROWS,
+    attention_for, expert_for, hc_pre_for, head_for, linear_for, router_for, run, topk_for,
 };
 
 const LINEAR_KERNELS: [LinearKernel; 4] = [
@@ -68,11 +67,7 @@ fn the_cpu_reference_gives_the_same_bits_on_every_kernel_variant() {
         kernel,
     };
     let want = bits(&router(RouterKernel::Unlowered), &[&z, &rw, &bias]);
-    for kernel in [
-        RouterKernel::Slices,
-        RouterKernel::Summed,
-        RouterKernel::Tiled,
-    ] {
+    for kernel in [RouterKernel::Slices, RouterKernel::Tiled] {
         assert_eq!(bits(&router(kernel), &[&z, &rw, &bias]), want, "{kernel:?}");
     }
 
@@ -164,9 +159,7 @@ fn the_lowering_mirror_switches_at_the_default_sizes() {
         );
     }
 
-    assert_eq!(router_for(ROUTER_SUMMED_MIN_ROWS - 1), RouterKernel::Slices);
-    assert_eq!(router_for(ROUTER_SUMMED_MIN_ROWS), RouterKernel::Summed);
-    assert_eq!(router_for(ROUTER_TILED_MIN_ROWS - 1), RouterKernel::Summed);
+    assert_eq!(router_for(ROUTER_TILED_MIN_ROWS - 1), RouterKernel::Slices);
     assert_eq!(router_for(ROUTER_TILED_MIN_ROWS), RouterKernel::Tiled);
     assert_eq!(topk_for(TOPK_INVERSE_MIN_ROWS - 1), TopKKernel::Scan);
     assert_eq!(topk_for(TOPK_INVERSE_MIN_ROWS), TopKKernel::InverseTable);

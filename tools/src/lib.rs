@@ -88,9 +88,6 @@ pub struct LoweringArgs {
     /// Tokens from which the router's logits are a tiled GEMM (default 512).
     #[arg(long, value_name = "N")]
     pub router_tiled_min_rows: Option<usize>,
-    /// Tokens from which the slice router's blocks add every slice themselves (default 16).
-    #[arg(long, value_name = "N")]
-    pub router_summed_min_rows: Option<usize>,
     /// Tokens up to which the router's selection and the route plan run as one launch (0:
     /// never; default 8).
     #[arg(long, value_name = "N")]
@@ -173,9 +170,6 @@ impl LoweringArgs {
             router_tiled_min_rows: self
                 .router_tiled_min_rows
                 .unwrap_or(d.router_tiled_min_rows),
-            router_summed_min_rows: self
-                .router_summed_min_rows
-                .unwrap_or(d.router_summed_min_rows),
             topk_inverse_min_rows: self
                 .topk_inverse_min_rows
                 .unwrap_or(d.topk_inverse_min_rows),

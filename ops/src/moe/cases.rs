@@ -128,16 +128,11 @@ fn router_cases(v: &mut Vec<ParityCase>) {
         (RouterKernel::Slices, 64, Gating::Sigmoid),
         (RouterKernel::Tiled, 64, Gating::Sigmoid),
         (RouterKernel::Tiled, 150, Gating::Softmax),
-        // The slices summed in their blocks: one token, a ragged last block of 4, 64 and 129.
-        (RouterKernel::Summed, 1, Gating::Sigmoid),
-        (RouterKernel::Summed, 7, Gating::Softmax),
-        (RouterKernel::Summed, 64, Gating::Sigmoid),
-        (RouterKernel::Summed, 129, Gating::Sigmoid),
     ] {
-        let name = match kernel {
-            RouterKernel::Tiled => "tiled",
-            RouterKernel::Summed => "summed",
-            _ => "slices",
+        let name = if kernel == RouterKernel::Tiled {
+            "tiled"
+        } else {
+            "slices"
         };
         v.push(ParityCase::new(
             format!("router/{name} {gating:?} n={n}"),
@@ -169,20 +164,6 @@ fn router_cases(v: &mut Vec<ParityCase>) {
             inputs(n),
         ));
     }
-    // The fused selection and plan behind the summed logits (one partial a token).
-    v.push(ParityCase::new(
-        "router_routes/summed Sigmoid n=20",
-        RouterRoutes {
-            router: router(RouterKernel::Summed, Gating::Sigmoid),
-            plan: RoutePlan {
-                n_expert: NE,
-                top_k: TOPK,
-            },
-        },
-        3024 + 20,
-        bound,
-        inputs(20),
-    ));
 }
 
 fn expert_cases(v: &mut Vec<ParityCase>) {

@@ -33,10 +33,6 @@ pub(super) fn select_block(slices: usize, n_expert: usize) -> Option<(u32, usize
         .find(|&(_, bytes)| bytes <= SMEM_LIMIT)
 }
 
-/// Tokens and experts a block of `router_logits_summed` takes (`RW_T`, `RW_E`).
-const ROUTER_SUMMED_TOKENS: usize = 4;
-const ROUTER_SUMMED_EXPERTS: usize = 8;
-
 /// Tokens a block of the slice router takes at once (`RL_TOKENS`).
 const ROUTER_TOKENS_PER_BLOCK: usize = 4;
 
@@ -123,20 +119,17 @@ impl Router {
         }
         aligned16(op, "z", &inputs[0])?;
         aligned16(op, "W", &inputs[1])?;
-        let (tiled, summed) = match self.kernel {
+        let tiled = match self.kernel {
             RouterKernel::Unlowered => return Err(unlowered(op)),
-            RouterKernel::Slices => (false, false),
-            RouterKernel::Tiled => (true, false),
-            RouterKernel::Summed => (false, true),
+            RouterKernel::Slices => false,
+            RouterKernel::Tiled => true,
         };
         let slices = d.div_ceil(if tiled {
             ROUTER_TILED_SLICE
         } else {
             ROUTER_SLICE
         });
-        // The summed kernel leaves the selection one partial (the logits) a token.
-        let select_slices = if summed { 1 } else { slices };
-        let Some((select_warps, select_smem)) = select_block(select_slices, ne) else {
+        let Some((select_warps, select_smem)) = select_block(slices, ne) else {
             return Err(OpError::shape(
                 op,
                 format!(
@@ -147,31 +140,7 @@ impl Router {
         };
         let need = router_scratch(n, d, ne);
         scratch.require(op, need)?;
-        if summed {
-            let token_tiles = n.div_ceil(ROUTER_SUMMED_TOKENS);
-            if token_tiles > 65535 {
-                return Err(OpError::shape(op, format!("{n} tokens exceed the grid")));
-            }
-            let logits = ctx.kernel("moe.cu", MOE_CU, "router_logits_summed")?;
-            // SAFETY: argument list matches router_logits_summed; it writes n × E logits
-            // (within the scratch checked above) and uses slices · 32 floats of shared memory.
-            unsafe {
-                ctx.device
-                    .launch(&logits)
-                    .grid((blocks_for(ne, ROUTER_SUMMED_EXPERTS), token_tiles as u32, 1))
-                    .block(256)
-                    .shared_mem((slices * ROUTER_SUMMED_TOKENS * ROUTER_SUMMED_EXPERTS * 4) as u32)
-                    .arg(inputs[0].ptr)
-                    .arg(inputs[1].ptr)
-                    .arg(scratch.ptr)
-                    .arg(dim_i32(op, "tokens", n)?)
-                    .arg(dim_i32(op, "D", d)?)
-                    .arg(dim_i32(op, "n_expert", ne)?)
-                    .arg(dim_i32(op, "slices", slices)?)
-                    .enqueue()
-                    .map_err(dev_err)?;
-            }
-        } else if tiled {
+        if tiled {
             let token_tiles = n.div_ceil(64);
             if token_tiles > 65535 || slices > 65535 {
                 return Err(OpError::shape(
@@ -230,7 +199,7 @@ impl Router {
         Ok(Some(SelectBlock {
             warps: select_warps,
             smem: select_smem,
-            slices: select_slices,
+            slices,
         }))
     }
 }

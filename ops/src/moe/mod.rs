@@ -95,9 +95,6 @@ pub enum RouterKernel {
     Slices,
     /// A tiled f32 GEMM, 64 tokens × 64 experts a block (prefill chunks).
     Tiled,
-    /// `Slices`' sums with the slices added inside the block (4 tokens × 8 experts a block,
-    /// every slice): the same bits, one partial a (token, expert) for the selection.
-    Summed,
 }
 
 impl RouterKernel {
@@ -106,7 +103,6 @@ impl RouterKernel {
             RouterKernel::Unlowered => "",
             RouterKernel::Slices => " [split-k]",
             RouterKernel::Tiled => " [tiled]",
-            RouterKernel::Summed => " [split-k summed]",
         }
     }
 }

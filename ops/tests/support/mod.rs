@@ -103,8 +103,6 @@ pub fn run(op: &dyn Op, inputs: &[&Buf]) -> Result<Vec<Buf>, OpError> {
 
 /// `LoweringOptions::default().router_tiled_min_rows`.
 pub const ROUTER_TILED_MIN_ROWS: usize = 512;
-/// `LoweringOptions::default().router_summed_min_rows`.
-pub const ROUTER_SUMMED_MIN_ROWS: usize = 16;
 /// `LoweringOptions::default().topk_inverse_min_rows`.
 pub const TOPK_INVERSE_MIN_ROWS: usize = 132;
 /// `LoweringOptions::default().hc_rows_min_rows`.
@@ -147,12 +145,10 @@ pub fn expert_for(routes: usize, compute_capability: (u32, u32)) -> ExpertKernel
 }
 
 /// `Router` over `tokens` tokens: the tiled logits from [`ROUTER_TILED_MIN_ROWS`], the split-K
-/// slices summed in their blocks from [`ROUTER_SUMMED_MIN_ROWS`], the split-K slices below.
+/// slices below.
 pub fn router_for(tokens: usize) -> RouterKernel {
     if tokens >= ROUTER_TILED_MIN_ROWS {
         RouterKernel::Tiled
-    } else if tokens >= ROUTER_SUMMED_MIN_ROWS {
-        RouterKernel::Summed
     } else {
         RouterKernel::Slices
     }
