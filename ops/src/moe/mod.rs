@@ -164,10 +164,10 @@ pub enum ExpertKernel {
     /// default loads them from global memory a few blocks ahead.
     SkinnyIntStaged,
     /// `SkinnyInt`'s arithmetic streamed (`expert_stream_iq4_q`, compute capability 9.0 and
-    /// later): persistent blocks over the step's (expert, 8-output or 64-row unit) work, a
-    /// copying warp moving whole weight rows into the block's ring by bulk copies, consumer
-    /// warps taking K slices of up to 16 routes a pass; the slices' sums added in order. With
-    /// `bulk` the copying warp moves a row by one bulk copy, else by its lanes' 16-byte copies.
+    /// later): persistent blocks over the step's (expert, 8-output or 64-row unit) work, whole
+    /// weight rows moved into the block's ring, the warps taking K slices of up to 16 routes a
+    /// pass; the last warp done with a unit refills its slot and adds the slices' sums in order.
+    /// With `bulk` a row moves by one bulk copy, else by a warp's lanes' 16-byte copies.
     SkinnyIntStream { bulk: bool },
     /// Any input width of whole IQ4_NL blocks (32 values), where the others need whole
     /// 256-value chunks: one route a block, its expert's rows read once a route.

@@ -1471,20 +1471,19 @@ EXPERT_SKINNY_X(expert_skinny_iq4_qs, 1, true, 2, 4, 4, 4)
 // warp copies its own k-tiles into a two-stage ring and waits on them: at 4 routes an expert
 // (64 sequences) a fifth of its stall samples were those waits and a third its MMAs waiting for
 // inputs loaded from L2, and the kernel read 39% of the copy ceiling. Here a persistent block
-// of ST_WARPS consumer warps and one copying warp walks a contiguous share of the step's
-// (expert, unit) work, expert by expert:
+// of ST_WARPS warps walks a contiguous share of the step's (expert, unit) work, expert by
+// expert:
 // - A unit is 16·MT whole weight rows (SwiGLU: 8 outputs' gate rows then their up rows, MT = 1;
-//   down: 64 output rows, MT = 4). The copying warp moves a unit into a slot of the block's ring
-//   (rows padded so that the fragments' loads meet no bank twice) as soon as the consumers have
-//   released the slot, by 16-byte cp.async copies whose completion each lane counts on the
-//   slot's full barrier, or (_bulk) one bulk copy a row counted in bytes: the slots in flight
-//   no longer depend on any one warp's progress.
-// - Every consumer warp takes one m16 tile and one K slice of the unit (ST_WARPS / MT slices):
+//   down: 64 output rows, MT = 4). A unit moves into a slot of the block's ring (rows padded so
+//   that the fragments' loads meet no bank twice) as soon as every warp is done with the
+//   slot's previous unit, by 16-byte cp.async copies whose completion each lane of the issuing
+//   warp counts on the slot's full barrier, or (_bulk) one bulk copy a row counted in bytes.
+// - Every warp takes one m16 tile and one K slice of the unit (ST_WARPS / MT slices):
 //   it decodes each weight of its slice once for up to 16 routes (a pass; experts with more
 //   routes take more passes over the same rows, which L2 then holds).
 // - The warps' partial sums go to the slot's reduction area; the last warp to finish (a shared
-//   counter) adds them in slice order, scales them by the routes' input scales and writes the
-//   outputs, then releases the slot. Every output has one writer and a fixed order, so a run
+//   counter) refills the slot, then adds them in slice order, scales them by the routes' input
+//   scales and writes the outputs. Every output has one writer and a fixed order, so a run
 //   repeats bit for bit; the sums differ from expert_skinny_iq4_q's only in being added in
 //   slices, not end to end.
 // - Blocks split the work by a cost of 4 a pass plus 1 an n8 tile of routes a unit, so the
@@ -1494,7 +1493,7 @@ EXPERT_SKINNY_X(expert_skinny_iq4_qs, 1, true, 2, 4, 4, 4)
 #define ST_WARPS 8
 #define ST_TILES 4                                // n8 tiles a pass: 16 routes
 #define ST_PASS (4 * ST_TILES)
-#define ST_RED (ST_WARPS * ST_TILES * 2 * 32)     // floats of a slot's partial sums
+#define ST_RED (ST_WARPS * ST_TILES * 2 * 32)     // floats of a use of a slot's partial sums
 #define ST_ENTRIES 257                            // routed experts a launch may have, + shared
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1632,12 +1631,64 @@ __device__ __forceinline__ void st_slice(const unsigned char* wt, int pitch, int
     }
 }
 
-// grid: a wave of persistent blocks, two a multiprocessor, block 32·(ST_WARPS + 1). Arguments
-// as expert_skinny_iq4_q's grouped mode (xh, sx from expert_x_q16; the shared expert Sa/Sb with
+// A unit's rows into a slot (dst0), by the whole calling warp: one bulk copy a row counted in
+// bytes on the slot's full barrier (lane 0 expects them), or 16-byte cp.async copies along each
+// row whose completion every lane counts on it (the barrier's count is then 32).
+template <bool BULK>
+__device__ __forceinline__ void st_issue(const StList& L, const StWalk& w,
+                                         const unsigned char* __restrict__ Wa,
+                                         const unsigned char* __restrict__ Wb,
+                                         const unsigned char* __restrict__ Sa,
+                                         const unsigned char* __restrict__ Sb, bool swiglu,
+                                         long long mat, long long row_bytes, int outs,
+                                         int unit_rows, int n_out, int pitch, unsigned dst0,
+                                         unsigned full) {
+    const int lane = threadIdx.x & 31;
+    const int e = L.e[w.k];
+    const unsigned char* ga = e < 0 ? Sa : Wa + e * mat;
+    const unsigned char* gb = swiglu ? (e < 0 ? Sb : Wb + e * mat) : ga;
+    const int o0 = w.unit * outs;
+    const int live = min(outs, n_out - o0);
+    // The slot's readers were done before this warp learned that it is free: their generic
+    // reads come before the async proxy's writes.
+#if ST_BULK
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+    if constexpr (BULK) {
+        const unsigned bytes = (unsigned)((swiglu ? 2 * live : live) * row_bytes);
+        if (lane == 0) st_mbar_expect(full, bytes);
+        __syncwarp();
+        for (int i = lane; i < unit_rows; i += 32) {
+            const int o = swiglu ? (i & 7) : i;
+            if (o >= live) continue;
+            const unsigned char* src = (swiglu && (i & 8) ? gb : ga) + (o0 + o) * row_bytes;
+            st_bulk(dst0 + i * pitch, src, (unsigned)row_bytes, full);
+        }
+    } else {
+        const int chunks = (int)(row_bytes >> 4);
+        for (int i = 0; i < unit_rows; ++i) {
+            const int o = swiglu ? (i & 7) : i;
+            if (o >= live) continue;
+            const unsigned char* src = (swiglu && (i & 8) ? gb : ga) + (o0 + o) * row_bytes;
+            for (int c = lane; c < chunks; c += 32) sk_cp16(dst0 + i * pitch + 16 * c, src + 16 * c, 16);
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
+    }
+}
+
+// grid: a wave of persistent blocks, two a multiprocessor, block 32·ST_WARPS. Arguments as
+// expert_skinny_iq4_q's grouped mode (xh, sx from expert_x_q16; the shared expert Sa/Sb with
 // n_sh routes, inputs from row sh_x0 + r), plus mt (m16 tiles a unit: 1 in SwiGLU mode), pitch
 // (bytes a staged row: row bytes, padded) and slots (the ring's). Dynamic shared memory:
-// slots·16·mt·pitch of ring, slots·ST_RED floats, 2·slots barriers and slots counters, then the
-// list (4·ST_ENTRIES + 2 ints).
+// slots·16·mt·pitch of ring, 2·slots·ST_RED floats, slots barriers and slots counters, then
+// the list (4·ST_ENTRIES + 2 ints).
+//
+// No warp only copies: a ninth warp made 288 threads, whose registers (110 each) a
+// multiprocessor's four register files hold for one block only, and the persistent grid ran
+// as two waves of one block each (Nsight Compute, H100: block limit by registers 1). Warp 0
+// fills the ring first; after that the last warp to finish a unit refills its slot with the
+// unit `slots` ahead before it adds the partial sums (the sums of consecutive uses of a slot
+// alternate between two areas, so the refill need not wait for them).
 template <bool BULK>
 __device__ __forceinline__ void expert_stream_body(const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,
                     const uint4* __restrict__ xh, const float* __restrict__ sx,
@@ -1653,8 +1704,8 @@ __device__ __forceinline__ void expert_stream_body(const unsigned char* __restri
     const int unit_rows = 16 * mt_n;
     const long long slot_bytes = (long long)unit_rows * pitch;
     float* red = reinterpret_cast<float*>(st_smem + slots * slot_bytes);
-    unsigned long long* bars = reinterpret_cast<unsigned long long*>(red + slots * ST_RED);
-    int* cnt = reinterpret_cast<int*>(bars + 2 * slots);
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(red + 2 * slots * ST_RED);
+    int* cnt = reinterpret_cast<int*>(bars + slots);
     int* le = cnt + slots;
     int* lr0 = le + ST_ENTRIES;
     int* lr1 = lr0 + ST_ENTRIES;
@@ -1709,8 +1760,7 @@ __device__ __forceinline__ void expert_stream_body(const unsigned char* __restri
         }
     }
     if (tid < slots) {
-        st_mbar_init((unsigned)__cvta_generic_to_shared(bars + 2 * tid), BULK ? 1 : 32);
-        st_mbar_init((unsigned)__cvta_generic_to_shared(bars + 2 * tid + 1), ST_WARPS);
+        st_mbar_init((unsigned)__cvta_generic_to_shared(bars + tid), BULK ? 1 : 32);
         cnt[tid] = 0;
     }
 #if ST_BULK
@@ -1724,49 +1774,15 @@ __device__ __forceinline__ void expert_stream_body(const unsigned char* __restri
     StWalk w = st_first(L, units, lo);
     const unsigned ring = (unsigned)__cvta_generic_to_shared(st_smem);
     const unsigned bar0 = (unsigned)__cvta_generic_to_shared(bars);
-
-    if (warp == ST_WARPS) {
-        // The copying warp: a unit's rows into the next slot once its consumers released it.
-        for (int li = 0; st_live(L, w, units, hi); ++li, st_next(L, w, units)) {
-            const int slot = li % slots;
-            const unsigned full = bar0 + 16 * slot, empty = full + 8;
-            if (li >= slots) st_mbar_wait(empty, ((li / slots) - 1) & 1);
-            const int e = L.e[w.k];
-            const unsigned char* ga = e < 0 ? Sa : Wa + e * mat;
-            const unsigned char* gb = swiglu ? (e < 0 ? Sb : Wb + e * mat) : ga;
-            const int o0 = w.unit * outs;
-            const int live = min(outs, n_out - o0);
-            const unsigned dst0 = ring + slot * (unsigned)slot_bytes;
-            if constexpr (BULK) {
-                const unsigned bytes = (unsigned)((swiglu ? 2 * live : live) * row_bytes);
-                if (lane == 0) st_mbar_expect(full, bytes);
-                __syncwarp();
-#if ST_BULK
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-                for (int i = lane; i < unit_rows; i += 32) {
-                    const int o = swiglu ? (i & 7) : i;
-                    if (o >= live) continue;
-                    const unsigned char* src = (swiglu && (i & 8) ? gb : ga) + (o0 + o) * row_bytes;
-                    st_bulk(dst0 + i * pitch, src, (unsigned)row_bytes, full);
-                }
-            } else {
-                // 16-byte copies, the lanes along a row (a row's copies are contiguous), each
-                // lane's completion counted on the full barrier without a pending arrival.
-                const int chunks = (int)(row_bytes >> 4);
-                for (int i = 0; i < unit_rows; ++i) {
-                    const int o = swiglu ? (i & 7) : i;
-                    if (o >= live) continue;
-                    const unsigned char* src = (swiglu && (i & 8) ? gb : ga) + (o0 + o) * row_bytes;
-                    for (int c = lane; c < chunks; c += 32) sk_cp16(dst0 + i * pitch + 16 * c, src + 16 * c, 16);
-                }
-                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
-            }
-        }
-        return;
+    // ahead: the item `slots` after w's, which the last warp of w's unit copies next.
+    StWalk ahead = w;
+    for (int s = 0; s < slots && st_live(L, ahead, units, hi); ++s, st_next(L, ahead, units)) {
+        if (warp == 0)
+            st_issue<BULK>(L, ahead, Wa, Wb, Sa, Sb, swiglu, mat, row_bytes, outs, unit_rows, n_out,
+                           pitch, ring + s * (unsigned)slot_bytes, bar0 + 8 * s);
     }
 
-    // A consumer warp: m16 tile mt, K slice ks.
+    // Every warp: m16 tile mt, K slice ks.
     const int kslices = ST_WARPS / mt_n;
     const int mt = warp % mt_n, ks = warp / mt_n;
     const int nb = n_in >> 5;
@@ -1778,7 +1794,7 @@ __device__ __forceinline__ void expert_stream_body(const unsigned char* __restri
     for (int i = 0; i < 4; ++i) kc[i] = skq_consts[i];
     for (int li = 0; st_live(L, w, units, hi); ++li, st_next(L, w, units)) {
         const int slot = li % slots;
-        const unsigned full = bar0 + 16 * slot, empty = full + 8;
+        const unsigned full = bar0 + 8 * slot;
         const int e = L.e[w.k];
         const int rbase = L.r0[w.k] + w.pass * ST_PASS;
         const int rn = min(ST_PASS, L.r1[w.k] - rbase);
@@ -1809,7 +1825,7 @@ __device__ __forceinline__ void expert_stream_body(const unsigned char* __restri
             st_slice<2>(wt, pitch, b0, b1, xq2, xoff, n_tiles, kc, acc);
         else
             st_slice<4>(wt, pitch, b0, b1, xq2, xoff, n_tiles, kc, acc);
-        float* sred = red + slot * ST_RED;
+        float* sred = red + (li % (2 * slots)) * ST_RED;
 #pragma unroll
         for (int j = 0; j < ST_TILES; ++j) {
             if (j >= n_tiles) continue;
@@ -1820,12 +1836,16 @@ __device__ __forceinline__ void expert_stream_body(const unsigned char* __restri
         int last = 0;
         if (lane == 0) {
             __threadfence_block();
-            last = atomicAdd(cnt + slot, 1) == ST_WARPS - 1;
+            // A count that only grows: the slot's uses need no reset between them.
+            last = (atomicAdd(cnt + slot, 1) + 1) % ST_WARPS == 0;
             __threadfence_block();
         }
         last = __shfl_sync(0xffffffffu, last, 0);
         __syncwarp();  // orders lane 0's acquire before the other lanes' reads of the partials
         if (last) {
+            if (st_live(L, ahead, units, hi))
+                st_issue<BULK>(L, ahead, Wa, Wb, Sa, Sb, swiglu, mat, row_bytes, outs, unit_rows,
+                               n_out, pitch, ring + slot * (unsigned)slot_bytes, full);
             const int o0 = w.unit * outs;
             float* yo = e < 0 ? y_sh : y;
             for (int m = 0; m < mt_n; ++m) {
@@ -1855,18 +1875,17 @@ __device__ __forceinline__ void expert_stream_body(const unsigned char* __restri
                     }
                 }
             }
-            if (lane == 0) cnt[slot] = 0;
-            __syncwarp();
         }
-        if (lane == 0) st_mbar_arrive(empty);
+        if (st_live(L, ahead, units, hi)) st_next(L, ahead, units);
     }
+    // A block's cp.async copies all complete before it exits (each was waited for).
 }
 
-// Two a multiprocessor: __maxnreg__(112), as the launch bounds for two blocks of 288 threads
-// gave ptxas 96 registers and spills. _bulk: one bulk copy a weight row (compute capability
-// 9.0); the other: 16-byte cp.async copies by the copying warp's lanes.
+// Two a multiprocessor (256 threads of at most 128 registers: ptxas needs ~110).
+// _bulk: one bulk copy a weight row (compute capability 9.0); the other: 16-byte cp.async
+// copies by the issuing warp's lanes.
 #define EXPERT_STREAM(NAME, BULK)                                                                 \
-    extern "C" __global__ void __maxnreg__(112) NAME(                                             \
+    extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 2) NAME(                          \
         const unsigned char* __restrict__ Wa, const unsigned char* __restrict__ Wb,               \
         const uint4* __restrict__ xh, const float* __restrict__ sx,                               \
         const int* __restrict__ offsets, const int* __restrict__ route_token,                     \

@@ -282,9 +282,9 @@ pub(crate) enum SkinnyPath {
     /// (`expert_skinny_iq4_qs`, four blocks a multiprocessor).
     IntStaged,
     /// The integer path's arithmetic streamed (`expert_stream_iq4_q`, compute capability 9.0
-    /// and later): persistent blocks whose copying warp moves whole weight rows into a ring
-    /// (`_bulk`: by bulk copies, else by 16-byte copies of its lanes), consumer warps taking K
-    /// slices of up to 16 routes a pass.
+    /// and later): persistent blocks moving whole weight rows into a ring (`_bulk`: by bulk
+    /// copies, else by 16-byte copies of a warp's lanes), the warps taking K slices of up to 16
+    /// routes a pass.
     IntStream { bulk: bool },
 }
 
@@ -320,8 +320,8 @@ impl SkinnyPath {
 /// Warps a skinny block has: `kw` of them share a row tile's K, so a block covers 4/kw tiles.
 const SK_WARPS: usize = 4;
 
-/// The streamed kernel's consumer warps (`ST_WARPS`), its ring's slots, the floats of a
-/// slot's partial sums (`ST_RED`) and the entries of its expert list (`ST_ENTRIES`: the routed
+/// The streamed kernel's warps (`ST_WARPS`), its ring's slots, the floats of a use of a
+/// slot's partial sums (`ST_RED`, two areas a slot) and the entries of its expert list (`ST_ENTRIES`: the routed
 /// experts a launch may have, plus the shared one).
 const ST_WARPS: usize = 8;
 const ST_SLOTS: usize = 2;
@@ -350,7 +350,10 @@ fn stream_pitch(n_in: usize) -> usize {
 }
 
 fn stream_smem_with(mt: usize, pitch: usize) -> usize {
-    ST_SLOTS * 16 * mt * pitch + ST_SLOTS * (ST_RED * 4 + 16 + 4) + (4 * ST_ENTRIES + 2) * 4
+    ST_SLOTS * 16 * mt * pitch
+        + 2 * ST_SLOTS * ST_RED * 4
+        + ST_SLOTS * (8 + 4)
+        + (4 * ST_ENTRIES + 2) * 4
 }
 
 /// The streamed kernel's m16 tiles a unit and staged row bytes: SwiGLU one (8 outputs' gate
@@ -367,8 +370,8 @@ pub(crate) fn stream_unit(n_in: usize, swiglu: bool) -> Option<(usize, usize)> {
         .map(|mt| (mt, pitch))
 }
 
-/// Dynamic shared memory of one streamed block: the ring, the partial sums, two barriers and a
-/// counter a slot, the expert list.
+/// Dynamic shared memory of one streamed block: the ring, two areas of partial sums, a barrier
+/// and a counter a slot, the expert list.
 #[cfg(test)]
 pub(crate) fn stream_smem_bytes(n_in: usize, swiglu: bool) -> Option<usize> {
     stream_unit(n_in, swiglu).map(|(mt, pitch)| stream_smem_with(mt, pitch))
@@ -707,7 +710,7 @@ pub(crate) unsafe fn launch_expert_skinny(
             ctx.device
                 .launch(&kern)
                 .grid(grid as u32)
-                .block((32 * (ST_WARPS + 1)) as u32)
+                .block((32 * ST_WARPS) as u32)
                 .shared_mem(smem as u32)
                 .arg(wa)
                 .arg(wb.unwrap_or(0))
