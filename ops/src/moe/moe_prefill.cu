@@ -1513,11 +1513,6 @@ __device__ __forceinline__ void st_mbar_expect(unsigned bar, unsigned bytes) {
                  : "memory");
 #endif
 }
-__device__ __forceinline__ void st_mbar_arrive(unsigned bar) {
-#if ST_BULK
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-#endif
-}
 __device__ __forceinline__ void st_mbar_wait(unsigned bar, unsigned parity) {
 #if ST_BULK
     asm volatile(
