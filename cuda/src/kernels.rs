@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsString};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::sys::CUfunction_attribute;
@@ -147,6 +147,8 @@ pub struct Kernel {
     source_name: Arc<str>,
     func: CudaFunction,
     dynamic_smem_limit: Arc<AtomicU32>,
+    /// Whether the preferred carveout was already set to the most shared memory.
+    carveout_max_shared: Arc<AtomicBool>,
     /// The function's static shared memory in bytes (read once, when it is loaded).
     static_smem: u32,
 }
@@ -210,6 +212,33 @@ impl Kernel {
         self.dynamic_smem_limit.fetch_max(bytes, Ordering::Relaxed);
         Ok(())
     }
+
+    /// Asks the driver to give shared memory the whole unified L1/shared array when it runs
+    /// this kernel. Without the hint the driver sizes the carveout for the blocks that other
+    /// limits (registers) let in, so a kernel planned for two large blocks a multiprocessor
+    /// may get room for one. Once per kernel; not a stream operation (allowed in capture).
+    pub fn prefer_most_shared_memory(&self) -> Result<(), CudaError> {
+        if self.carveout_max_shared.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        // SAFETY: the function handle is alive (held by self.func's module).
+        unsafe {
+            cudarc::driver::result::function::set_function_attribute(
+                self.func.cu_function(),
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+        }
+        .map_err(|source| CudaError::Launch {
+            kernel: self.name.to_string(),
+            grid: (0, 0, 0),
+            block: (0, 0, 0),
+            shared_mem: 0,
+            source,
+        })?;
+        self.carveout_max_shared.store(true, Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 /// A compiled and loaded kernel source; hands out its [`Kernel`]s by name.
@@ -263,6 +292,7 @@ impl Module {
             source_name: self.source_name.clone(),
             func,
             dynamic_smem_limit: Arc::new(AtomicU32::new(0)),
+            carveout_max_shared: Arc::new(AtomicBool::new(false)),
             static_smem: u32::try_from(static_smem).unwrap_or(0),
         };
         kernels.insert(name.to_string(), kernel.clone());

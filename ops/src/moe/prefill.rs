@@ -703,6 +703,7 @@ pub(crate) unsafe fn launch_expert_skinny(
             .max(1);
         let (name, _) = path.kernel(1);
         let kern = ctx.kernel("moe_prefill.cu", MOE_PREFILL_CU, &name)?;
+        kern.prefer_most_shared_memory().map_err(dev_err)?;
         // SAFETY: the argument list matches expert_stream_iq4_q; the caller guarantees the
         // buffers, xh and sx were written above, and the kernel bounds every route, token and
         // row index by the sizes passed.
