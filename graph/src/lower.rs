@@ -174,12 +174,13 @@ pub struct LoweringOptions {
     pub expert_int_staged_down_routes_an_expert: usize,
     /// Routes from which the skinny expert products (integer or f16 path alike) take the
     /// streamed integer kernel (`ExpertKernel::SkinnyIntStream`) on compute capability 9.0 and
-    /// later (0: never): persistent blocks, a copying warp keeping whole weight rows in
-    /// flight, up to 16 routes an expert decoded at once. Off: on an H100 it decoded 8 to 128
-    /// sequences at 0.48–0.73× the skinny kernels' rate (bench/RESULTS.md 2026-12-07 (g)).
+    /// later (0: never): persistent blocks two a multiprocessor, whole weight rows in flight
+    /// through a two-slot ring, up to 16 routes an expert decoded at once. Off: on an H100 its
+    /// products took 1.4–2.2× the integer skinny kernel's time at 8 to 128 tokens, its inputs'
+    /// loads missing L1 (bench/RESULTS.md 2026-12-07 (i)).
     pub expert_int_stream_min_routes: usize,
-    /// The streamed kernel's copying warp moves a weight row by one bulk copy (`true`, the one
-    /// measured on a card so far: bench/RESULTS.md 2026-12-07 (g)) rather than by its lanes'
+    /// The streamed kernel moves a weight row by one bulk copy (`true`; 1.1–1.6× faster than
+    /// the other form on an H100, bench/RESULTS.md 2026-12-07 (i)) rather than by a warp's
     /// 16-byte copies.
     pub expert_int_stream_bulk: bool,
     /// Tokens from which the router's logits are a tiled GEMM (64-token tiles over 256-input

@@ -133,7 +133,7 @@ pub struct LoweringArgs {
     #[arg(long, value_name = "N")]
     pub expert_int_stream_min_routes: Option<usize>,
     /// The streamed expert kernel moves weight rows by bulk copies, one a row (`true`, the
-    /// default), or by its copying warp's 16-byte copies (`false`).
+    /// default), or by a warp's 16-byte copies (`false`).
     #[arg(long, value_name = "BOOL")]
     pub expert_int_stream_bulk: Option<bool>,
 }
