@@ -194,21 +194,11 @@ impl Kernel {
                 self.name
             ),
         })?;
-        // SAFETY: the function handle is alive (held by self.func's module).
-        unsafe {
-            cudarc::driver::result::function::set_function_attribute(
-                self.func.cu_function(),
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                value,
-            )
-        }
-        .map_err(|source| CudaError::Launch {
-            kernel: self.name.to_string(),
-            grid: (0, 0, 0),
-            block: (0, 0, 0),
-            shared_mem: bytes,
-            source,
-        })?;
+        self.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            value,
+            bytes,
+        )?;
         self.dynamic_smem_limit.fetch_max(bytes, Ordering::Relaxed);
         Ok(())
     }
@@ -221,23 +211,38 @@ impl Kernel {
         if self.carveout_max_shared.load(Ordering::Relaxed) {
             return Ok(());
         }
+        self.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+            0,
+        )?;
+        self.carveout_max_shared.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sets a function attribute; a refusal is reported as this kernel's launch error with
+    /// the shared memory that asked for it.
+    fn set_attribute(
+        &self,
+        attribute: CUfunction_attribute,
+        value: i32,
+        shared_mem: u32,
+    ) -> Result<(), CudaError> {
         // SAFETY: the function handle is alive (held by self.func's module).
         unsafe {
             cudarc::driver::result::function::set_function_attribute(
                 self.func.cu_function(),
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                100,
+                attribute,
+                value,
             )
         }
         .map_err(|source| CudaError::Launch {
             kernel: self.name.to_string(),
             grid: (0, 0, 0),
             block: (0, 0, 0),
-            shared_mem: 0,
+            shared_mem,
             source,
-        })?;
-        self.carveout_max_shared.store(true, Ordering::Relaxed);
-        Ok(())
+        })
     }
 }
 
